@@ -1,0 +1,75 @@
+"""explain_core: plugin-based explainability for PyTorch.
+
+Quickstart::
+
+    from explain_core import explain
+    result = explain(model.eval(), images, method="input_x_gradient", target=labels)
+    result.attribution  # same shape as images
+
+Importing this package loads torch and the core interfaces only; plugins are loaded on first use
+and optional dependencies (onnx, networkx, graphviz) only by the features that need them.
+"""
+
+from explain_core.api import Explainer, explain, quantus_explain
+from explain_core.attribution import Attribution
+from explain_core.errors import (
+    DuplicateMethodError,
+    ExplainError,
+    InvalidInputError,
+    ModelLoadError,
+    ModelStateError,
+    UnknownMethodError,
+)
+from explain_core.hookspecs import hookimpl
+from explain_core.interfaces import (
+    Canonizer,
+    Composite,
+    Contributions,
+    DynamicLinear,
+    RoutingEvent,
+    RoutingLayer,
+    RoutingRecording,
+    Rule,
+    RuleCall,
+    dynamic_linear_contributions,
+    explanation_mode,
+    record_routing,
+)
+from explain_core.model_guard import ModelGuard
+from explain_core.plugin_manager import get_plugin_manager, get_registry, package_version
+from explain_core.registry import Method, MethodResult, MethodSpec
+
+__version__ = package_version()
+
+__all__ = [
+    "Attribution",
+    "Canonizer",
+    "Composite",
+    "Contributions",
+    "DuplicateMethodError",
+    "DynamicLinear",
+    "ExplainError",
+    "Explainer",
+    "InvalidInputError",
+    "Method",
+    "MethodResult",
+    "MethodSpec",
+    "ModelGuard",
+    "ModelLoadError",
+    "ModelStateError",
+    "RoutingEvent",
+    "RoutingLayer",
+    "RoutingRecording",
+    "Rule",
+    "RuleCall",
+    "UnknownMethodError",
+    "__version__",
+    "dynamic_linear_contributions",
+    "explain",
+    "explanation_mode",
+    "get_plugin_manager",
+    "get_registry",
+    "hookimpl",
+    "quantus_explain",
+    "record_routing",
+]

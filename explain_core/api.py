@@ -1,0 +1,216 @@
+"""The entry points users call: :func:`explain`, :class:`Explainer` and a Quantus adapter."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from explain_core.attribution import Attribution
+from explain_core.errors import InvalidInputError
+from explain_core.model_guard import ModelGuard, require_eval_mode
+from explain_core.plugin_manager import get_registry
+from explain_core.targets import TargetLike, normalize_target
+
+
+def explain(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    method: str,
+    target: TargetLike = None,
+    *,
+    baselines: torch.Tensor | float | None = None,
+    **options: Any,
+) -> Attribution:
+    """Explain ``model`` at ``inputs`` with a registered method.
+
+    The model must be in eval mode. It is left exactly as it was: outputs, parameters, buffers,
+    hooks and attributes, also when the method raises.
+
+    Args:
+        model: Any ``nn.Module`` returning ``(batch, n_outputs)`` scores.
+        inputs: ``(batch, ...)`` floating-point inputs on the model's device.
+        method: Registered method name, e.g. ``"gradient"``; see ``explain plugins``.
+        target: Output to explain: ``None`` (predicted class), one int, or one int per sample.
+        baselines: Reference input(s) for methods that use them (a tensor broadcastable to
+            ``inputs``, or a number).
+        **options: Method options, e.g. ``steps=20``.
+
+    Returns:
+        The attribution with method name, targets, outputs and delta.
+
+    Raises:
+        UnknownMethodError: If no plugin registers ``method`` (closest names are suggested).
+        InvalidInputError: For inputs, targets, baselines or options that do not fit.
+        ModelStateError: If the model is in training mode.
+    """
+    if not isinstance(method, str):
+        raise InvalidInputError(
+            f"method must be a registered name such as 'gradient'; got {type(method).__name__}. "
+            "Call explain(model, inputs, method, target)."
+        )
+    spec = get_registry()[method]
+    engine = spec.create(**options)
+    inputs = _check_inputs(inputs, model)
+    reference = _check_baselines(baselines, inputs, method, engine.uses_baselines)
+    target_tensor = normalize_target(target, inputs.shape[0], inputs.device)
+    require_eval_mode(model)
+    with ModelGuard(model):
+        result = engine.attribute(model, inputs, target_tensor, reference)
+    return Attribution(
+        attribution=result.attribution,
+        method=method,
+        target=result.target,
+        output=result.output,
+        delta=result.delta,
+        extras=result.extras,
+    )
+
+
+class Explainer:
+    """A Captum-style explainer: ``Explainer(model, "gradient").attribute(inputs, target=...)``.
+
+    Code written for Captum attribution classes (and tools calling them, such as the Quantus
+    metrics toolkit) can use any registered method through this class.
+
+    Args:
+        model: The model to explain (the ``forward_func`` in Captum's terms).
+        method: Registered method name.
+        **options: Method options, fixed for every call.
+    """
+
+    def __init__(self, model: nn.Module, method: str, **options: Any) -> None:
+        get_registry()[method].create(**options)  # fail early on unknown names and options
+        self.model = model
+        self.method = method
+        self.options = options
+
+    def attribute(
+        self,
+        inputs: torch.Tensor | tuple[torch.Tensor],
+        target: TargetLike = None,
+        baselines: torch.Tensor | float | tuple[torch.Tensor] | None = None,
+        *,
+        return_convergence_delta: bool = False,
+        additional_forward_args: Any = None,
+    ) -> Any:
+        """Attribute like Captum: returns a tensor shaped like ``inputs`` (and the delta).
+
+        Args:
+            inputs: A tensor, or a 1-tuple holding one (returned as a 1-tuple too).
+            target: ``None``, one int, or one int per sample.
+            baselines: Reference input for methods that use one.
+            return_convergence_delta: Also return the per-sample delta.
+            additional_forward_args: Not supported; must be ``None``.
+
+        Returns:
+            The attribution, or ``(attribution, delta)`` when ``return_convergence_delta``.
+
+        Raises:
+            InvalidInputError: If the delta is requested but the method defines none, or
+                ``additional_forward_args`` is given.
+        """
+        if additional_forward_args is not None:
+            raise InvalidInputError(
+                "additional_forward_args is not supported; wrap the model in a module whose "
+                "forward takes only the inputs"
+            )
+        as_tuple = isinstance(inputs, tuple)
+        tensor = _single_tensor(inputs, "inputs")
+        if isinstance(baselines, tuple):
+            baselines = _single_tensor(baselines, "baselines")
+        result = explain(
+            self.model, tensor, self.method, target, baselines=baselines, **self.options
+        )
+        attribution = (result.attribution,) if as_tuple else result.attribution
+        if not return_convergence_delta:
+            return attribution
+        if result.delta is None:
+            raise InvalidInputError(f"method {self.method!r} defines no convergence delta")
+        return attribution, result.delta
+
+    def explain(
+        self, inputs: torch.Tensor, target: TargetLike = None, **kwargs: Any
+    ) -> Attribution:
+        """Like :func:`explain` with this explainer's model, method and options."""
+        return explain(self.model, inputs, self.method, target, **self.options, **kwargs)
+
+
+def quantus_explain(
+    model: nn.Module,
+    inputs: np.ndarray | torch.Tensor,
+    targets: np.ndarray | torch.Tensor | int,
+    *,
+    method: str,
+    device: str | torch.device | None = None,
+    **options: Any,
+) -> np.ndarray:
+    """An ``explain_func`` for the Quantus metrics toolkit (NumPy in, NumPy out).
+
+    Pass it as ``explain_func=quantus_explain`` with
+    ``explain_func_kwargs={"method": "gradient"}``.
+    """
+    device = torch.device(device) if device is not None else _model_device(model)
+    x = torch.as_tensor(np.asarray(inputs), dtype=torch.float32, device=device)
+    result = explain(model, x, method, np.asarray(targets), **options)
+    return result.attribution.detach().cpu().numpy()
+
+
+def _single_tensor(value: Any, what: str) -> torch.Tensor:
+    if isinstance(value, tuple):
+        if len(value) != 1:
+            raise InvalidInputError(
+                f"{what} must be one tensor (or a 1-tuple); got a tuple of {len(value)}. Models "
+                "with several inputs are not supported yet: wrap them in a single-input module."
+            )
+        value = value[0]
+    return value
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _check_inputs(inputs: Any, model: nn.Module) -> torch.Tensor:
+    if not isinstance(inputs, torch.Tensor):
+        raise InvalidInputError(
+            f"inputs must be a torch.Tensor of shape (batch, ...); got {type(inputs).__name__}"
+        )
+    if inputs.dim() < 2:
+        raise InvalidInputError(
+            f"inputs need a batch axis: shape (batch, ...); got {tuple(inputs.shape)}. "
+            "Use inputs[None] for a single sample."
+        )
+    if not inputs.is_floating_point():
+        raise InvalidInputError(f"inputs must be floating point; got dtype {inputs.dtype}")
+    if not torch.isfinite(inputs).all():
+        raise InvalidInputError("inputs contain NaN or infinite values")
+    device = _model_device(model)
+    if inputs.device != device:
+        raise InvalidInputError(
+            f"inputs are on {inputs.device} but the model is on {device}; move one of them"
+        )
+    return inputs.detach()
+
+
+def _check_baselines(
+    baselines: torch.Tensor | float | None, inputs: torch.Tensor, method: str, used: bool
+) -> torch.Tensor | None:
+    if baselines is None:
+        return None
+    if not used:
+        raise InvalidInputError(f"method {method!r} takes no baselines; leave baselines=None")
+    reference = torch.as_tensor(baselines, dtype=inputs.dtype, device=inputs.device)
+    try:
+        reference = torch.broadcast_to(reference, inputs.shape)
+    except RuntimeError:
+        raise InvalidInputError(
+            f"baselines of shape {tuple(reference.shape)} do not broadcast to the inputs' shape "
+            f"{tuple(inputs.shape)}"
+        ) from None
+    if not torch.isfinite(reference).all():
+        raise InvalidInputError("baselines contain NaN or infinite values")
+    return reference.detach()

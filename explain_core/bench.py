@@ -1,0 +1,117 @@
+"""Conventions shared by the scripts in ``benchmarks/``.
+
+Each script times its candidates within one run, reports medians and ratios (the machines are
+shared and noisy, so absolute times are only context), prints a table and writes
+``benchmarks/results/<name>.json`` with the machine it ran on. ``benchmarks/render_results.py``
+turns those files into the README's results section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def machine_info() -> dict[str, Any]:
+    """The machine and software a result was measured on."""
+    info: dict[str, Any] = {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+    return info
+
+
+def median_seconds(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table of ``rows`` (dicts with the same keys); floats get 4 significant digits."""
+    if not rows:
+        return "(no rows)"
+    columns = list(rows[0])
+    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for row in rows:
+        cells = [f"{v:.4g}" if isinstance(v, float) else str(v) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(
+    name: str,
+    rows: Sequence[dict[str, Any]],
+    *,
+    title: str,
+    command: str,
+    notes: str = "",
+    folder: Path | None = None,
+) -> Path:
+    """Print the table and write ``<folder>/<name>.json`` (default ``benchmarks/results``).
+
+    Args:
+        name: File stem, e.g. ``"explain_overhead"``.
+        rows: Table rows, one dict per measured case.
+        title: Heading for the README.
+        command: The command that reproduces the result.
+        notes: What the numbers mean (goal, caveats).
+        folder: Results folder.
+
+    Returns:
+        The JSON path.
+    """
+    folder = folder or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    folder.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "title": title,
+        "command": command,
+        "notes": notes,
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "rows": list(rows),
+    }
+    path = folder / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    print(f"## {title}\n\n{format_table(rows)}\n\nwritten to {path}")
+    return path
+
+
+def render_results(folder: Path) -> str:
+    """Markdown for every results file in ``folder``, sorted by name."""
+    parts = []
+    for path in sorted(folder.glob("*.json")):
+        payload = json.loads(path.read_text(encoding="utf-8"))
+        machine = payload["machine"]
+        parts += [
+            f"### {payload['title']}",
+            "",
+            format_table(payload["rows"]),
+            "",
+            f"{payload['notes']} Measured {payload['measured_at'][:10]} on "
+            f"{machine['cpu_count']} CPU cores (torch {machine['torch']}"
+            f"{', ' + machine['cuda'] if machine.get('cuda') else ''}); reproduce with "
+            f"`{payload['command']}`.".strip(),
+            "",
+        ]
+    return "\n".join(parts).rstrip() + "\n"

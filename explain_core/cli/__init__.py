@@ -1,0 +1,90 @@
+"""The ``explain`` command line: ``explain --help`` lists the subcommands.
+
+Errors a user can fix end with one line on stderr and exit status 1 (2 for bad usage); a
+traceback appears only with ``--debug``. Nothing is loaded before it is needed, so ``--help``
+works even when an installed plugin is broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from explain_core.cli import attribute, demo, plugins
+from explain_core.errors import ExplainError
+
+PROGRAM = "explain"
+COMMANDS = (plugins, demo, attribute)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _SubcommandParser(_Parser):
+    """Subcommand parser that also accepts ``--debug`` after the subcommand."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks"
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser with every subcommand."""
+    parser = _Parser(
+        prog=PROGRAM,
+        description="Explain PyTorch models with plugin-provided methods, and check the "
+        "explanations.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    subparsers = parser.add_subparsers(
+        dest="command", metavar="COMMAND", parser_class=_SubcommandParser
+    )
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        from explain_core.plugin_manager import package_version
+
+        print(f"{PROGRAM} {package_version()}")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 0
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning
+        try:
+            return int(args.run(args) or 0)
+        except KeyboardInterrupt:
+            print(f"{PROGRAM}: interrupted", file=sys.stderr)
+            return 130
+        except (ExplainError, OSError) as error:
+            if args.debug:
+                raise
+            print(f"{PROGRAM}: error: {_describe(error)}", file=sys.stderr)
+            return 1
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.filename:
+        return f"{error.strerror or error} ({error.filename})"
+    return " ".join(str(error).split())
+
+
+def _one_line_warning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    print(f"{PROGRAM}: warning: {' '.join(str(message).split())}", file=sys.stderr)

@@ -1,0 +1,57 @@
+"""Exceptions raised for user-facing problems.
+
+Every error here carries a message that says what was expected, what was got and what to do. The
+CLI prints such errors as one line; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class ExplainError(Exception):
+    """Base class of the errors a user can fix (bad input, missing plugin, bad file)."""
+
+
+class UnknownMethodError(ExplainError, KeyError):
+    """A method name that no loaded plugin registers."""
+
+    def __init__(self, name: str, known: Iterable[str]) -> None:
+        known = sorted(known)
+        close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
+        if not close:
+            # Fall back to names sharing the family prefix or containing the query.
+            close = [k for k in known if name.split(".")[0] in k or name in k][:3]
+        hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+        message = (
+            f"unknown method {name!r}; {hint}"
+            f"run `explain plugins` to list the {len(known)} registered methods"
+        )
+        super().__init__(message)
+        self.name = name
+        self.suggestions = close
+
+    def __str__(self) -> str:
+        # KeyError would otherwise print the message with quotes around it.
+        return str(self.args[0])
+
+
+class DuplicateMethodError(ExplainError):
+    """Two plugins register the same method name."""
+
+
+class PluginLoadError(ExplainError):
+    """A plugin could not be imported or registered."""
+
+
+class InvalidInputError(ExplainError, ValueError):
+    """Inputs, targets or options that do not fit the model or method."""
+
+
+class ModelStateError(ExplainError):
+    """The model is in a state in which attribution would be meaningless or would change it."""
+
+
+class ModelLoadError(ExplainError):
+    """A model reference or weights file that cannot be loaded safely."""

@@ -1,0 +1,281 @@
+"""Relevance rules: how a modified backward signal passes through individual modules.
+
+A :class:`Rule` replaces a module's backward pass: given the signal arriving at the module's
+output, it returns the signal for each tensor input. A :class:`Composite` maps modules (by type,
+qualified name or predicate) to rules and, inside :meth:`Composite.context`, applies its
+canonizers and attaches the rules with hooks. Leaving the context removes every hook and undoes
+every canonizer, also when an exception is raised.
+
+Each forward call of a ruled module gets its own :class:`RuleCall` record, held only by the
+autograd graph, so nothing outlives the graph and a module called twice never overwrites the
+tensors of its first call. Reuse is still refused by default, because most relevance methods
+(e.g. those storing statistics per layer) assume one call per module.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import fnmatch
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from explain_core.errors import InvalidInputError
+
+Predicate = Callable[[str, nn.Module], bool]
+
+# True while a rule's backward runs: rules typically re-run their module (with modified
+# parameters) to differentiate it, and those calls must not be wrapped again.
+_RULES_SUSPENDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "explain_rules_suspended", default=False
+)
+Matcher = type[nn.Module] | tuple[type[nn.Module], ...] | str | Predicate
+
+
+@dataclass
+class RuleCall:
+    """One forward call of a module with a rule attached.
+
+    Attributes:
+        module: The module that was called.
+        name: Its qualified name inside the model (``""`` for the root).
+        inputs: The tensor inputs of the call, detached.
+        output: The output of the call, detached.
+        state: Whatever :meth:`Rule.forward` returned for this call.
+    """
+
+    module: nn.Module
+    name: str
+    inputs: tuple[torch.Tensor, ...]
+    output: torch.Tensor
+    state: Any = None
+    grad_output: torch.Tensor | None = field(default=None, repr=False)
+
+
+class Rule(ABC):
+    """How relevance passes backwards through one module.
+
+    Rules are small, stateless objects; a single instance may serve many modules. Per-call data
+    belongs in the :class:`RuleCall` record (see :meth:`forward`).
+    """
+
+    def forward(self, call: RuleCall) -> Any:
+        """Compute per-call state during the forward pass (optional; stored as ``call.state``)."""
+        return None
+
+    @abstractmethod
+    def backward(
+        self, call: RuleCall, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        """Return the backward signal for each tensor input of the call.
+
+        Args:
+            call: The forward call being propagated through.
+            grad_output: Signal arriving at the module's output, shaped like ``call.output``.
+
+        Returns:
+            One tensor (shaped like the input) or ``None`` per entry of ``call.inputs``.
+        """
+
+
+class Canonizer(ABC):
+    """A temporary rewrite of a model that makes rules applicable (e.g. merging BatchNorm)."""
+
+    @abstractmethod
+    def apply(self, model: nn.Module) -> Callable[[], None]:
+        """Rewrite ``model`` in place and return a function that restores it exactly."""
+
+
+@dataclass(frozen=True)
+class RuleMapping:
+    """One entry of a composite: modules matching ``matcher`` get ``rule``."""
+
+    matcher: Matcher
+    rule: Rule
+
+    def matches(self, name: str, module: nn.Module) -> bool:
+        """Whether the module at ``name`` is matched by this entry."""
+        matcher = self.matcher
+        if isinstance(matcher, str):
+            return fnmatch.fnmatchcase(name, matcher)
+        if isinstance(matcher, type) or (
+            isinstance(matcher, tuple) and all(isinstance(t, type) for t in matcher)
+        ):
+            return isinstance(module, matcher)
+        return bool(matcher(name, module))
+
+
+class Composite:
+    """Maps the modules of a model to rules; the first matching entry wins.
+
+    Args:
+        mapping: ``(matcher, rule)`` pairs. A matcher is a module type (or tuple of types), a
+            glob over qualified module names (``"features.*"``), or a predicate
+            ``(name, module) -> bool``.
+        canonizers: Applied in order before rules are attached, undone in reverse order.
+        allow_reuse: Allow a ruled module to be called more than once per forward pass.
+        unmapped: What to do with a leaf module that no entry matches and that is not in
+            ``passthrough``: ``"pass"`` lets the ordinary gradient through it, ``"error"`` raises.
+        passthrough: Leaf module types that need no rule (e.g. activations handled by the
+            gradient), consulted only when ``unmapped="error"``.
+    """
+
+    def __init__(
+        self,
+        mapping: Sequence[tuple[Matcher, Rule]],
+        *,
+        canonizers: Sequence[Canonizer] = (),
+        allow_reuse: bool = False,
+        unmapped: Literal["pass", "error"] = "pass",
+        passthrough: tuple[type[nn.Module], ...] = (),
+    ) -> None:
+        if unmapped not in ("pass", "error"):
+            raise ValueError(f"unmapped must be 'pass' or 'error'; got {unmapped!r}")
+        self.mapping = [RuleMapping(matcher, rule) for matcher, rule in mapping]
+        self.canonizers = list(canonizers)
+        self.allow_reuse = allow_reuse
+        self.unmapped = unmapped
+        self.passthrough = passthrough
+
+    def rule_for(self, name: str, module: nn.Module) -> Rule | None:
+        """The rule for one module, or ``None`` if no entry matches."""
+        for entry in self.mapping:
+            if entry.matches(name, module):
+                return entry.rule
+        return None
+
+    def assignments(self, model: nn.Module) -> dict[str, Rule]:
+        """Qualified module name → rule, for every module the composite maps.
+
+        Raises:
+            InvalidInputError: If ``unmapped="error"`` and a leaf module has no rule.
+        """
+        assigned: dict[str, Rule] = {}
+        for name, module in model.named_modules():
+            rule = self.rule_for(name, module)
+            if rule is not None:
+                assigned[name] = rule
+            elif (
+                self.unmapped == "error"
+                and _is_leaf(module)
+                and not isinstance(module, self.passthrough)
+            ):
+                raise InvalidInputError(
+                    f"no rule for module {name or '<root>'!r} of type {type(module).__name__}; "
+                    f"add an entry for it to the composite, e.g. ({type(module).__name__}, "
+                    "SomeRule()), or list the type in passthrough"
+                )
+        return assigned
+
+    @contextmanager
+    def context(self, model: nn.Module) -> Iterator[nn.Module]:
+        """Apply canonizers and attach rules for the duration of the block.
+
+        Yields:
+            The same model, rewritten by the canonizers and with rules attached.
+        """
+        with ExitStack() as stack:
+            for canonizer in self.canonizers:
+                stack.callback(canonizer.apply(model))
+            calls_this_pass: dict[str, int] = {}
+            handles = [model.register_forward_pre_hook(lambda *_: calls_this_pass.clear())]
+            stack.callback(lambda: [h.remove() for h in handles])
+            for name, rule in self.assignments(model).items():
+                module = model.get_submodule(name) if name else model
+                hooks = _RuleHooks(name, rule, calls_this_pass, self.allow_reuse)
+                handles.append(module.register_forward_pre_hook(hooks.before))
+                handles.append(module.register_forward_hook(hooks.after))
+            yield model
+
+
+def _is_leaf(module: nn.Module) -> bool:
+    return next(module.children(), None) is None
+
+
+class _RuleHooks:
+    """The forward pre-hook and hook that wrap one module's inputs and output for its rule."""
+
+    def __init__(self, name: str, rule: Rule, calls: dict[str, int], allow_reuse: bool) -> None:
+        self.name = name
+        self.rule = rule
+        self.calls = calls
+        self.allow_reuse = allow_reuse
+        self.pending: list[RuleCall] = []
+
+    def before(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if _RULES_SUSPENDED.get():
+            return None
+        count = self.calls[self.name] = self.calls.get(self.name, 0) + 1
+        if count > 1 and not self.allow_reuse:
+            raise InvalidInputError(
+                f"module {self.name or '<root>'!r} ({type(module).__name__}) is called more than "
+                "once in one forward pass; give each use its own module instance, or build the "
+                "composite with allow_reuse=True if its rules support that"
+            )
+        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        call = RuleCall(module, self.name, tuple(t.detach() for t in tensors), torch.empty(0))
+        self.pending.append(call)
+        wrapped = iter(_RuleEntry.apply(self.rule, call, *tensors) if tensors else ())
+        return tuple(next(wrapped) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> torch.Tensor | None:
+        if _RULES_SUSPENDED.get():
+            return None
+        call = self.pending.pop()
+        if not isinstance(output, torch.Tensor):
+            raise InvalidInputError(
+                f"module {self.name or '<root>'!r} ({type(module).__name__}) returns "
+                f"{type(output).__name__}; relevance rules need modules that return one tensor"
+            )
+        call.output = output.detach()
+        call.state = self.rule.forward(call)
+        return _RuleExit.apply(call, output)
+
+
+class _RuleEntry(torch.autograd.Function):
+    """Identity on a module's inputs whose backward calls the rule instead of the gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, rule: Rule, call: RuleCall, *inputs: torch.Tensor) -> Any:
+        ctx.rule = rule
+        ctx.call = call
+        # Clones keep in-place modules (ReLU(inplace=True)) from altering the recorded inputs.
+        return tuple(t.clone() for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rule: Rule = ctx.rule
+        call: RuleCall = ctx.call
+        if call.grad_output is None:  # the module's output never reached what is differentiated
+            return (None, None, *grads)
+        token = _RULES_SUSPENDED.set(True)
+        try:
+            with torch.enable_grad():
+                results = tuple(rule.backward(call, call.grad_output))
+        finally:
+            _RULES_SUSPENDED.reset(token)
+        if len(results) != len(call.inputs):
+            raise RuntimeError(
+                f"{type(rule).__name__}.backward returned {len(results)} tensors for the "
+                f"{len(call.inputs)} tensor inputs of module {call.name or '<root>'!r}"
+            )
+        return (None, None, *results)
+
+
+class _RuleExit(torch.autograd.Function):
+    """Identity on a module's output that hands the arriving signal to the call's record."""
+
+    @staticmethod
+    def forward(ctx: Any, call: RuleCall, output: torch.Tensor) -> torch.Tensor:
+        ctx.call = call
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.call.grad_output = grad_output
+        return None, grad_output

@@ -1,0 +1,213 @@
+"""Routing layers: capsule layers whose coupling coefficients can be recorded.
+
+A routing layer computes coupling coefficients ``c_ij`` between its ``n_in`` input capsules and
+``n_out`` output capsules. Inside :func:`record_routing` every forward pass of every routing layer
+hands its final couplings and capsule activations to the recording; outside it, layers keep no
+reference to them. When the context closes, the recording is emptied, so nothing from inside the
+context is kept alive by the library: copy what you need (e.g. counts of quantised keys) while
+the context is open, or :meth:`RoutingRecording.drain` events batch by batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+CouplingTransform = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RoutingEvent:
+    """What one routing layer computed in one forward pass.
+
+    Attributes:
+        layer: Qualified name of the layer inside the recorded model (``""`` for the root).
+        call: Index of this forward call of the layer within the recording.
+        couplings: Final coupling coefficients, shape ``(batch, n_in, n_out)``; for convolutional
+            capsules ``n_in`` and ``n_out`` enumerate grid positions times capsule types.
+        input_activations: Activation probability ``‖u_i‖`` of each input capsule,
+            shape ``(batch, n_in)``.
+        output_activations: Activation probability ``‖v_j‖`` of each output capsule,
+            shape ``(batch, n_out)``.
+    """
+
+    layer: str
+    call: int
+    couplings: torch.Tensor
+    input_activations: torch.Tensor
+    output_activations: torch.Tensor
+
+
+class RoutingLayer(nn.Module):
+    """Base class of capsule layers with routing; subclasses call :meth:`emit_routing`."""
+
+    _routing_recorders: tuple[RoutingRecording, ...] = ()
+
+    @property
+    def is_recording(self) -> bool:
+        """Whether a recording is listening (lets layers skip work done only for it)."""
+        return bool(self._routing_recorders)
+
+    def emit_routing(
+        self,
+        couplings: torch.Tensor,
+        input_activations: torch.Tensor,
+        output_activations: torch.Tensor,
+    ) -> None:
+        """Hand the final couplings and activations of this forward pass to active recordings.
+
+        Args:
+            couplings: ``(batch, n_in, n_out)`` coupling coefficients.
+            input_activations: ``(batch, n_in)`` input capsule lengths.
+            output_activations: ``(batch, n_out)`` output capsule lengths.
+
+        Raises:
+            ValueError: If the shapes do not agree with each other.
+        """
+        if not self._routing_recorders:
+            return
+        batch, n_in, n_out = couplings.shape
+        if input_activations.shape != (batch, n_in) or output_activations.shape != (batch, n_out):
+            raise ValueError(
+                f"{type(self).__name__}.emit_routing: couplings {tuple(couplings.shape)} need "
+                f"input activations ({batch}, {n_in}) and output activations ({batch}, {n_out}); "
+                f"got {tuple(input_activations.shape)} and {tuple(output_activations.shape)}"
+            )
+        for recording in self._routing_recorders:
+            recording._receive(self, couplings, input_activations, output_activations)
+
+
+class RoutingRecording:
+    """Events recorded from the routing layers of one model; see :func:`record_routing`."""
+
+    def __init__(
+        self,
+        names: dict[RoutingLayer, str],
+        transform: CouplingTransform | None,
+        keep_on_device: bool,
+    ) -> None:
+        self._names = names
+        self._transform = transform
+        self._keep_on_device = keep_on_device
+        self._events: list[RoutingEvent] = []
+        self._calls: dict[str, int] = {}
+        self._open = True
+
+    @property
+    def layers(self) -> list[str]:
+        """Names of the routing layers being recorded, in module order."""
+        return list(self._names.values())
+
+    @property
+    def events(self) -> list[RoutingEvent]:
+        """Events recorded since the last :meth:`drain`, oldest first."""
+        self._require_open()
+        return list(self._events)
+
+    def drain(self) -> list[RoutingEvent]:
+        """Return and forget the events recorded so far (for streaming over many batches)."""
+        self._require_open()
+        events, self._events = self._events, []
+        return events
+
+    def couplings(self, layer: str) -> torch.Tensor:
+        """Couplings of one layer from all undrained calls, concatenated over the batch axis.
+
+        Raises:
+            KeyError: If the layer is not a routing layer of the model or recorded nothing.
+        """
+        return torch.cat([e.couplings for e in self._events_of(layer)])
+
+    def activations(self, layer: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input and output capsule activations of one layer, concatenated over the batch axis."""
+        events = self._events_of(layer)
+        return (
+            torch.cat([e.input_activations for e in events]),
+            torch.cat([e.output_activations for e in events]),
+        )
+
+    def _events_of(self, layer: str) -> list[RoutingEvent]:
+        self._require_open()
+        if layer not in self._names.values():
+            raise KeyError(f"{layer!r} is not a routing layer; recorded layers: {self.layers}")
+        events = [e for e in self._events if e.layer == layer]
+        if not events:
+            raise KeyError(f"routing layer {layer!r} recorded nothing yet; run the model first")
+        return events
+
+    def _receive(
+        self,
+        layer: RoutingLayer,
+        couplings: torch.Tensor,
+        input_activations: torch.Tensor,
+        output_activations: torch.Tensor,
+    ) -> None:
+        name = self._names[layer]
+        call = self._calls.get(name, 0)
+        self._calls[name] = call + 1
+        couplings = couplings.detach()
+        if self._transform is not None:
+            couplings = self._transform(couplings)
+        tensors = [couplings, input_activations.detach(), output_activations.detach()]
+        if not self._keep_on_device:
+            tensors = [t.cpu() for t in tensors]
+        self._events.append(RoutingEvent(name, call, *tensors))
+
+    def _close(self) -> None:
+        self._events = []
+        self._names = {}
+        self._open = False
+
+    def _require_open(self) -> None:
+        if not self._open:
+            raise RuntimeError(
+                "this routing recording is closed and holds no tensors any more; read the "
+                "couplings inside the `with record_routing(model)` block"
+            )
+
+
+@contextmanager
+def record_routing(
+    model: nn.Module,
+    *,
+    transform: CouplingTransform | None = None,
+    keep_on_device: bool = False,
+) -> Iterator[RoutingRecording]:
+    """Record the couplings and activations of every routing layer in ``model``.
+
+    Args:
+        model: A model containing :class:`RoutingLayer` submodules.
+        transform: Optional step applied to the couplings before they are stored, e.g. a
+            quantiser into K levels.
+        keep_on_device: Keep recorded tensors on the model's device instead of moving them to
+            the CPU.
+
+    Yields:
+        The recording, readable while the context is open.
+
+    Raises:
+        ValueError: If the model contains no routing layer.
+    """
+    names = {m: name for name, m in model.named_modules() if isinstance(m, RoutingLayer)}
+    if not names:
+        raise ValueError(
+            f"{type(model).__name__} contains no RoutingLayer; only capsule layers deriving from "
+            "explain_core.RoutingLayer can be recorded"
+        )
+    recording = RoutingRecording(names, transform, keep_on_device)
+    for layer in names:
+        layer._routing_recorders = (*layer._routing_recorders, recording)
+    try:
+        yield recording
+    finally:
+        for layer in names:
+            remaining = tuple(r for r in layer._routing_recorders if r is not recording)
+            if remaining:
+                layer._routing_recorders = remaining
+            else:
+                layer.__dict__.pop("_routing_recorders", None)
+        recording._close()

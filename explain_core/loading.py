@@ -1,0 +1,158 @@
+"""Loading user models for the CLI without ever unpickling arbitrary objects.
+
+A model is named as ``package.module:factory``: the factory is called without arguments and must
+return an ``nn.Module``. Weights come from a safetensors file, or from a PyTorch file read with
+``torch.load(weights_only=True)`` that holds a state dict.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import re
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from explain_core.errors import ModelLoadError
+
+_REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+SAFETENSORS_SUFFIXES = (".safetensors",)
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+_STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
+
+
+def load_factory(reference: str) -> nn.Module:
+    """Import ``package.module:factory`` and call the factory.
+
+    The current working directory is searched first, like ``python -m``.
+
+    Raises:
+        ModelLoadError: If the reference is malformed, the import fails, or the factory does not
+            return an ``nn.Module``.
+    """
+    if not _REFERENCE.match(reference):
+        raise ModelLoadError(
+            f"model reference {reference!r} is not of the form package.module:factory, e.g. "
+            "mymodels.digits:build_model"
+        )
+    module_name, attribute = reference.split(":")
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:
+        raise ModelLoadError(
+            f"cannot import {module_name!r} ({type(error).__name__}: {error}); run from the "
+            "folder that contains it or install its package"
+        ) from error
+    factory: object = module
+    for part in attribute.split("."):
+        if not hasattr(factory, part):
+            raise ModelLoadError(f"{module_name!r} has no attribute {attribute!r}")
+        factory = getattr(factory, part)
+    if not callable(factory):
+        raise ModelLoadError(f"{reference} is not callable; it must be a function or class")
+    try:
+        model = factory()
+    except Exception as error:
+        raise ModelLoadError(
+            f"calling {reference}() failed ({type(error).__name__}: {error}); the factory must "
+            "build the model without arguments"
+        ) from error
+    if not isinstance(model, nn.Module):
+        raise ModelLoadError(
+            f"{reference}() returned {type(model).__name__}, not a torch.nn.Module"
+        )
+    return model
+
+
+def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """Read a state dict safely from a safetensors or PyTorch file.
+
+    Raises:
+        ModelLoadError: If the file is missing, has an unsupported suffix, or holds anything but
+            tensors (pickled objects are refused, never executed).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"weights file {path} does not exist")
+    suffix = path.suffix.lower()
+    if suffix in SAFETENSORS_SUFFIXES:
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(str(path), device="cpu")
+        except Exception as error:
+            raise ModelLoadError(f"{path} is not a valid safetensors file: {error}") from error
+    if suffix in TORCH_SUFFIXES:
+        return _load_torch_state_dict(path)
+    raise ModelLoadError(
+        f"refusing to load {path.name}: weights must be a .safetensors file or a PyTorch state "
+        f"dict ({', '.join(TORCH_SUFFIXES)}) saved with torch.save(model.state_dict(), path); "
+        "other formats (e.g. pickles) can run arbitrary code when loaded"
+    )
+
+
+def _load_torch_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        content = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise ModelLoadError(
+            f"refusing to load {path.name}: it holds pickled Python objects, not just tensors "
+            "(e.g. a whole model saved with torch.save(model)). Save model.state_dict() instead, "
+            "or convert it to safetensors"
+        ) from error
+    except Exception as error:
+        raise ModelLoadError(f"{path} is not a readable PyTorch file: {error}") from error
+    if isinstance(content, dict):
+        for key in _STATE_DICT_KEYS:
+            if isinstance(content.get(key), dict):
+                content = content[key]
+                break
+    if not isinstance(content, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in content.items()
+    ):
+        raise ModelLoadError(
+            f"{path.name} does not hold a state dict (a mapping of names to tensors); save it "
+            "with torch.save(model.state_dict(), path)"
+        )
+    return content
+
+
+def load_model(reference: str, weights: str | Path | None = None) -> nn.Module:
+    """Build ``reference`` (``package.module:factory``), load ``weights``, return it in eval mode.
+
+    Raises:
+        ModelLoadError: If building or loading fails, or the weights do not match the model.
+    """
+    model = load_factory(reference)
+    if weights is not None:
+        state = load_state_dict(weights)
+        missing, unexpected = _mismatch(model, state)
+        if missing or unexpected:
+            raise ModelLoadError(
+                f"weights in {Path(weights).name} do not match {reference}: "
+                f"missing {_few(missing)}, unexpected {_few(unexpected)}"
+            )
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as error:
+            first = str(error).strip().splitlines()[-1].strip()
+            raise ModelLoadError(
+                f"weights in {Path(weights).name} do not fit {reference}: {first}"
+            ) from error
+    return model.eval()
+
+
+def _mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:
+    expected = set(model.state_dict())
+    return sorted(expected - set(state)), sorted(set(state) - expected)
+
+
+def _few(names: list[str]) -> str:
+    if not names:
+        return "none"
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

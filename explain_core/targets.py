@@ -1,0 +1,62 @@
+"""Turning the many ways users name targets into one int64 tensor per batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from explain_core.errors import InvalidInputError
+
+TargetLike = int | Sequence[int] | np.ndarray | torch.Tensor | None
+
+
+def normalize_target(target: TargetLike, batch: int, device: torch.device) -> torch.Tensor | None:
+    """Return ``target`` as int64 ``(batch,)``, or ``None`` for "the predicted class".
+
+    Args:
+        target: ``None``, one int for every sample, or one int per sample.
+        batch: Number of samples.
+        device: Device of the returned tensor.
+
+    Raises:
+        InvalidInputError: If the target is not integral or has the wrong length.
+    """
+    if target is None:
+        return None
+    if isinstance(target, (bool, float)):
+        raise InvalidInputError(f"target must be an int or one int per sample; got {target!r}")
+    tensor = torch.as_tensor(np.asarray(target) if not isinstance(target, torch.Tensor) else target)
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise InvalidInputError(f"target must hold integers; got dtype {tensor.dtype}")
+    tensor = tensor.to(device=device, dtype=torch.long).reshape(-1)
+    if tensor.numel() == 1:
+        return tensor.expand(batch).clone()
+    if tensor.numel() != batch:
+        raise InvalidInputError(
+            f"target must be one int or one int per sample ({batch}); got {tensor.numel()} values"
+        )
+    return tensor
+
+
+def select_target(output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """The explained index per sample: ``target``, or the arg-max of ``output`` if ``None``.
+
+    Raises:
+        InvalidInputError: If ``output`` is not ``(batch, n_outputs)`` or a target is out of range.
+    """
+    if output.dim() != 2:
+        raise InvalidInputError(
+            f"the model must return scores of shape (batch, n_outputs); got {tuple(output.shape)}. "
+            "Wrap it so that it returns one score per class."
+        )
+    if target is None:
+        return output.detach().argmax(dim=1)
+    n_outputs = output.shape[1]
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= n_outputs):
+        raise InvalidInputError(
+            f"target must lie in [0, {n_outputs - 1}] for a model with {n_outputs} outputs; "
+            f"got values from {int(target.min())} to {int(target.max())}"
+        )
+    return target

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Create or reuse the project's virtual environment and install the package with some extras.
+#
+#   bash scripts/setup-env.sh EXTRAS      e.g. "dev" or "dev,graphs"
+#
+# torch==2.13.0 is installed first (the machine's local CPU build), so that no dependency pulls a
+# CUDA build. Safe to run again: when pyproject.toml and this script are unchanged since the last
+# successful run for the same extras, nothing is reinstalled.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+venv=${EXPLAIN_VENV:-$root/.venv}
+extras=${1:-}
+python=${PYTHON:-python3}
+
+pip() {
+    # This machine's pip configuration names index folders that may not exist; hide that noise.
+    "$venv/bin/python" -m pip "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+    echo "creating virtual environment $venv"
+    "$python" -m venv "$venv"
+fi
+
+stamp="$venv/.explain-setup-${extras//,/-}"
+fingerprint=$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
+    && "$venv/bin/python" -c "import explain_core" 2>/dev/null; then
+    echo "environment $venv is up to date (extras: ${extras:-none})"
+    exit 0
+fi
+
+echo "installing torch==2.13.0, then explain-torch[${extras}] into $venv"
+pip install --quiet --disable-pip-version-check "torch==2.13.0"
+target="$root"
+[ -n "$extras" ] && target="$root[$extras]"
+pip install --quiet --disable-pip-version-check -e "$target"
+
+if "$venv/bin/python" -c "import torchvision" 2>/dev/null; then
+    echo "error: torchvision got installed; it replaces torch with a CUDA build. Remove the" \
+        "dependency that pulled it." >&2
+    exit 1
+fi
+installed=$("$venv/bin/python" -c "import torch; print(torch.__version__)")
+case "$installed" in
+    2.13.0*) ;;
+    *) echo "error: expected torch 2.13.0, found $installed" >&2; exit 1 ;;
+esac
+echo "$fingerprint" > "$stamp"

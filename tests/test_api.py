@@ -1,0 +1,211 @@
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_state, state_fingerprint
+from torch import nn
+
+from explain_core import (
+    Attribution,
+    Explainer,
+    InvalidInputError,
+    ModelGuard,
+    ModelStateError,
+    UnknownMethodError,
+    explain,
+    quantus_explain,
+)
+
+
+class Quadratic(nn.Module):
+    """f_k(x) = k-th scaled sum of squares: gradients known in closed form."""
+
+    def forward(self, x):
+        s = (x**2).flatten(1).sum(1, keepdim=True)
+        return torch.cat([s, 2 * s, -s], dim=1)
+
+
+def linear_model():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 4)).double().eval()
+    return model
+
+
+def test_gradient_and_input_x_gradient_match_the_weights_of_a_linear_model():
+    model = linear_model()
+    x = torch.randn(3, 1, 3, 4, dtype=torch.float64)
+    target = torch.tensor([0, 3, 2])
+    weight = model[1].weight[target].reshape(3, 1, 3, 4)
+    grad = explain(model, x, "gradient", target)
+    assert isinstance(grad, Attribution) and grad.method == "gradient" and grad.delta is None
+    torch.testing.assert_close(grad.attribution, weight)
+    ixg = explain(model, x, "input_x_gradient", target)
+    torch.testing.assert_close(ixg.attribution, x * weight)
+    torch.testing.assert_close(ixg.delta, model[1].bias[target].detach())  # the bias is unexplained
+    torch.testing.assert_close(ixg.output, model(x).detach())
+    assert torch.equal(ixg.target, target)
+
+
+def test_integrated_gradients_is_exact_for_quadratics_and_converges():
+    model = Quadratic().double()
+    x = torch.randn(2, 5, dtype=torch.float64)
+    result = explain(model, x, "integrated_gradients", target=1, steps=3, internal_batch_size=2)
+    torch.testing.assert_close(result.attribution, 2 * x**2)  # ∫ 2·2αx dα · x = 2x²
+    assert result.delta.abs().max() < 1e-12
+    baseline = torch.full_like(x, 0.5)
+    shifted = explain(model, x, "integrated_gradients", target=0, baselines=baseline, steps=4)
+    torch.testing.assert_close(shifted.attribution, x**2 - 0.25)
+    torch.testing.assert_close(shifted.extras["baselines"], baseline)
+
+
+def test_integrated_gradients_delta_shrinks_with_steps_on_a_nonlinear_model():
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64) * 3
+    coarse = explain(model, x, "integrated_gradients", target=0, steps=2).delta.abs().max()
+    fine = explain(model, x, "integrated_gradients", target=0, steps=64).delta.abs().max()
+    assert fine < coarse / 50
+
+
+def test_predicted_class_is_the_default_target():
+    model = linear_model()
+    x = torch.randn(4, 1, 3, 4, dtype=torch.float64)
+    result = explain(model, x, "gradient")
+    assert torch.equal(result.target, model(x).argmax(1))
+    single = explain(model, x, "gradient", target=2)
+    assert torch.equal(single.target, torch.full((4,), 2))
+    listed = explain(model, x, "gradient", target=[0, 1, 2, 3])
+    assert torch.equal(listed.target, torch.arange(4))
+    assert torch.equal(single.target_output, model(x)[:, 2].detach())
+
+
+def test_spatial_map_sums_channels():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(2 * 3 * 3, 2)).eval()
+    x = torch.randn(2, 2, 3, 3)
+    result = explain(model, x, "input_x_gradient")
+    torch.testing.assert_close(result.spatial_map(), result.attribution.sum(1))
+    flat = explain(nn.Linear(3, 2).eval(), torch.randn(2, 3), "gradient")
+    with pytest.raises(ValueError, match=r"\(batch, C, H, W\)"):
+        flat.spatial_map()
+
+
+def test_captum_style_explainer():
+    model = linear_model()
+    x = torch.randn(2, 1, 3, 4, dtype=torch.float64)
+    explainer = Explainer(model, "integrated_gradients", steps=8)
+    attribution = explainer.attribute(x, target=1)
+    torch.testing.assert_close(attribution, x * model[1].weight[1].reshape(1, 3, 4))
+    (as_tuple,) = explainer.attribute((x,), target=1, baselines=(torch.zeros_like(x),))
+    torch.testing.assert_close(as_tuple, attribution)
+    attribution, delta = explainer.attribute(x, target=1, return_convergence_delta=True)
+    assert delta.shape == (2,) and delta.abs().max() < 1e-10
+    with pytest.raises(InvalidInputError, match="no convergence delta"):
+        Explainer(model, "gradient").attribute(x, target=0, return_convergence_delta=True)
+    with pytest.raises(InvalidInputError, match="additional_forward_args"):
+        explainer.attribute(x, target=0, additional_forward_args=(1,))
+    with pytest.raises(UnknownMethodError):
+        Explainer(model, "integrated_gradient")
+    with pytest.raises(InvalidInputError, match="no option 'step'"):
+        Explainer(model, "integrated_gradients", step=8)
+
+
+def test_quantus_style_function_takes_and_returns_numpy():
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 4)).eval()
+    x = np.random.default_rng(0).normal(size=(3, 1, 3, 4)).astype(np.float32)
+    y = np.array([0, 1, 2])
+    result = quantus_explain(model, x, y, method="gradient")
+    assert isinstance(result, np.ndarray) and result.shape == x.shape
+    np.testing.assert_allclose(result[1], model[1].weight[1].detach().reshape(1, 3, 4).numpy())
+
+
+@pytest.mark.parametrize(
+    "method", ["gradient", "input_x_gradient", "integrated_gradients", "dynamic.contributions"]
+)
+def test_model_is_left_exactly_as_it_was(method):
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3),
+        nn.BatchNorm2d(3),
+        nn.ReLU(inplace=True),
+        nn.Flatten(),
+        nn.Dropout(0.5),
+        nn.Linear(3 * 4 * 4, 4),
+    ).eval()
+    model.user_note = {"owner": "me"}
+    handle = model[0].register_forward_hook(lambda *args: None)
+    x = torch.rand(2, 1, 6, 6)
+    before, out = state_fingerprint(model), model(x).detach()
+    explain(model, x, method)
+    assert_same_state(before, state_fingerprint(model))
+    assert torch.equal(model(x), out)
+    handle.remove()
+
+
+def test_model_is_restored_when_the_method_raises():
+    class Failing(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(3, 2)
+
+        def forward(self, x):
+            self.linear.register_forward_hook(lambda *a: None)  # misbehaving code inside
+            self.scratch = 1
+            raise RuntimeError("forward failed")
+
+    model = Failing().eval()
+    before = state_fingerprint(model)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        explain(model, torch.randn(1, 3), "gradient")
+    assert_same_state(before, state_fingerprint(model))
+    assert "scratch" not in model.__dict__
+
+
+def test_model_guard_restores_structure_buffers_and_refuses_parameter_edits():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)).eval()
+    before = state_fingerprint(model)
+    linear, bn = model[0], model[1]
+    with ModelGuard(model):
+        linear.weight = nn.Parameter(torch.zeros(2, 2))
+        bn.running_mean.add_(5.0)
+        model[1] = nn.Identity()
+        model.train()
+        model.extra = 3
+    assert_same_state(before, state_fingerprint(model))
+    assert model[1] is bn
+    with (
+        pytest.raises(ModelStateError, match="modified parameters in place"),
+        ModelGuard(model),
+        torch.no_grad(),
+    ):
+        linear.weight.mul_(2)
+
+
+def test_bad_input_gets_clear_errors():
+    model = linear_model()
+    x = torch.randn(2, 1, 3, 4, dtype=torch.float64)
+    with pytest.raises(UnknownMethodError, match="did you mean 'gradient'"):
+        explain(model, x, "gradiant")
+    with pytest.raises(InvalidInputError, match="registered name"):
+        explain(model, x, torch.tensor([1, 2]))  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match="batch axis"):
+        explain(model, x[0, 0, 0], "gradient")
+    with pytest.raises(InvalidInputError, match="floating point"):
+        explain(model, x.long(), "gradient")
+    with pytest.raises(InvalidInputError, match="NaN"):
+        explain(model, x.clone().fill_(float("nan")), "gradient")
+    with pytest.raises(InvalidInputError, match=r"torch\.Tensor"):
+        explain(model, x.numpy(), "gradient")
+    with pytest.raises(InvalidInputError, match=r"\[0, 3\]"):
+        explain(model, x, "gradient", target=4)
+    with pytest.raises(InvalidInputError, match="one int per sample"):
+        explain(model, x, "gradient", target=[0, 1, 2])
+    with pytest.raises(InvalidInputError, match="integers"):
+        explain(model, x, "gradient", target=torch.tensor([0.5, 1.0]))
+    with pytest.raises(InvalidInputError, match="takes no baselines"):
+        explain(model, x, "gradient", baselines=torch.zeros_like(x))
+    with pytest.raises(InvalidInputError, match="do not broadcast"):
+        explain(model, x, "integrated_gradients", baselines=torch.zeros(5))
+    with pytest.raises(InvalidInputError, match="steps"):
+        explain(model, x, "integrated_gradients", steps=0)
+    with pytest.raises(InvalidInputError, match=r"shape \(batch, n_outputs\)"):
+        explain(nn.Flatten(0).eval(), x, "gradient")
+    explain(linear_model().train(), x, "gradient")  # nothing mode-dependent: allowed
+    with_dropout = nn.Sequential(nn.Flatten(), nn.Dropout(), nn.Linear(12, 4)).double()
+    with pytest.raises(ModelStateError, match=r"Dropout '1' is in training mode.*model.eval\(\)"):
+        explain(with_dropout, x, "gradient")

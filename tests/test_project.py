@@ -1,0 +1,108 @@
+"""Project-level promises: packaging, lazy imports, style, README kept true."""
+
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
+def test_import_and_plugin_loading_do_not_import_optional_dependencies():
+    code = (
+        "import sys, explain_core, explain_core.data\n"
+        "explain_core.get_registry()\n"
+        "heavy = ['onnx', 'onnxruntime', 'onnxscript', 'networkx', 'graphviz', 'sklearn',"
+        " 'matplotlib', 'torchvision']\n"
+        "print([m for m in heavy if m in sys.modules])\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_cli_help_loads_no_plugins():
+    code = (
+        "import sys\nfrom explain_core.cli import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('explain_gradients' in sys.modules)\n"
+    )
+    result = run_python(code)
+    assert result.stdout.strip().splitlines()[-1] == "False"
+
+
+def test_wheel_has_only_distinctly_named_top_level_packages(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("explain_torch-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {"explain_core", "explain_gradients"}
+    assert "explain_core/cli/__init__.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "explain = explain_core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+def test_ruff_lint_and_format_pass():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff, "ruff is part of the dev extra; install with pip install -e '.[dev]'"
+    lint = subprocess.run([ruff, "check", "."], capture_output=True, text=True, cwd=ROOT)
+    assert lint.returncode == 0, lint.stdout
+    formatted = subprocess.run(
+        [ruff, "format", "--check", "."], capture_output=True, text=True, cwd=ROOT
+    )
+    assert formatted.returncode == 0, formatted.stdout
+
+
+def test_readme_results_section_matches_results_files():
+    from render_results import readme_with_results
+
+    from explain_core.bench import render_results
+
+    readme = (ROOT / "README.md").read_text()
+    expected = readme_with_results(readme, render_results(ROOT / "benchmarks" / "results"))
+    assert readme == expected, "run: python benchmarks/render_results.py --update"
+
+
+def test_readme_gives_the_two_setup_commands_and_ci_runs_the_test_one():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Set-up: the two commands.*?```bash\n(.*?)```", readme, re.S).group(1)
+    commands = [line.split("#")[0].strip() for line in block.strip().splitlines()]
+    assert commands == ["bash scripts/demo.sh", "bash scripts/test.sh"]
+    assert "bash scripts/test.sh" in (ROOT / ".ci" / "run").read_text()
+    for script in ("demo.sh", "test.sh", "setup-env.sh"):
+        assert (ROOT / "scripts" / script).is_file()
+
+
+@pytest.mark.parametrize("name", ["explain_gradients"])
+def test_builtin_plugins_are_listed_in_the_manager(name):
+    from explain_core.plugin_manager import BUILTIN_PLUGINS
+
+    assert name in BUILTIN_PLUGINS
