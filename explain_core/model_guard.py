@@ -64,7 +64,7 @@ class ModelGuard:
         self._parameter_versions: list[tuple[str, torch.Tensor, int]] = []
 
     def __enter__(self) -> ModelGuard:
-        for module in _unique_modules(self.model):
+        for module in self.model.modules():
             containers = {
                 name: OrderedDict(getattr(module, name))
                 for name in _STATE_DICTS
@@ -117,10 +117,6 @@ _MISSING = object()
 def _identities(container: dict[Any, Any]) -> list[tuple[Any, int]]:
     # Compare by identity: tensors have no usable ==, and identity is what must be restored.
     return [(key, id(value)) for key, value in container.items()]
-
-
-def _unique_modules(model: nn.Module) -> list[nn.Module]:
-    return list(model.modules())
 
 
 def _unique_tensors(tensors: Any) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \
     exit 0
 fi
 
-echo "installing torch==2.13.0, then explain-torch[${extras}] into $venv"
+echo "installing torch==2.13.0, then explain-torch${extras:+[$extras]} into $venv"
 pip install --quiet --disable-pip-version-check "torch==2.13.0"
 target="$root"
 [ -n "$extras" ] && target="$root[$extras]"

@@ -47,6 +47,7 @@ class RuleCall:
         inputs: The tensor inputs of the call, detached.
         output: The output of the call, detached.
         state: Whatever :meth:`Rule.forward` returned for this call.
+        grad_output: The signal that arrived at the output during backward (set by the engine).
     """
 
     module: nn.Module
