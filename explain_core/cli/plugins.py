@@ -45,7 +45,12 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
     else:
         for info in infos:
-            status = f"FAILED: {info.error}" if info.error else f"{len(info.methods)} methods"
+            count = len(info.methods)
+            status = (
+                f"FAILED: {info.error}"
+                if info.error
+                else f"{count} method{'' if count == 1 else 's'}"
+            )
             print(f"{info.name} {info.version} ({info.source}) - {status}")
             for spec in registry.by_plugin(info.name):
                 print(f"    {spec.name:<28} [{spec.family}] {spec.summary}")
