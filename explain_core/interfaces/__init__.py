@@ -4,6 +4,7 @@ from explain_core.interfaces.dynamic_linear import (
     Contributions,
     DynamicLinear,
     dynamic_linear_contributions,
+    dynamic_linear_rows,
     explanation_mode,
 )
 from explain_core.interfaces.relevance import Canonizer, Composite, Rule, RuleCall
@@ -25,6 +26,7 @@ __all__ = [
     "Rule",
     "RuleCall",
     "dynamic_linear_contributions",
+    "dynamic_linear_rows",
     "explanation_mode",
     "record_routing",
 ]

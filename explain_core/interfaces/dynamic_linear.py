@@ -98,24 +98,28 @@ class Contributions:
     targets: torch.Tensor
 
 
-def dynamic_linear_contributions(
+def dynamic_linear_rows(
     model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
     inputs: torch.Tensor,
     targets: torch.Tensor,
-) -> Contributions:
-    """Exact contributions ``W_{0→L}(x)_j ⊙ x`` by vector-Jacobian products in explanation mode.
+    *,
+    create_graph: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``W_{0→L}(x)_j`` of the dynamic linear map, by vector-Jacobian products.
 
     Args:
         model: A module built from :class:`DynamicLinear` layers and linear operations, returning
-            ``(batch, n_outputs)``. A callable is accepted too (it must already be in explanation
-            mode if it wraps dynamic-linear layers).
-        inputs: Model inputs, shape ``(batch, *input_shape)``, floating point.
-        targets: Output index per sample, int64 ``(batch,)``, or several per sample
-            ``(batch, n_targets)``; all of a sample's targets are explained in one batched
-            vector-Jacobian product.
+            ``(batch, n_outputs)``; it is put into explanation mode here. A callable is accepted
+            too (it must already be in explanation mode if it wraps dynamic-linear layers).
+        inputs: ``(batch, *input_shape)`` floating-point inputs.
+        targets: Output index per sample ``(batch,)``, or several per sample
+            ``(batch, n_targets)``, explained in one batched vector-Jacobian product.
+        create_graph: Keep the graph so the rows can be differentiated w.r.t. the parameters
+            (e.g. for a regulariser on ``|W_{0→L}|``).
 
     Returns:
-        The contributions, the output and the targets.
+        ``(rows, output)``: rows shaped ``(batch, *input_shape)`` for one target per sample, or
+        ``(batch, n_targets, *input_shape)``; the output ``(batch, n_outputs)``.
 
     Raises:
         InvalidInputError: If the model output is not ``(batch, n_outputs)`` or a target is out
@@ -134,18 +138,38 @@ def dynamic_linear_contributions(
         selected = output.gather(1, index)  # (batch, n_targets)
         n_targets = index.shape[1]
         if n_targets == 1:
-            (grads,) = torch.autograd.grad(selected.sum(), x)
-            grads = grads[:, None]
+            (rows,) = torch.autograd.grad(selected.sum(), x, create_graph=create_graph)
+            rows = rows[:, None]
         else:
             # One VJP per target column in a single batched call: row k of eye selects column k.
             eye = torch.eye(n_targets, dtype=selected.dtype, device=selected.device)
             grad_outputs = eye[:, None, :].expand(n_targets, *selected.shape)
-            (grads,) = torch.autograd.grad(selected, x, grad_outputs, is_grads_batched=True)
-            grads = grads.movedim(0, 1)  # (batch, n_targets, *input_shape)
-    contributions = grads * x.detach()[:, None]
-    if not multi:
-        contributions = contributions[:, 0]
-    return Contributions(contributions.detach(), output.detach(), targets)
+            (rows,) = torch.autograd.grad(
+                selected, x, grad_outputs, is_grads_batched=True, create_graph=create_graph
+            )
+            rows = rows.movedim(0, 1)  # (batch, n_targets, *input_shape)
+    return (rows if multi else rows[:, 0]), output
+
+
+def dynamic_linear_contributions(
+    model: nn.Module | Callable[[torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+) -> Contributions:
+    """Exact contributions ``W_{0→L}(x)_j ⊙ x`` by vector-Jacobian products in explanation mode.
+
+    Arguments are as for :func:`dynamic_linear_rows`.
+
+    Returns:
+        The contributions, the output and the targets.
+
+    Raises:
+        InvalidInputError: If the model output is not ``(batch, n_outputs)`` or a target is out
+            of range.
+    """
+    rows, output = dynamic_linear_rows(model, inputs, targets)
+    x = inputs.detach() if targets.dim() == 1 else inputs.detach()[:, None]
+    return Contributions((rows * x).detach(), output.detach(), targets)
 
 
 @contextmanager

@@ -1,0 +1,108 @@
+"""Matplotlib figures of attributions: red positive, blue negative, symmetric scale.
+
+matplotlib is imported when a figure is drawn, never on ``import explain_core``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from explain_core.viz import attribution_to_rgb, image_to_rgb
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; never needs a display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_attribution_figure(
+    rows: Sequence[tuple[str, Sequence[np.ndarray | torch.Tensor]]],
+    path: str | Path,
+    *,
+    column_titles: Sequence[str] | None = None,
+    inputs: Sequence[np.ndarray | torch.Tensor] | None = None,
+    percentile: float = 99.75,
+    title: str | None = None,
+) -> Path:
+    """A grid of heatmaps: one row per method (or class), one column per sample.
+
+    Each map is coloured on its own symmetric scale ``(−v, v)``, ``v`` the ``percentile`` of
+    ``|map|`` (99.75 as in the CoDA-Nets paper), positive red and negative blue.
+
+    Args:
+        rows: ``(row title, maps)`` pairs; maps are ``(H, W)`` (sum channels beforehand).
+        path: PNG (or any matplotlib format) to write.
+        column_titles: Optional title per column.
+        inputs: Optional input images ``(C, H, W)`` or ``(H, W)`` shown as the first row.
+        percentile: Percentile of ``|map|`` mapped to full colour.
+        title: Optional figure title.
+
+    Returns:
+        The path written.
+    """
+    plt = _pyplot()
+    table = ([("input", [image_to_rgb(i) for i in inputs])] if inputs is not None else []) + [
+        (name, [attribution_to_rgb(m, percentile) for m in maps]) for name, maps in rows
+    ]
+    n_rows, n_cols = len(table), max(len(pictures) for _, pictures in table)
+    figure, axes = plt.subplots(
+        n_rows, n_cols, figsize=(1.3 * n_cols + 1.2, 1.3 * n_rows + 0.4), squeeze=False
+    )
+    for r, (name, pictures) in enumerate(table):
+        for c in range(n_cols):
+            axis = axes[r][c]
+            axis.set_xticks([])
+            axis.set_yticks([])
+            if c < len(pictures):
+                axis.imshow(pictures[c], interpolation="nearest")
+            else:
+                axis.axis("off")
+            if c == 0:
+                axis.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=8)
+            if r == 0 and column_titles is not None and c < len(column_titles):
+                axis.set_title(column_titles[c], fontsize=8)
+    if title:
+        figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def save_line_plot(
+    curves: dict[str, Sequence[float]],
+    x: Sequence[float],
+    path: str | Path,
+    *,
+    xlabel: str,
+    ylabel: str,
+    title: str | None = None,
+) -> Path:
+    """One line per named curve over shared ``x`` values, e.g. pixel-removal curves."""
+    plt = _pyplot()
+    figure, axis = plt.subplots(figsize=(5, 3.5))
+    for name, values in curves.items():
+        axis.plot(list(x), list(values), label=name, marker=".")
+    axis.set_xlabel(xlabel)
+    axis.set_ylabel(ylabel)
+    if title:
+        axis.set_title(title, fontsize=9)
+    axis.legend(fontsize=7)
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path

@@ -1,0 +1,63 @@
+"""The demo's CoDA-Nets section: train the digits preset, show exact contribution maps."""
+
+from __future__ import annotations
+
+import torch
+
+from explain_coda.contributions import coda_contributions
+from explain_coda.model import CoDANet, encode_input
+from explain_coda.training import TrainConfig, accuracy, train_coda
+from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.plots import save_attribution_figure
+
+
+class CoDADemoStep(DemoStep):
+    """Train a small CoDA-Net on digits and decompose its decisions exactly."""
+
+    title = "CoDA-Nets: exact contribution maps"
+    order = 20
+    provides = ("coda",)
+
+    def run(self, context: DemoContext) -> DemoSection:
+        """Train, check completeness on the test set, draw per-class contribution grids."""
+        digits = context.digits()
+        train, test = encode_input(digits.train_images), encode_input(digits.test_images)
+        temperature = 8.0
+        torch.manual_seed(context.seed)
+        model = CoDANet.from_preset("digits", temperature=temperature)
+        config = TrainConfig(epochs=2 if context.quick else 8, seed=context.seed)
+        train_coda(model, train, digits.train_labels, config)
+        test_accuracy = accuracy(model, test, digits.test_labels)
+        context.artefacts["coda_model"] = model
+
+        every = coda_contributions(model, test, classes="all")
+        explained = every.output - model.logit_bias
+        error = (every.contributions.flatten(2).sum(2) - explained).abs()
+        relative = float((error / explained.abs().clamp_min(1e-6)).max())
+
+        shown = list(range(6))
+        maps = every.contributions[shown].sum(dim=2)  # (6, classes, H, W)
+        rows = [(f"class {c}", [maps[i, c] for i in range(len(shown))]) for c in range(10)]
+        save_attribution_figure(
+            rows,
+            context.out_dir / "coda_contributions.png",
+            inputs=[digits.test_images[i] for i in shown],
+            column_titles=[f"label {int(digits.test_labels[i])}" for i in shown],
+            title="CoDA-Net contributions per class (red +, blue −)",
+        )
+        return DemoSection(
+            self.title,
+            lines=[
+                f"A {len(model.layers)}-layer CoDA-Net (digits preset, T = {temperature:g}) reaches "
+                f"{test_accuracy:.1%} test accuracy. Its contributions W_{{0→L}}(x)⊙x explain "
+                "every class exactly: summed over the encoded input [x, 1 − x] they equal the "
+                f"logit minus b₀, here to {relative:.1e} relative over all "
+                f"{len(test)} test digits × 10 classes, computed in one batched call.",
+            ],
+            figures=["coda_contributions.png"],
+            summary={
+                "test_accuracy": test_accuracy,
+                "temperature": temperature,
+                "max_relative_completeness_error": relative,
+            },
+        )

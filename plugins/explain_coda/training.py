@@ -1,0 +1,221 @@
+"""Training CoDA-Nets: BCE one-vs-all, optional ``λ·mean|W_{0→L}|``, safe checkpoints, resume.
+
+Every random choice of epoch ``e`` (shuffling, the wrong class of the regulariser) comes from a
+generator seeded with ``(seed, e)``, so a run resumed from a checkpoint continues exactly as the
+uninterrupted run would. Checkpoints are safetensors files (weights and optimizer moments) with a
+JSON header for the rest: loading one never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm.auto import tqdm
+
+from explain_coda.model import CoDANet, bce_one_vs_all
+from explain_core.errors import ModelLoadError
+from explain_core.interfaces.dynamic_linear import dynamic_linear_rows
+
+CHECKPOINT_NAME = "checkpoint.safetensors"
+
+
+@dataclass
+class TrainConfig:
+    """Options of :func:`train_coda`.
+
+    Attributes:
+        epochs: Passes over the training data.
+        batch_size: Samples per step.
+        lr: Adam learning rate.
+        lr_halving_epochs: Halve the learning rate every this many epochs (``None``: never).
+        regularisation: λ of ``λ·mean|W_{0→L}(x)|`` over the true class and one random wrong
+            class per sample (eq. 10); 0 switches it off.
+        seed: Seed of shuffling and of the regulariser's class choice.
+    """
+
+    epochs: int = 30
+    batch_size: int = 32
+    lr: float = 1e-3
+    lr_halving_epochs: int | None = None
+    regularisation: float = 0.0
+    seed: int = 0
+
+
+@dataclass
+class TrainHistory:
+    """Per-epoch mean training loss and, when evaluation data was given, test accuracy."""
+
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+
+
+def weight_regulariser(
+    model: CoDANet, inputs: torch.Tensor, labels: torch.Tensor, generator: torch.Generator
+) -> torch.Tensor:
+    """``mean|W_{0→L}(x)|`` over the rows of the true class and one random wrong class.
+
+    The rows come from vector-Jacobian products in explanation mode with ``create_graph``, so
+    the penalty is differentiable w.r.t. every parameter that builds the dynamic weights (the
+    activations feeding each layer's weight computation are treated as constants, as in
+    explanation mode).
+    """
+    offset = torch.randint(1, model.num_classes, labels.shape, generator=generator)
+    wrong = (labels + offset.to(labels.device)) % model.num_classes
+    rows, _ = dynamic_linear_rows(
+        model, inputs, torch.stack([labels, wrong], dim=1), create_graph=True
+    )
+    return (rows * model.temperature).abs().mean()
+
+
+def train_coda(
+    model: CoDANet,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    config: TrainConfig,
+    *,
+    checkpoint_dir: Path | None = None,
+    evaluate: Callable[[CoDANet], float] | None = None,
+    stop_after_epoch: int | None = None,
+) -> TrainHistory:
+    """Train ``model`` on encoded ``images``; resume from ``checkpoint_dir`` if it has one.
+
+    Args:
+        model: The CoDA-Net (its initial weights should come from a seeded constructor).
+        images: Encoded training inputs ``(N, 2C, H, W)``.
+        labels: int64 ``(N,)``.
+        config: Training options.
+        checkpoint_dir: Folder for ``checkpoint.safetensors``, written after every epoch.
+        evaluate: Called after every epoch with the model in eval mode; returns an accuracy.
+        stop_after_epoch: Stop after this many epochs in total (to simulate an interruption).
+
+    Returns:
+        The history of all epochs, including those before a resume.
+    """
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    history, start = TrainHistory(), 0
+    if checkpoint_dir is not None and (checkpoint_dir / CHECKPOINT_NAME).exists():
+        start, history = load_checkpoint(checkpoint_dir / CHECKPOINT_NAME, model, optimizer, config)
+    dataset = TensorDataset(images, labels)
+    last = config.epochs if stop_after_epoch is None else min(config.epochs, stop_after_epoch)
+    for epoch in range(start, last):
+        generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+        _set_lr(optimizer, config, epoch)
+        loader = DataLoader(dataset, config.batch_size, shuffle=True, generator=generator)
+        model.train()
+        total = 0.0
+        for batch_images, batch_labels in tqdm(
+            loader, desc=f"CoDA epoch {epoch + 1}/{config.epochs}", leave=False, disable=None
+        ):
+            optimizer.zero_grad()
+            loss = bce_one_vs_all(model(batch_images), batch_labels)
+            if config.regularisation:
+                penalty = weight_regulariser(model, batch_images, batch_labels, generator)
+                loss = loss + config.regularisation * penalty
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(batch_labels)
+        model.eval()
+        history.loss.append(total / len(dataset))
+        if evaluate is not None:
+            history.accuracy.append(evaluate(model))
+        if checkpoint_dir is not None:
+            save_checkpoint(checkpoint_dir / CHECKPOINT_NAME, model, optimizer, config, epoch + 1,
+                            history)  # fmt: skip
+    return history
+
+
+def _set_lr(optimizer: torch.optim.Optimizer, config: TrainConfig, epoch: int) -> None:
+    halvings = epoch // config.lr_halving_epochs if config.lr_halving_epochs else 0
+    for group in optimizer.param_groups:
+        group["lr"] = config.lr * 0.5**halvings
+
+
+def save_checkpoint(
+    path: Path,
+    model: CoDANet,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    epoch: int,
+    history: TrainHistory,
+) -> None:
+    """Write weights, optimizer moments and progress to a safetensors file atomically."""
+    from safetensors.torch import save_file
+
+    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    state = optimizer.state_dict()
+    for index, moments in state["state"].items():
+        for key, value in moments.items():
+            tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).contiguous()
+    metadata = {
+        "epoch": str(epoch),
+        "config": json.dumps(asdict(config)),
+        "history": json.dumps(asdict(history)),
+        "param_groups": json.dumps(state["param_groups"]),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".partial")
+    save_file(tensors, str(temporary), metadata=metadata)
+    temporary.replace(path)
+
+
+def load_checkpoint(
+    path: Path,
+    model: CoDANet,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: TrainConfig | None = None,
+) -> tuple[int, TrainHistory]:
+    """Restore a checkpoint written by :func:`save_checkpoint`.
+
+    Returns:
+        The number of finished epochs and the history so far.
+
+    Raises:
+        ModelLoadError: If the file is not such a checkpoint, or was trained with another
+            configuration than ``config`` (resuming would then not reproduce the run).
+    """
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except Exception as error:
+        raise ModelLoadError(f"{path} is not a readable checkpoint: {error}") from error
+    if "epoch" not in metadata:
+        raise ModelLoadError(f"{path} is not a CoDA training checkpoint (no epoch recorded)")
+    saved_config = json.loads(metadata["config"])
+    if config is not None and saved_config != asdict(config):
+        raise ModelLoadError(
+            f"{path} was written with another training configuration ({saved_config}); use a "
+            "new checkpoint folder or the same configuration to resume"
+        )
+    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    model.load_state_dict(weights)
+    if optimizer is not None:
+        moments: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optimizer."):
+                _, index, name = key.split(".", 2)
+                moments.setdefault(int(index), {})[name] = value
+        optimizer.load_state_dict(
+            {"state": moments, "param_groups": json.loads(metadata["param_groups"])}
+        )
+    history = TrainHistory(**json.loads(metadata["history"]))
+    return int(metadata["epoch"]), history
+
+
+@torch.no_grad()
+def accuracy(model: CoDANet, images: torch.Tensor, labels: torch.Tensor) -> float:
+    """Fraction of encoded ``images`` classified as ``labels`` (batched to bound memory)."""
+    model.eval()
+    correct = sum(
+        int((model(chunk).argmax(1) == target).sum())
+        for chunk, target in zip(images.split(256), labels.split(256), strict=True)
+    )
+    return correct / len(labels)
