@@ -137,7 +137,7 @@ def digits():
 
 @pytest.fixture(scope="module")
 def trained(digits):
-    data, train, test = digits
+    data, train, _ = digits
     torch.manual_seed(0)
     model = CoDANet.from_preset("digits", temperature=8.0)
     train_coda(model, train, data.train_labels, TrainConfig(epochs=4, seed=0))
@@ -150,7 +150,7 @@ def test_training_reaches_high_accuracy(trained, digits):
 
 
 def test_trained_model_is_complete_in_float32_for_all_classes(trained, digits):
-    data, _, test = digits
+    _, _, test = digits
     every = coda_contributions(trained, test, classes="all")
     explained = every.output - trained.logit_bias  # (N, 10)
     summed = every.contributions.flatten(2).sum(2)
