@@ -16,10 +16,10 @@ import warnings
 from pathlib import Path
 
 import pytest
-from explain_gradients.methods import Gradient
 
 from explain_core import DuplicateMethodError, MethodSpec, UnknownMethodError, hookimpl
 from explain_core.plugin_manager import ENV_VARIABLE, PluginManager, PluginWarning
+from explain_gradients.methods import Gradient
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "third_party_plugin"
@@ -126,7 +126,7 @@ def test_installed_example_is_listed(sign_target: Path) -> None:
     done = _plugins_cli([sign_target])
     assert done.returncode == 0, done.stderr
     assert _plugin_line(done.stdout, "sign") == (
-        "sign 0.2.0 (entry point of explain-sign-plugin) - 1 methods"
+        "sign 0.2.0 (entry point of explain-sign-plugin) - 1 method"
     )
     assert "sign.gradient_sign" in done.stdout
     assert "[gradient] Sign of the gradient of the target output" in done.stdout
@@ -262,11 +262,21 @@ class _Plugin:
 
 
 def _builtin_manager() -> PluginManager:
+    # Only the gradient built-in, so the expected method lists stay independent of other plugins.
+    manager = PluginManager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginWarning)
+        manager.load(builtins=("explain_gradients",), entry_points=False)
+    return manager
+
+
+def test_all_builtins_load_cleanly() -> None:
     manager = PluginManager()
     with warnings.catch_warnings():
         warnings.simplefilter("error", PluginWarning)
         manager.load(entry_points=False)
-    return manager
+    assert set(manager.plugins) == {"explain_gradients", "explain_coda"}
+    assert "coda.contributions" in manager.registry
 
 
 def test_builtin_gradient_plugin_registers_exactly_its_methods() -> None:
