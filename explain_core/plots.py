@@ -79,30 +79,3 @@ def save_attribution_figure(
     plt.close(figure)
     return path
 
-
-def save_line_plot(
-    curves: dict[str, Sequence[float]],
-    x: Sequence[float],
-    path: str | Path,
-    *,
-    xlabel: str,
-    ylabel: str,
-    title: str | None = None,
-) -> Path:
-    """One line per named curve over shared ``x`` values, e.g. pixel-removal curves."""
-    plt = _pyplot()
-    figure, axis = plt.subplots(figsize=(5, 3.5))
-    for name, values in curves.items():
-        axis.plot(list(x), list(values), label=name, marker=".")
-    axis.set_xlabel(xlabel)
-    axis.set_ylabel(ylabel)
-    if title:
-        axis.set_title(title, fontsize=9)
-    axis.legend(fontsize=7)
-    axis.grid(alpha=0.3)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path

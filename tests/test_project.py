@@ -106,3 +106,24 @@ def test_builtin_plugins_are_listed_in_the_manager(name):
     from explain_core.plugin_manager import BUILTIN_PLUGINS
 
     assert name in BUILTIN_PLUGINS
+
+
+def readme_python_blocks() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    return re.findall(r"```python\n(.*?)```", readme, re.S)
+
+
+@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
+def test_readme_python_examples_run(index):
+    block = readme_python_blocks()[index]
+    namespace: dict = {"__name__": f"readme_block_{index}"}
+    exec(compile(block, f"README.md python block {index}", "exec"), namespace)
+    if "every" in namespace:  # the CoDA quickstart: its completeness claim holds
+        every, model = namespace["every"], namespace["model"]
+        torch = namespace["torch"]
+        torch.testing.assert_close(
+            every.contributions.flatten(2).sum(2),
+            every.output - model.logit_bias,
+            rtol=1e-4,
+            atol=1e-4,
+        )
