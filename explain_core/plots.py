@@ -78,4 +78,3 @@ def save_attribution_figure(
     figure.savefig(path, dpi=120)
     plt.close(figure)
     return path
-

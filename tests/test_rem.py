@@ -1,0 +1,261 @@
+"""REM quantiser, parse-tree dictionary and K selection, against independent reference code."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from explain_capsules.rem import (
+    ParseTreeDictionary,
+    lowest_lossless_levels,
+    quantise_couplings,
+    quantise_to_levels,
+)
+
+# ------------------------------------------------------------------ independent reference code
+
+
+def digitize_levels_k11(x: np.ndarray) -> np.ndarray:
+    """The public REM code's K=11 binning: edges linspace(-0.05, 1.05, 12), values clamped."""
+    bins = np.linspace(-0.05, 1.05, 12)
+    return np.digitize(np.clip(x, 0.0, 1.0), bins) - 1
+
+
+def naive_dictionary(couplings: torch.Tensor, predicted: torch.Tensor, levels: int):
+    """Per-sample string keys joined with ',', Counter per class, math.log2 entropy."""
+    n_classes = couplings.shape[2]
+    counters = [Counter() for _ in range(n_classes)]
+    c = couplings.double().numpy()
+    half = 0.5 / (levels - 1)
+    bins = np.linspace(-half, 1 + half, levels + 1)  # K bins centred on k / (K - 1)
+    for b, j in enumerate(predicted.tolist()):
+        idx = np.digitize(np.clip(c[b, :, j], 0.0, 1.0), bins) - 1
+        counters[j][",".join(str(int(i)) for i in idx)] += 1
+    entropies = []
+    for counter in counters:
+        total = sum(counter.values())
+        entropies.append(
+            -sum((n / total) * math.log2(n / total) for n in counter.values()) if total else 0.0
+        )
+    return counters, entropies
+
+
+def as_string_counter(d: ParseTreeDictionary, cls: int) -> Counter:
+    return Counter({",".join(map(str, k)): n for k, n in d.counts_dict(cls).items()})
+
+
+def random_couplings(batch: int, n_lower: int, n_classes: int, peak: float = 4.0) -> torch.Tensor:
+    return torch.softmax(peak * torch.randn(batch, n_lower, n_classes), dim=2)
+
+
+# ------------------------------------------------------------------ quantiser
+
+
+def test_quantiser_k11_hand_checked_with_clamping():
+    x = torch.tensor([-0.2, 0.0, 0.04, 0.06, 0.14, 0.16, 0.5, 0.94, 0.96, 1.0, 1.3])
+    expected = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.1, 0.2, 0.5, 0.9, 1.0, 1.0, 1.0])
+    q = quantise_couplings(x, 11)
+    assert q.dtype == x.dtype
+    assert torch.equal(q, expected)
+    idx = quantise_to_levels(x, 11)
+    assert idx.dtype == torch.uint8
+    assert idx.tolist() == [0, 0, 0, 1, 1, 2, 5, 9, 10, 10, 10]
+
+
+def test_quantiser_k11_centres_exact():
+    centres = quantise_couplings(torch.linspace(0, 1, 11, dtype=torch.float64), 11)
+    assert centres.tolist() == [k / 10 for k in range(11)]
+    assert sorted(set(quantise_couplings(torch.rand(5000), 11).tolist())) == [
+        float(torch.tensor(k / 10, dtype=torch.float32)) for k in range(11)
+    ]
+
+
+def test_quantiser_k11_matches_digitize():
+    x = torch.rand(20000, dtype=torch.float64) * 1.6 - 0.3  # includes values outside [0, 1]
+    ours = quantise_to_levels(x, 11).numpy().astype(np.int64)
+    assert np.array_equal(ours, digitize_levels_k11(x.numpy()))
+    # float32 input as couplings usually come
+    x32 = torch.softmax(3 * torch.randn(500, 10), dim=1)
+    ours32 = quantise_to_levels(x32, 11).numpy().astype(np.int64)
+    assert np.array_equal(ours32, digitize_levels_k11(x32.double().numpy()))
+
+
+def test_quantiser_ties_round_up():
+    # Edges (k + 0.5) / 10 for K=11 go to the upper level, like np.digitize(right=False).
+    x = torch.tensor([0.05, 0.25, 0.75], dtype=torch.float64)
+    assert quantise_to_levels(x, 11).tolist() == [1, 3, 8]
+    assert quantise_to_levels(torch.tensor([0.5]), 2).tolist() == [1]
+
+
+def test_quantiser_k2():
+    x = torch.tensor([-1.0, 0.0, 0.49, 0.51, 1.0, 2.0])
+    assert quantise_couplings(x, 2).tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
+    assert quantise_to_levels(x, 2).tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_quantiser_keeps_shape_and_large_k_dtype():
+    x = torch.rand(3, 4, 5)
+    assert quantise_couplings(x, 7).shape == x.shape
+    assert quantise_to_levels(x, 300).dtype == torch.int32
+    assert int(quantise_to_levels(torch.tensor([1.0]), 300)) == 299
+
+
+@pytest.mark.parametrize("levels", [1, 0, -3, 2.0, True])
+def test_quantiser_rejects_bad_levels(levels):
+    with pytest.raises(ValueError, match="K must be ≥ 2"):
+        quantise_couplings(torch.rand(3), levels)
+
+
+def test_quantiser_rejects_nan():
+    with pytest.raises(ValueError, match="NaN"):
+        quantise_couplings(torch.tensor([0.1, float("nan")]), 11)
+    with pytest.raises(ValueError, match="NaN"):
+        ParseTreeDictionary().update(torch.full((1, 2, 2), float("nan")), torch.tensor([0]), 11)
+
+
+# ------------------------------------------------------------------ dictionary
+
+
+@pytest.mark.parametrize("levels", [2, 5, 11])
+def test_dictionary_matches_naive_on_random_couplings(levels):
+    couplings = random_couplings(300, 6, 4, peak=6.0)
+    predicted = torch.randint(0, 4, (300,))
+    d = ParseTreeDictionary()
+    d.update(couplings, predicted, levels)
+    counters, entropies = naive_dictionary(couplings, predicted, levels)
+    for j in range(4):
+        assert as_string_counter(d, j) == counters[j]
+    assert d.keys_per_class().tolist() == [len(c) for c in counters]
+    assert d.samples_per_class().tolist() == [sum(c.values()) for c in counters]
+    assert torch.allclose(d.entropy(), torch.tensor(entropies, dtype=torch.float64), atol=1e-12)
+    assert d.mean_entropy() == pytest.approx(sum(entropies) / 4, abs=1e-12)
+    # keys repeat at all at this size (otherwise the test would not exercise counting)
+    assert any(n > 1 for c in counters for n in c.values())
+
+
+def test_dictionary_known_entropies_by_hand():
+    # 4 lower capsules, 3 classes. Class 0: all samples share one key -> H=0, 1 key.
+    # Class 1: two keys, two samples each -> H=1, 2 keys. Class 2: never predicted.
+    a = [[1.0, 0.0, 0.0]] * 4  # couplings column 0 = (1, 1, 1, 1)
+    b = [[0.0, 0.98, 0.02]] * 4  # column 1 = 0.98 -> level 10
+    c = [[0.3, 0.33, 0.37]] * 4  # column 1 = 0.33 -> level 3
+    couplings = torch.tensor([a, a, a, b, c, b, c], dtype=torch.float32)
+    predicted = torch.tensor([0, 0, 0, 1, 1, 1, 1])
+    d = ParseTreeDictionary(n_classes=3)
+    d.update(couplings, predicted, 11)
+    assert d.counts_dict(0) == {(10, 10, 10, 10): 3}
+    assert d.counts_dict(1) == {(10, 10, 10, 10): 2, (3, 3, 3, 3): 2}
+    assert d.counts_dict(2) == {}
+    assert d.keys_per_class().tolist() == [1, 2, 0]
+    assert d.samples_per_class().tolist() == [3, 4, 0]
+    assert d.entropy().tolist() == [0.0, 1.0, 0.0]  # empty class defined as 0, never NaN
+    assert d.mean_entropy() == 0.5  # mean over the two classes that have samples
+    keys, counts = d.counts(1)
+    assert keys.tolist() == [[3, 3, 3, 3], [10, 10, 10, 10]] and counts.tolist() == [2, 2]
+
+
+def test_dictionary_four_equiprobable_keys_two_bits():
+    cols = torch.tensor([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    couplings = torch.stack([cols, 1 - cols], dim=2).repeat(5, 1, 1)  # (20, 2, 2)
+    d = ParseTreeDictionary()
+    d.update(couplings, torch.zeros(20, dtype=torch.long), 2)
+    assert d.entropy().tolist() == [2.0, 0.0]
+    assert d.keys_per_class().tolist() == [4, 0]
+
+
+def test_batch_split_and_merge_invariance():
+    couplings = random_couplings(257, 8, 5, peak=8.0)
+    predicted = torch.randint(0, 5, (257,))
+    whole = ParseTreeDictionary()
+    whole.update(couplings, predicted, 3)
+    batched = ParseTreeDictionary()
+    for start in range(0, 257, 40):
+        batched.update(couplings[start : start + 40], predicted[start : start + 40], 3)
+    left, right = ParseTreeDictionary(), ParseTreeDictionary()
+    left.update(couplings[:100], predicted[:100], 3)
+    right.update(couplings[100:], predicted[100:], 3)
+    merged = left.merge(right)
+    for other in (batched, merged):
+        assert other == whole
+        assert torch.equal(other.entropy(), whole.entropy())
+        assert torch.equal(other.keys_per_class(), whole.keys_per_class())
+        for j in range(5):
+            k1, c1 = whole.counts(j)
+            k2, c2 = other.counts(j)
+            assert torch.equal(k1, k2) and torch.equal(c1, c2)
+    # merging an empty dictionary changes nothing
+    assert ParseTreeDictionary().merge(whole) == whole
+    assert whole.merge(ParseTreeDictionary()).to_state() == merged.to_state()
+
+
+def test_state_round_trip_through_json():
+    d = ParseTreeDictionary()
+    d.update(random_couplings(50, 5, 3), torch.randint(0, 3, (50,)), 11)
+    state = json.loads(json.dumps(d.to_state()))
+    back = ParseTreeDictionary.from_state(state)
+    assert back == d
+    assert torch.equal(back.entropy(), d.entropy())
+    back.update(random_couplings(10, 5, 3), torch.randint(0, 3, (10,)), 11)  # still usable
+    assert int(back.samples_per_class().sum()) == 60
+    with pytest.raises(ValueError):
+        ParseTreeDictionary.from_state({**state, "version": 99})
+
+
+def test_many_classes_and_large_k():
+    # > 256 classes and K > 256 take the wide-key path; still identical to the naive counts.
+    couplings = random_couplings(200, 3, 300, peak=1.0)
+    predicted = torch.randint(0, 300, (200,))
+    for levels in (11, 400):
+        d = ParseTreeDictionary()
+        d.update(couplings, predicted, levels)
+        counters, entropies = naive_dictionary(couplings, predicted, levels)
+        for j in set(predicted.tolist()):
+            assert as_string_counter(d, j) == counters[j]
+        assert torch.allclose(d.entropy(), torch.tensor(entropies, dtype=torch.float64))
+
+
+def test_dictionary_errors():
+    d = ParseTreeDictionary()
+    with pytest.raises(ValueError):
+        d.mean_entropy()
+    d.update(random_couplings(4, 3, 2), torch.tensor([0, 1, 0, 1]), 11)
+    with pytest.raises(ValueError, match="does not match"):
+        d.update(random_couplings(4, 3, 2), torch.tensor([0, 1, 0, 1]), 5)
+    with pytest.raises(ValueError, match="does not match"):
+        d.update(random_couplings(4, 4, 2), torch.tensor([0, 1, 0, 1]), 11)
+    with pytest.raises(ValueError, match="predicted"):
+        d.update(random_couplings(4, 3, 2), torch.tensor([0, 2, 0, 1]), 11)
+    with pytest.raises(ValueError):
+        d.update(random_couplings(4, 3, 2), torch.tensor([0, 1]), 11)
+    with pytest.raises(IndexError):
+        d.counts(2)
+
+
+# ------------------------------------------------------------------ choice of K
+
+
+def test_lowest_lossless_levels():
+    accuracy = {2: 0.80, 3: 0.95, 4: 0.989, 5: 0.991, 6: 0.985, 7: 0.992}
+    calls = []
+
+    def evaluate(k: int) -> float:
+        calls.append(k)
+        return accuracy[k]
+
+    assert lowest_lossless_levels(evaluate, range(2, 8), reference=0.99) == 5
+    assert calls == [2, 3, 4, 5]  # stops at the first passing K
+    assert lowest_lossless_levels(evaluate, [7, 4, 2], reference=0.99, tolerance=0.002) == 4
+    assert lowest_lossless_levels(evaluate, range(2, 8), reference=0.80) == 2
+    with pytest.raises(ValueError, match="best K=7"):
+        lowest_lossless_levels(evaluate, range(2, 8), reference=0.999)
+    with pytest.raises(ValueError, match="K must be ≥ 2"):
+        lowest_lossless_levels(evaluate, [1, 2], reference=0.5)
+    with pytest.raises(ValueError):
+        lowest_lossless_levels(evaluate, [], reference=0.5)
+    with pytest.raises(ValueError):
+        lowest_lossless_levels(evaluate, [2], reference=0.5, tolerance=-1.0)
