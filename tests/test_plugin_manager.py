@@ -275,7 +275,7 @@ def test_all_builtins_load_cleanly() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", PluginWarning)
         manager.load(entry_points=False)
-    assert set(manager.plugins) == {"explain_gradients", "explain_coda"}
+    assert set(manager.plugins) == {"explain_gradients", "explain_coda", "explain_capsules"}
     assert "coda.contributions" in manager.registry
 
 

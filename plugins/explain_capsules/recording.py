@@ -1,0 +1,212 @@
+"""Recording the parse-tree data of a capsule network: couplings and activations of every layer.
+
+:func:`record_parse_tree_data` runs a model over a data set batch by batch inside
+:func:`~explain_core.interfaces.routing.record_routing` and returns plain CPU copies of what every
+routing layer computed (couplings, optionally quantised into ``K`` levels as REM's ``c̃``, and the
+input/output capsule activations), together with the predictions. The returned
+:class:`CapsuleRecording` holds no reference to the model or to the (closed) routing recording.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from explain_capsules.rem import quantise_couplings
+from explain_core.interfaces.routing import RoutingEvent, record_routing
+from explain_core.targets import select_target
+
+__all__ = ["CapsuleRecording", "LayerRecording", "record_parse_tree_data"]
+
+
+@dataclass(frozen=True)
+class LayerRecording:
+    """What one routing layer computed for all ``N`` recorded samples (CPU tensors).
+
+    Attributes:
+        name: Qualified module name of the layer in the model (``""`` for the root).
+        n_in: Number of input (lower) capsules.
+        n_out: Number of output (upper) capsules.
+        couplings: Final coupling coefficients ``(N, n_in, n_out)``; quantised to ``k / (K-1)``
+            values when the recording was made with ``levels=K``.
+        input_activations: Input capsule lengths ``‖u_i‖``, ``(N, n_in)``.
+        output_activations: Output capsule lengths ``‖v_j‖``, ``(N, n_out)``.
+    """
+
+    name: str
+    n_in: int
+    n_out: int
+    couplings: torch.Tensor
+    input_activations: torch.Tensor
+    output_activations: torch.Tensor
+
+
+@dataclass(frozen=True)
+class CapsuleRecording:
+    """Parse-tree data of ``N`` samples: every routing layer in module order, plus predictions.
+
+    All tensors are detached CPU copies.
+
+    Attributes:
+        layers: One :class:`LayerRecording` per routing layer that ran, in module order
+            (``model.named_modules()``); routing layers never called in the forward pass are
+            left out.
+        predicted: Predicted class per sample, ``argmax`` of the model output, int64 ``(N,)``.
+        outputs: Model outputs ``(N, n_outputs)``.
+        levels: Number of quantisation levels ``K`` applied to the couplings, or ``None``.
+    """
+
+    layers: tuple[LayerRecording, ...]
+    predicted: torch.Tensor
+    outputs: torch.Tensor
+    levels: int | None = None
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the recorded routing layers, in module order."""
+        return [layer.name for layer in self.layers]
+
+    @property
+    def n_samples(self) -> int:
+        """Number of recorded samples ``N``."""
+        return int(self.predicted.shape[0])
+
+    def layer(self, name: str) -> LayerRecording:
+        """The recording of one routing layer by name.
+
+        Raises:
+            KeyError: If no routing layer of that name was recorded.
+        """
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no routing layer {name!r} was recorded; recorded layers: {self.names}")
+
+
+@contextmanager
+def inference_mode_of(model: nn.Module) -> Iterator[None]:
+    """Eval mode and ``torch.no_grad`` for the block; every module's training flag is restored."""
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for module, flag in flags:
+            module.training = flag
+
+
+def check_levels(levels: int | None) -> None:
+    """Validate an optional number of quantisation levels ``K`` (``None`` or an int ≥ 2).
+
+    Raises:
+        ValueError: Otherwise.
+    """
+    if levels is None:
+        return
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
+        raise ValueError(f"levels must be None or an int ≥ 2; got {levels!r}")
+
+
+def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    return fallback
+
+
+def _events_by_layer(events: list[RoutingEvent], order: list[str]) -> dict[str, RoutingEvent]:
+    """One event per layer for one forward pass; a layer routing twice per pass is an error."""
+    found: dict[str, RoutingEvent] = {}
+    for event in events:
+        if event.layer in found:
+            raise ValueError(
+                f"routing layer {event.layer!r} ran more than once in one forward pass; "
+                "parse-tree data needs each routing layer called exactly once per pass"
+            )
+        found[event.layer] = event
+    return {name: found[name] for name in order if name in found}
+
+
+def record_parse_tree_data(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    levels: int | None = None,
+    batch_size: int = 256,
+) -> CapsuleRecording:
+    """Run ``model`` over ``inputs`` and record the couplings and activations of every layer.
+
+    The model runs in eval mode under ``torch.no_grad`` (so eval-only coupling transforms such as
+    REM's quantiser apply); every module's training flag is restored afterwards, also on error.
+    Batches are moved to the device of the model's parameters; everything recorded is copied to
+    the CPU while the recording is open, so nothing refers to it once it closes.
+
+    Args:
+        model: A capsule network with :class:`~explain_core.interfaces.routing.RoutingLayer`
+            submodules, returning ``(batch, n_outputs)`` scores (e.g. class capsule lengths).
+        inputs: ``(N, ...)`` inputs.
+        levels: Quantise the recorded couplings into ``K = levels`` uniform levels
+            (:func:`~explain_capsules.rem.quantise_couplings`, REM's ``c̃``); ``None`` keeps
+            them as computed.
+        batch_size: Samples per forward pass.
+
+    Returns:
+        The recording of all ``N`` samples.
+
+    Raises:
+        ValueError: On empty inputs, a bad ``levels`` or ``batch_size``, a model without
+            routing layers, a routing layer running more than once per forward pass, or
+            routing layers that ran for some batches only.
+    """
+    check_levels(levels)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    if inputs.dim() < 1 or inputs.shape[0] == 0:
+        raise ValueError(f"inputs must hold at least one sample; got shape {tuple(inputs.shape)}")
+    transform = None if levels is None else partial(quantise_couplings, levels=levels)
+    device = _model_device(model, inputs.device)
+    per_layer: dict[str, list[RoutingEvent]] | None = None
+    outputs: list[torch.Tensor] = []
+    with inference_mode_of(model), record_routing(model, transform=transform) as recording:
+        order = recording.layers
+        for start in range(0, inputs.shape[0], batch_size):
+            output = model(inputs[start : start + batch_size].to(device))
+            select_target(output, None)  # checks the (batch, n_outputs) shape
+            events = _events_by_layer(recording.drain(), order)
+            if per_layer is None:
+                per_layer = {name: [] for name in events}
+            if set(events) != set(per_layer):
+                raise ValueError(
+                    f"routing layers {sorted(events)} ran for batch starting at {start}, but "
+                    f"{sorted(per_layer)} for the first batch; the forward pass must call the "
+                    "same routing layers for every batch"
+                )
+            for name, event in events.items():
+                per_layer[name].append(event)
+            outputs.append(output.detach().cpu().clone())
+    assert per_layer is not None  # at least one batch ran
+    layers = []
+    for name, events in per_layer.items():
+        couplings = torch.cat([e.couplings for e in events])
+        layers.append(
+            LayerRecording(
+                name=name,
+                n_in=int(couplings.shape[1]),
+                n_out=int(couplings.shape[2]),
+                couplings=couplings,
+                input_activations=torch.cat([e.input_activations for e in events]),
+                output_activations=torch.cat([e.output_activations for e in events]),
+            )
+        )
+    all_outputs = torch.cat(outputs)
+    return CapsuleRecording(
+        layers=tuple(layers),
+        predicted=all_outputs.argmax(dim=1),
+        outputs=all_outputs,
+        levels=levels,
+    )

@@ -1,0 +1,308 @@
+"""Training capsule networks: margin loss (+ reconstruction), Adam with per-epoch decay, resume.
+
+Every random choice of epoch ``e`` (the shuffling) comes from a generator seeded with
+``(seed, e)``, so a run resumed from a checkpoint continues exactly as the uninterrupted run
+would. Checkpoints are safetensors files holding the full ``model.state_dict()`` (parameters and
+buffers, e.g. pruning masks) and the optimizer moments, with a JSON header for the rest: loading
+one never unpickles anything.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from tqdm.auto import tqdm
+
+from explain_capsules.models import margin_loss
+from explain_core.errors import InvalidInputError, ModelLoadError
+
+__all__ = [
+    "CHECKPOINT_NAME",
+    "CapsuleTrainConfig",
+    "CapsuleTrainHistory",
+    "accuracy",
+    "load_capsule_checkpoint",
+    "save_capsule_checkpoint",
+    "train_capsnet",
+]
+
+CHECKPOINT_NAME = "capsnet.safetensors"
+
+
+@dataclass
+class CapsuleTrainConfig:
+    """Options of :func:`train_capsnet`.
+
+    Attributes:
+        epochs: Passes over the training data.
+        batch_size: Samples per step.
+        lr: Initial Adam learning rate.
+        lr_decay: Multiplies the learning rate after every epoch (``lr · decay^epoch``).
+        seed: Seed of the shuffling.
+        reconstruction_weight: Weight of the summed squared reconstruction error, used only
+            when the model has a decoder.
+    """
+
+    epochs: int
+    batch_size: int = 128
+    lr: float = 1e-3
+    lr_decay: float = 0.99
+    seed: int = 0
+    reconstruction_weight: float = 0.0005
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "batch_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int; got {value!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0; got {self.lr!r}")
+        if not 0 < self.lr_decay <= 1:
+            raise ValueError(f"lr_decay must be in (0, 1]; got {self.lr_decay!r}")
+        if not self.reconstruction_weight >= 0:
+            raise ValueError(
+                f"reconstruction_weight must be ≥ 0; got {self.reconstruction_weight!r}"
+            )
+
+
+@dataclass
+class CapsuleTrainHistory:
+    """Per-epoch mean training loss and, when evaluation was given, its accuracy."""
+
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+
+
+def _check_data(images: torch.Tensor, labels: torch.Tensor) -> None:
+    if images.dim() < 2 or labels.shape != (images.shape[0],):
+        raise InvalidInputError(
+            f"train_capsnet: expected images (N, ...) and labels (N,); got images "
+            f"{tuple(images.shape)} and labels {tuple(labels.shape)}"
+        )
+    if labels.dtype.is_floating_point:
+        raise InvalidInputError(f"train_capsnet: expected integer labels; got {labels.dtype}")
+
+
+def _loss(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, weight: float
+) -> torch.Tensor:
+    if getattr(model, "decoder", None) is None:
+        return margin_loss(model(images), labels)
+    # Training decodes the true class's capsule (masking by the label, as in Sabour et al.).
+    lengths, reconstruction = model.lengths_and_reconstruction(images, labels)
+    error = ((reconstruction.flatten(1) - images.flatten(1)) ** 2).sum(dim=1).mean()
+    return margin_loss(lengths, labels) + weight * error
+
+
+def train_capsnet(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    config: CapsuleTrainConfig,
+    *,
+    checkpoint_dir: Path | None = None,
+    evaluate: Callable[[nn.Module], float] | None = None,
+    stop_after_epoch: int | None = None,
+) -> CapsuleTrainHistory:
+    """Train a capsule net with the margin loss; resume from ``checkpoint_dir`` if it has one.
+
+    Args:
+        model: A :class:`~explain_capsules.models.DRCapsNet` or
+            :class:`~explain_capsules.models.MultiLayerCapsNet` (or any module returning class
+            capsule lengths; a ``decoder`` attribute switches the reconstruction loss on).
+        images: Training inputs ``(N, ...)`` in the model's input shape.
+        labels: Integer labels ``(N,)``.
+        config: Training options.
+        checkpoint_dir: Folder for ``capsnet.safetensors``, written after every epoch.
+        evaluate: Called after every epoch with the model in eval mode; returns an accuracy.
+        stop_after_epoch: Stop after this many epochs in total (to simulate an interruption).
+
+    Returns:
+        The history of all epochs, including those before a resume.
+
+    Raises:
+        InvalidInputError: On mismatched images and labels.
+        ModelLoadError: If the checkpoint in ``checkpoint_dir`` does not fit the model or the
+            configuration.
+    """
+    _check_data(images, labels)
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    history, start = CapsuleTrainHistory(), 0
+    path = None if checkpoint_dir is None else Path(checkpoint_dir) / CHECKPOINT_NAME
+    if path is not None and path.exists():
+        start, history = load_capsule_checkpoint(path, model, optimizer, config)
+    dataset = TensorDataset(images, labels)
+    last = config.epochs if stop_after_epoch is None else min(config.epochs, stop_after_epoch)
+    for epoch in range(start, last):
+        generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+        # Set from the epoch, not decayed in place, so a resumed run gets the same rate.
+        for group in optimizer.param_groups:
+            group["lr"] = config.lr * config.lr_decay**epoch
+        loader = DataLoader(dataset, config.batch_size, shuffle=True, generator=generator)
+        model.train()
+        total = 0.0
+        for batch_images, batch_labels in tqdm(
+            loader, desc=f"CapsNet epoch {epoch + 1}/{config.epochs}", leave=False, disable=None
+        ):
+            optimizer.zero_grad()
+            loss = _loss(model, batch_images, batch_labels, config.reconstruction_weight)
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(batch_labels)
+        model.eval()
+        history.loss.append(total / len(dataset))
+        if evaluate is not None:
+            history.accuracy.append(evaluate(model))
+        if path is not None:
+            save_capsule_checkpoint(path, model, optimizer, config, epoch + 1, history)
+    model.eval()
+    return history
+
+
+def save_capsule_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    config: CapsuleTrainConfig,
+    epoch: int,
+    history: CapsuleTrainHistory,
+) -> None:
+    """Write the full state dict, optimizer moments and progress to safetensors atomically."""
+    from safetensors.torch import save_file
+
+    # clone(): tied or aliased tensors would otherwise be refused by safetensors.
+    tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+    state = optimizer.state_dict()
+    for index, moments in state["state"].items():
+        for key, value in moments.items():
+            tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).clone().contiguous()
+    metadata = {
+        "format": "explain_capsules.checkpoint/1",
+        "model_class": type(model).__name__,
+        "epoch": str(epoch),
+        "config": json.dumps(asdict(config)),
+        "history": json.dumps(asdict(history)),
+        "param_groups": json.dumps(state["param_groups"]),
+    }
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".partial")
+    save_file(tensors, str(temporary), metadata=metadata)
+    temporary.replace(path)
+
+
+def _check_weights(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    shapes = [
+        f"{k}: model {tuple(expected[k].shape)} vs checkpoint {tuple(weights[k].shape)}"
+        for k in sorted(set(expected) & set(weights))
+        if expected[k].shape != weights[k].shape
+    ]
+    if not (missing or unexpected or shapes):
+        return
+    problems = []
+    if missing:
+        problems.append(f"missing from the checkpoint: {missing}")
+    if unexpected:
+        problems.append(f"not in the model: {unexpected}")
+    if shapes:
+        problems.append(f"shape mismatch: {shapes}")
+    masks = any("mask" in k for k in (*missing, *unexpected))
+    hint = " (its pruning masks do not match the model)" if masks else ""
+    raise ModelLoadError(
+        f"{path} does not match {type(model).__name__}{hint}; expected the model's "
+        f"{len(expected)} tensors with the same names and shapes; " + "; ".join(problems)
+    )
+
+
+def load_capsule_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    config: CapsuleTrainConfig | None = None,
+) -> tuple[int, CapsuleTrainHistory]:
+    """Restore a checkpoint written by :func:`save_capsule_checkpoint` into ``model``.
+
+    The tensors are checked against ``model.state_dict()`` before anything is loaded, so a
+    refused checkpoint leaves the model untouched.
+
+    Args:
+        path: The checkpoint file.
+        model: Model to load into; must have exactly the checkpoint's tensors (incl. buffers).
+        optimizer: Optional Adam optimizer to restore the moments into.
+        config: When given, must equal the checkpoint's configuration (resume guarantee).
+
+    Returns:
+        The number of finished epochs and the history so far.
+
+    Raises:
+        ModelLoadError: If the file is not such a checkpoint, its tensors do not match the
+            model (missing/unexpected names or shapes), or it was trained with another
+            configuration than ``config``.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    except Exception as error:
+        raise ModelLoadError(f"{path} is not a readable checkpoint: {error}") from error
+    if "epoch" not in metadata or "config" not in metadata:
+        raise ModelLoadError(f"{path} is not a capsule training checkpoint (no epoch recorded)")
+    saved_config = json.loads(metadata["config"])
+    if config is not None and saved_config != asdict(config):
+        raise ModelLoadError(
+            f"{path} was written with another training configuration ({saved_config}); expected "
+            f"{asdict(config)}; use a new checkpoint folder or the same configuration to resume"
+        )
+    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
+    _check_weights(path, model, weights)
+    model.load_state_dict(weights)
+    if optimizer is not None:
+        moments: dict[int, dict[str, Any]] = {}
+        for key, value in tensors.items():
+            if key.startswith("optimizer."):
+                _, index, name = key.split(".", 2)
+                moments.setdefault(int(index), {})[name] = value
+        optimizer.load_state_dict(
+            {"state": moments, "param_groups": json.loads(metadata["param_groups"])}
+        )
+    history = CapsuleTrainHistory(**json.loads(metadata["history"]))
+    return int(metadata["epoch"]), history
+
+
+@torch.no_grad()
+def accuracy(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256
+) -> float:
+    """Fraction of ``images`` whose longest class capsule is ``labels`` (batched).
+
+    Raises:
+        InvalidInputError: On mismatched images and labels or an empty set.
+    """
+    _check_data(images, labels)
+    if len(labels) == 0:
+        raise InvalidInputError("accuracy: expected at least one sample; got 0")
+    was_training = model.training
+    model.eval()
+    try:
+        correct = sum(
+            int((model(chunk).argmax(1) == target.to(chunk.device)).sum())
+            for chunk, target in zip(
+                images.split(batch_size), labels.split(batch_size), strict=True
+            )
+        )
+    finally:
+        model.train(was_training)
+    return correct / len(labels)
