@@ -24,7 +24,7 @@ def test_import_and_plugin_loading_do_not_import_optional_dependencies():
         "import sys, explain_core, explain_core.data\n"
         "explain_core.get_registry()\n"
         "heavy = ['onnx', 'onnxruntime', 'onnxscript', 'networkx', 'graphviz', 'sklearn',"
-        " 'matplotlib', 'torchvision']\n"
+        " 'matplotlib', 'torchvision', 'torch_pruning', 'captum', 'skimage']\n"
         "print([m for m in heavy if m in sys.modules])\n"
     )
     result = run_python(code)

@@ -4,14 +4,24 @@ Provides capsule layers (:class:`PrimaryCapsules`, :class:`FullyConnectedCapsule
 :class:`ConvolutionalCapsules`), dynamic routing, REM's quantised couplings and parse-tree
 dictionaries, the DR-CapsNet and multi-layer capsule models with margin loss and a resumable
 training loop, recording of parse-tree data (:func:`record_parse_tree_data`) and REM saliency
-maps of grid capsules (Eq. 16), registered as ``capsules.saliency``. Pruning, compaction and the
-REM reproduction are not here yet.
+maps of grid capsules (Eq. 16), registered as ``capsules.saliency``; magnitude pruning with
+schedules and mask buffers, and compaction of pruned DR-CapsNets with torch-pruning
+(``explain_capsules.compaction``, imported on demand so loading the plugin stays light). The REM
+reproduction is not here yet.
 """
 
 from __future__ import annotations
 
 from explain_capsules.layers import ConvolutionalCapsules, FullyConnectedCapsules, PrimaryCapsules
 from explain_capsules.models import DRCapsNet, MultiLayerCapsNet, margin_loss
+from explain_capsules.pruning import (
+    MagnitudePruner,
+    PruningSchedule,
+    apply_masks,
+    masks,
+    remove_masks,
+    train_with_pruning,
+)
 from explain_capsules.recording import CapsuleRecording, LayerRecording, record_parse_tree_data
 from explain_capsules.rem import (
     ParseTreeDictionary,
@@ -38,21 +48,27 @@ __all__ = [
     "DRCapsNet",
     "FullyConnectedCapsules",
     "LayerRecording",
+    "MagnitudePruner",
     "MultiLayerCapsNet",
     "ParseTreeDictionary",
     "PrimaryCapsules",
+    "PruningSchedule",
+    "apply_masks",
     "capsule_length",
     "capsule_saliency",
     "dynamic_routing",
     "find_grid_capsules",
     "lowest_lossless_levels",
     "margin_loss",
+    "masks",
     "quantise_couplings",
     "quantise_to_levels",
     "record_parse_tree_data",
+    "remove_masks",
     "saliency_grid",
     "squash",
     "train_capsnet",
+    "train_with_pruning",
 ]
 
 
