@@ -9,11 +9,9 @@ one never unpickles anything.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -21,7 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from explain_capsules.models import margin_loss
-from explain_core.errors import InvalidInputError, ModelLoadError
+from explain_core.checkpoints import load_training_checkpoint, save_training_checkpoint
+from explain_core.errors import InvalidInputError
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -175,52 +174,8 @@ def save_capsule_checkpoint(
     history: CapsuleTrainHistory,
 ) -> None:
     """Write the full state dict, optimizer moments and progress to safetensors atomically."""
-    from safetensors.torch import save_file
-
-    # clone(): tied or aliased tensors would otherwise be refused by safetensors.
-    tensors = {f"model.{k}": v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    state = optimizer.state_dict()
-    for index, moments in state["state"].items():
-        for key, value in moments.items():
-            tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).clone().contiguous()
-    metadata = {
-        "format": "explain_capsules.checkpoint/1",
-        "model_class": type(model).__name__,
-        "epoch": str(epoch),
-        "config": json.dumps(asdict(config)),
-        "history": json.dumps(asdict(history)),
-        "param_groups": json.dumps(state["param_groups"]),
-    }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".partial")
-    save_file(tensors, str(temporary), metadata=metadata)
-    temporary.replace(path)
-
-
-def _check_weights(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    shapes = [
-        f"{k}: model {tuple(expected[k].shape)} vs checkpoint {tuple(weights[k].shape)}"
-        for k in sorted(set(expected) & set(weights))
-        if expected[k].shape != weights[k].shape
-    ]
-    if not (missing or unexpected or shapes):
-        return
-    problems = []
-    if missing:
-        problems.append(f"missing from the checkpoint: {missing}")
-    if unexpected:
-        problems.append(f"not in the model: {unexpected}")
-    if shapes:
-        problems.append(f"shape mismatch: {shapes}")
-    masks = any("mask" in k for k in (*missing, *unexpected))
-    hint = " (its pruning masks do not match the model)" if masks else ""
-    raise ModelLoadError(
-        f"{path} does not match {type(model).__name__}{hint}; expected the model's "
-        f"{len(expected)} tensors with the same names and shapes; " + "; ".join(problems)
+    save_training_checkpoint(
+        path, model, optimizer, epoch=epoch, config=asdict(config), history=asdict(history)
     )
 
 
@@ -232,54 +187,20 @@ def load_capsule_checkpoint(
 ) -> tuple[int, CapsuleTrainHistory]:
     """Restore a checkpoint written by :func:`save_capsule_checkpoint` into ``model``.
 
-    The tensors are checked against ``model.state_dict()`` before anything is loaded, so a
-    refused checkpoint leaves the model untouched.
-
-    Args:
-        path: The checkpoint file.
-        model: Model to load into; must have exactly the checkpoint's tensors (incl. buffers).
-        optimizer: Optional Adam optimizer to restore the moments into.
-        config: When given, must equal the checkpoint's configuration (resume guarantee).
+    See :func:`explain_core.checkpoints.load_training_checkpoint`: names and shapes (pruning
+    masks included) are checked before anything is loaded.
 
     Returns:
         The number of finished epochs and the history so far.
 
     Raises:
-        ModelLoadError: If the file is not such a checkpoint, its tensors do not match the
-            model (missing/unexpected names or shapes), or it was trained with another
-            configuration than ``config``.
+        ModelLoadError: If the file is not such a checkpoint, does not match the model, or was
+            trained with another configuration than ``config``.
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except Exception as error:
-        raise ModelLoadError(f"{path} is not a readable checkpoint: {error}") from error
-    if "epoch" not in metadata or "config" not in metadata:
-        raise ModelLoadError(f"{path} is not a capsule training checkpoint (no epoch recorded)")
-    saved_config = json.loads(metadata["config"])
-    if config is not None and saved_config != asdict(config):
-        raise ModelLoadError(
-            f"{path} was written with another training configuration ({saved_config}); expected "
-            f"{asdict(config)}; use a new checkpoint folder or the same configuration to resume"
-        )
-    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    _check_weights(path, model, weights)
-    model.load_state_dict(weights)
-    if optimizer is not None:
-        moments: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            if key.startswith("optimizer."):
-                _, index, name = key.split(".", 2)
-                moments.setdefault(int(index), {})[name] = value
-        optimizer.load_state_dict(
-            {"state": moments, "param_groups": json.loads(metadata["param_groups"])}
-        )
-    history = CapsuleTrainHistory(**json.loads(metadata["history"]))
-    return int(metadata["epoch"]), history
+    epoch, history = load_training_checkpoint(
+        path, model, optimizer, config=None if config is None else asdict(config)
+    )
+    return epoch, CapsuleTrainHistory(**history)
 
 
 @torch.no_grad()

@@ -8,18 +8,16 @@ JSON header for the rest: loading one never unpickles anything.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 from explain_coda.model import CoDANet, bce_one_vs_all
-from explain_core.errors import ModelLoadError
+from explain_core.checkpoints import load_training_checkpoint, save_training_checkpoint
 from explain_core.interfaces.dynamic_linear import dynamic_linear_rows
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
@@ -145,23 +143,9 @@ def save_checkpoint(
     history: TrainHistory,
 ) -> None:
     """Write weights, optimizer moments and progress to a safetensors file atomically."""
-    from safetensors.torch import save_file
-
-    tensors = {f"model.{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
-    state = optimizer.state_dict()
-    for index, moments in state["state"].items():
-        for key, value in moments.items():
-            tensors[f"optimizer.{index}.{key}"] = torch.as_tensor(value).contiguous()
-    metadata = {
-        "epoch": str(epoch),
-        "config": json.dumps(asdict(config)),
-        "history": json.dumps(asdict(history)),
-        "param_groups": json.dumps(state["param_groups"]),
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".partial")
-    save_file(tensors, str(temporary), metadata=metadata)
-    temporary.replace(path)
+    save_training_checkpoint(
+        path, model, optimizer, epoch=epoch, config=asdict(config), history=asdict(history)
+    )
 
 
 def load_checkpoint(
@@ -176,38 +160,14 @@ def load_checkpoint(
         The number of finished epochs and the history so far.
 
     Raises:
-        ModelLoadError: If the file is not such a checkpoint, or was trained with another
-            configuration than ``config`` (resuming would then not reproduce the run).
+        ModelLoadError: If the file is not such a checkpoint, does not match the model, or was
+            written with another configuration than ``config`` (resuming would then not
+            reproduce the run).
     """
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-    except Exception as error:
-        raise ModelLoadError(f"{path} is not a readable checkpoint: {error}") from error
-    if "epoch" not in metadata:
-        raise ModelLoadError(f"{path} is not a CoDA training checkpoint (no epoch recorded)")
-    saved_config = json.loads(metadata["config"])
-    if config is not None and saved_config != asdict(config):
-        raise ModelLoadError(
-            f"{path} was written with another training configuration ({saved_config}); use a "
-            "new checkpoint folder or the same configuration to resume"
-        )
-    weights = {k[len("model.") :]: v for k, v in tensors.items() if k.startswith("model.")}
-    model.load_state_dict(weights)
-    if optimizer is not None:
-        moments: dict[int, dict[str, Any]] = {}
-        for key, value in tensors.items():
-            if key.startswith("optimizer."):
-                _, index, name = key.split(".", 2)
-                moments.setdefault(int(index), {})[name] = value
-        optimizer.load_state_dict(
-            {"state": moments, "param_groups": json.loads(metadata["param_groups"])}
-        )
-    history = TrainHistory(**json.loads(metadata["history"]))
-    return int(metadata["epoch"]), history
+    epoch, history = load_training_checkpoint(
+        path, model, optimizer, config=None if config is None else asdict(config)
+    )
+    return epoch, TrainHistory(**history)
 
 
 @torch.no_grad()
