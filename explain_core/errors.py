@@ -55,3 +55,45 @@ class ModelStateError(ExplainError):
 
 class ModelLoadError(ExplainError):
     """A model reference or weights file that cannot be loaded safely."""
+
+
+class MissingDependencyError(ExplainError, ImportError):
+    """An optional dependency (an extra such as ``graphs``) that a feature needs is missing."""
+
+
+class GraphvizNotFoundError(ExplainError, RuntimeError):
+    """The graphviz ``dot`` program is not installed; the DOT source was written nonetheless.
+
+    Attributes:
+        source_path: Where the ``.gv`` DOT source was written (``None`` if it was not).
+    """
+
+    def __init__(self, message: str, source_path: object = None) -> None:
+        super().__init__(message)
+        self.source_path = source_path
+
+
+class ExportError(ExplainError):
+    """A model (or its explanation) that cannot be exported, or an export that failed a check."""
+
+
+class UnsupportedOperatorError(ExportError):
+    """An operator the ONNX exporter cannot translate; names the operator and the module.
+
+    Attributes:
+        operator: The operator, e.g. ``"aten.linalg_qr.default"``.
+        module: Qualified name and type of the module that called it, when known.
+    """
+
+    def __init__(self, message: str, operator: str = "", module: str = "") -> None:
+        super().__init__(message)
+        self.operator = operator
+        self.module = module
+
+
+class ParityError(ExportError):
+    """An exported graph whose outputs differ from PyTorch's by more than the tolerances."""
+
+
+class RuntimeConflictError(ExplainError):
+    """Two onnxruntime distributions (e.g. onnxruntime and onnxruntime-gpu) are installed."""

@@ -23,6 +23,27 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 
+# Parse-tree pictures (the graphs extra) need graphviz's `dot` program, which pip cannot install:
+# as root with apt-get (Debian/Ubuntu) install the package `graphviz`; failing is not fatal.
+ensure_dot() {
+    command -v dot >/dev/null 2>&1 && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing graphviz's dot program (apt-get install graphviz)"
+        export DEBIAN_FRONTEND=noninteractive
+        if apt-get install -y -q --no-install-recommends graphviz >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 \
+                && apt-get install -y -q --no-install-recommends graphviz >/dev/null 2>&1; }; then
+            return 0
+        fi
+    fi
+    echo "warning: graphviz's dot program is missing and could not be installed here; parse" \
+        "trees are written as .gv sources and text only (install it with: apt-get install" \
+        "graphviz, or brew/conda install graphviz)" >&2
+}
+case ",$extras," in
+    *,graphs,*) ensure_dot ;;
+esac
+
 stamp="$venv/.explain-setup-${extras//,/-}"
 fingerprint=$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -66,6 +69,29 @@ def test_global_threshold_is_kth_smallest_magnitude():
     assert report.overall == pytest.approx(k / weights.size)
     # Layers end up with different sparsities under one global threshold.
     assert len({round(v, 3) for v in report.per_layer.values()}) > 1
+
+
+def test_layer_floor_keeps_the_largest_weights_of_a_small_layer():
+    model = small_net()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        params["routing.1.weight"].mul_(1e-4)  # tiny magnitudes: one threshold would empty it
+    assert MagnitudePruner(copy.deepcopy(model), 0.8).prune_to(0.8).per_layer[
+        "routing.1.weight"
+    ] == pytest.approx(1.0)
+    weight = params["routing.1.weight"].detach().clone()
+    report = MagnitudePruner(model, 0.8, layer_floor=0.1).prune_to(0.8)
+    kept = math.ceil(0.1 * weight.numel())
+    assert report.per_layer["routing.1.weight"] == pytest.approx(1 - kept / weight.numel())
+    # The kept ones are the layer's largest magnitudes; the target is still met overall.
+    expected = weight.abs().flatten() >= weight.abs().flatten().topk(kept).values[-1]
+    torch.testing.assert_close(masks(model)["routing.1.weight"].flatten(), expected)
+    assert report.overall == pytest.approx(round(0.8 * report.total) / report.total)
+
+
+def test_layer_floor_must_leave_room_for_the_target():
+    with pytest.raises(ValueError, match="layer_floor must be in"):
+        MagnitudePruner(small_net(), 0.9, layer_floor=0.2)
 
 
 def test_layer_scope_prunes_every_layer_equally():

@@ -7,7 +7,7 @@ training loop, recording of parse-tree data (:func:`record_parse_tree_data`) and
 maps of grid capsules (Eq. 16), registered as ``capsules.saliency``; magnitude pruning with
 schedules and mask buffers, and compaction of pruned DR-CapsNets with torch-pruning
 (``explain_capsules.compaction``, imported on demand so loading the plugin stays light). The REM
-reproduction is not here yet.
+reproduction lives in ``benchmarks/reproduce_rem.py``.
 """
 
 from __future__ import annotations

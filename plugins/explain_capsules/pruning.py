@@ -249,11 +249,16 @@ class MagnitudePruner:
             default :func:`default_prunable`.
         schedule: Sparsity per epoch; default one-shot pruning to the target at epoch 0. Its
             target must equal ``target_sparsity``.
+        layer_floor: With ``scope="global"``, the fraction of every layer's weights that is
+            always kept (its largest magnitudes), so one threshold cannot empty a small layer
+            whose weights happen to be small (which would kill the model). Pruned weights are
+            then taken from the other layers, so the overall sparsity still meets the target
+            unless the floors make that impossible. ``0`` (default) keeps the pure global rule.
 
     Raises:
         ValueError: On a sparsity outside ``[0, 1)``, an unknown scope, unknown or duplicate
-            parameter names, no parameters, a schedule with another target, or an existing
-            mask of the wrong shape.
+            parameter names, no parameters, a schedule with another target, a ``layer_floor``
+            outside ``[0, 1 − target_sparsity]``, or an existing mask of the wrong shape.
     """
 
     def __init__(
@@ -264,11 +269,18 @@ class MagnitudePruner:
         scope: Literal["global", "layer"] = "global",
         parameters: Sequence[str] | None = None,
         schedule: PruningSchedule | None = None,
+        layer_floor: float = 0.0,
     ) -> None:
         self.target_sparsity = _check_fraction("target_sparsity", target_sparsity)
         if scope not in _SCOPES:
             raise ValueError(f"scope must be one of {_SCOPES}; got {scope!r}")
         self.scope = scope
+        if not 0.0 <= layer_floor <= 1.0 - self.target_sparsity:
+            raise ValueError(
+                f"layer_floor must be in [0, 1 − target_sparsity] = [0, "
+                f"{1.0 - self.target_sparsity:.4g}]; got {layer_floor!r}"
+            )
+        self.layer_floor = float(layer_floor)
         self.schedule = schedule or PruningSchedule.one_shot(self.target_sparsity)
         if not math.isclose(self.schedule.target, self.target_sparsity):
             raise ValueError(
@@ -321,6 +333,15 @@ class MagnitudePruner:
             keep[torch.argsort(flat, stable=True)[:count]] = False
         return keep.view_as(mask)
 
+    def _floored_scores(self, weight: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Magnitudes on the CPU; the ``layer_floor`` largest unpruned ones raised to ``inf``."""
+        scores = weight.detach().abs().float().flatten().cpu()
+        floor = math.ceil(self.layer_floor * scores.numel())
+        if floor:
+            alive = torch.where(mask.flatten().cpu(), scores, torch.full_like(scores, -1.0))
+            scores[torch.topk(alive, floor).indices] = math.inf
+        return scores
+
     @torch.no_grad()
     def prune_to(self, sparsity: float) -> SparsityReport:
         """Shrink the masks to ``sparsity`` (by magnitude) and zero the pruned weights.
@@ -334,7 +355,7 @@ class MagnitudePruner:
                 count = round(sparsity * mask.numel())
                 mask.copy_(self._keep_mask(weight.detach().abs().float(), mask, count))
         else:
-            scores = torch.cat([w.detach().abs().float().flatten().cpu() for _, w, _ in pairs])
+            scores = torch.cat([self._floored_scores(w, m) for _, w, m in pairs])
             flat_mask = torch.cat([m.flatten().cpu() for _, _, m in pairs])
             keep = self._keep_mask(scores, flat_mask, round(sparsity * flat_mask.numel()))
             for (_, _, mask), part in zip(

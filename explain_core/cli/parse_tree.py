@@ -1,0 +1,142 @@
+"""``explain parse-tree``: draw a capsule net's parse tree for an input, a class or a data set."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from explain_core.errors import InvalidInputError
+
+DATASETS = ("digits",)
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the subcommand."""
+    parser = subparsers.add_parser(
+        "parse-tree",
+        help="draw the parse tree of a capsule network (graphviz)",
+        description="Build a capsule network from package.module:factory, load its weights, "
+        "record the couplings of its routing layers and draw the parse tree backtracked from "
+        "the predicted class: for one input file, for a class (the mean over the data set's "
+        "samples predicted as it) or for the whole data set. Nodes are capsules coloured by "
+        "activation; edges are couplings above the threshold (default 1/number of parent "
+        "capsules). Needs the graphs extra and the graphviz `dot` program.",
+    )
+    parser.add_argument("--model", required=True, help="package.module:factory")
+    parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--input", type=Path, help="one input (.npy or image): its parse tree")
+    mode.add_argument(
+        "--class",
+        dest="cls",
+        type=int,
+        metavar="K",
+        help="the mean parse tree of the samples of class K in --dataset",
+    )
+    parser.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        help="data for --class, or alone: the parse tree of the whole test split (default digits)",
+    )
+    parser.add_argument(
+        "--image-size", type=int, default=8, help="side of the digits images (default 8)"
+    )
+    parser.add_argument(
+        "--by-label",
+        action="store_true",
+        help="with --class: average the samples labelled K, not those predicted as K",
+    )
+    parser.add_argument(
+        "--channels", type=int, choices=(1, 3), help="convert an --input image to 1 or 3 channels"
+    )
+    parser.add_argument("--out", type=Path, required=True, help="picture file, e.g. tree.svg")
+    parser.add_argument(
+        "--format",
+        choices=("svg", "png", "pdf"),
+        help="picture format (default: from the --out suffix, else svg)",
+    )
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        help="keep couplings above this (default: 1/number of parent capsules per layer)",
+    )
+    parser.add_argument(
+        "--levels", type=int, metavar="K", help="quantise couplings into K levels (REM)"
+    )
+    parser.add_argument(
+        "--all-nodes",
+        action="store_true",
+        help="also draw the capsules outside the tree (faded)",
+    )
+    parser.add_argument(
+        "--text", action="store_true", help="also print the tree as text on the terminal"
+    )
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Record the couplings, build the tree and draw it."""
+    from explain_core.loading import load_model
+    from explain_core.parse_trees import (
+        class_parse_tree,
+        collect_parse_tree_data,
+        parse_tree,
+        render_parse_tree,
+        text_tree,
+    )
+    from explain_core.parse_trees._deps import require_networkx
+
+    if args.input is not None and args.dataset is not None:
+        raise InvalidInputError("--dataset cannot be combined with --input")
+    if args.by_label and args.cls is None:
+        raise InvalidInputError("--by-label needs --class")
+    if args.levels is not None and args.levels < 2:
+        raise InvalidInputError(f"--levels must be at least 2; got {args.levels}")
+    require_networkx()  # fail before loading anything if the graphs extra is missing
+    model = load_model(args.model, args.weights)
+    inputs, labels, what = _inputs(args)
+    data = collect_parse_tree_data(model, inputs, levels=args.levels)
+    if args.input is not None:
+        graph = parse_tree(data, sample=0, threshold=args.threshold, keep_all_nodes=args.all_nodes)
+        title = f"{args.input.name}: predicted class {int(data.predicted[0])}"
+    elif args.cls is not None:
+        graph = class_parse_tree(
+            data,
+            args.cls,
+            labels=labels if args.by_label else None,
+            threshold=args.threshold,
+            keep_all_nodes=args.all_nodes,
+        )
+        how = "labelled" if args.by_label else "predicted as"
+        title = f"{what}: mean of the {graph.graph['n_samples']} samples {how} class {args.cls}"
+    else:
+        graph = parse_tree(data, threshold=args.threshold, keep_all_nodes=args.all_nodes)
+        title = f"{what}: mean of all {data.n_samples} samples"
+    if args.levels is not None:
+        title += f", couplings in {args.levels} levels"
+    graph.graph["title"] = title
+    if args.text:
+        print(text_tree(graph), end="")
+    rendered = render_parse_tree(graph, args.out, format=args.format)
+    edges, nodes = graph.number_of_edges(), graph.number_of_nodes()
+    print(
+        f"{title}: {nodes} capsules, {edges} couplings -> {rendered.path} "
+        f"(DOT source {rendered.source_path})"
+    )
+    return 0
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """The batch to record, its labels (if known) and a short description."""
+    if args.input is not None:
+        from explain_core.inputs import load_input
+
+        return load_input(args.input, args.channels)[None], None, str(args.input.name)
+    from explain_core.data import load_digits
+
+    try:
+        digits = load_digits(image_size=args.image_size)
+    except ValueError as error:
+        raise InvalidInputError(f"--image-size: {error}") from None
+    return digits.test_images, digits.test_labels, "digits test split"

@@ -1,0 +1,344 @@
+"""The tensors a parse tree is built from: couplings and activations of every capsule layer.
+
+Layers are numbered as the paper's ``Ω^[l]`` (REM, §2.1): layer 1 holds the input capsules of the
+first routing layer (the primary capsules), layer ``L`` the output capsules of the last routing
+layer (the classes). ``couplings[l-1]`` are the couplings ``c_ij^[l]`` from capsule ``i`` of layer
+``l`` (a part, the child) to capsule ``j`` of layer ``l+1`` (the whole, the parent), normalised by
+the routing softmax over the parents ``j``.
+
+:class:`ParseTreeData` holds ``N`` samples as plain CPU tensors and is made from tensors
+(:meth:`ParseTreeData.from_tensors`), from any recording with the shape of
+``explain_capsules.CapsuleRecording`` (:meth:`ParseTreeData.from_recording`) or by running a model
+with routing layers (:func:`collect_parse_tree_data`, built on
+:func:`~explain_core.interfaces.routing.record_routing` only). Nothing here imports networkx.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from explain_core.errors import InvalidInputError
+from explain_core.interfaces.routing import RoutingEvent, RoutingLayer, record_routing
+
+__all__ = ["LayerStack", "ParseTreeData", "collect_parse_tree_data", "quantise"]
+
+
+@dataclass(frozen=True)
+class LayerStack:
+    """Couplings and activations of every layer for one tree: one sample, or a mean over samples.
+
+    Attributes:
+        couplings: ``couplings[l-1]`` is ``(|Ω^l|, |Ω^{l+1}|)``, for ``l = 1 … L-1``.
+        activations: ``activations[l-1]`` is ``(|Ω^l|,)``, the capsule lengths ``‖u‖``, for
+            ``l = 1 … L``.
+        n_samples: How many samples were averaged (1 for a single sample).
+    """
+
+    couplings: tuple[Tensor, ...]
+    activations: tuple[Tensor, ...]
+    n_samples: int = 1
+
+    @property
+    def sizes(self) -> list[int]:
+        """Number of capsules ``|Ω^l|`` of every layer ``l = 1 … L``."""
+        return [int(a.shape[0]) for a in self.activations]
+
+
+@dataclass(frozen=True)
+class ParseTreeData:
+    """Couplings, activations and predictions of ``N`` samples (detached CPU tensors).
+
+    Attributes:
+        couplings: ``couplings[l-1]`` is ``(N, |Ω^l|, |Ω^{l+1}|)`` for ``l = 1 … L-1``.
+        activations: ``activations[l-1]`` is ``(N, |Ω^l|)`` for ``l = 1 … L``.
+        predicted: Predicted class per sample, int64 ``(N,)``.
+        class_names: Names of the last layer's capsules, or ``None`` (their indices are used).
+        levels: Number of quantisation levels ``K`` applied to the couplings, or ``None``.
+    """
+
+    couplings: tuple[Tensor, ...]
+    activations: tuple[Tensor, ...]
+    predicted: Tensor
+    class_names: tuple[str, ...] | None = None
+    levels: int | None = None
+
+    def __post_init__(self) -> None:
+        _validate(self.couplings, self.activations, self.predicted, self.class_names)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        couplings: Sequence[Tensor],
+        activations: Sequence[Tensor],
+        predicted: Tensor | None = None,
+        *,
+        class_names: Sequence[str] | None = None,
+        levels: int | None = None,
+    ) -> ParseTreeData:
+        """Build from per-layer tensors; a single sample may omit the batch axis.
+
+        Args:
+            couplings: ``L-1`` tensors ``(N, |Ω^l|, |Ω^{l+1}|)`` (or ``(|Ω^l|, |Ω^{l+1}|)``).
+            activations: ``L`` tensors ``(N, |Ω^l|)`` (or ``(|Ω^l|,)``).
+            predicted: ``(N,)`` classes; ``None`` takes the argmax of the last activations.
+            class_names: Names of the last layer's capsules.
+            levels: Quantise the couplings into ``K`` levels (:func:`quantise`).
+
+        Raises:
+            InvalidInputError: If the shapes do not chain or agree.
+        """
+        couplings = [torch.as_tensor(c).detach().cpu() for c in couplings]
+        activations = [torch.as_tensor(a).detach().cpu() for a in activations]
+        if couplings and all(c.dim() == 2 for c in couplings):
+            couplings = [c[None] for c in couplings]
+        if activations and all(a.dim() == 1 for a in activations):
+            activations = [a[None] for a in activations]
+        if levels is not None:
+            couplings = [quantise(c, levels) for c in couplings]
+        if predicted is None and activations:
+            predicted = activations[-1].argmax(dim=1)
+        predicted = torch.as_tensor(predicted).detach().cpu().long().reshape(-1)
+        names = None if class_names is None else tuple(str(n) for n in class_names)
+        return cls(tuple(couplings), tuple(activations), predicted, names, levels)
+
+    @classmethod
+    def from_recording(
+        cls, recording: Any, *, class_names: Sequence[str] | None = None
+    ) -> ParseTreeData:
+        """Build from a recording shaped like ``explain_capsules.CapsuleRecording``.
+
+        The recording needs ``layers`` (routing layers in forward order, each with
+        ``couplings (N, n_in, n_out)``, ``input_activations (N, n_in)`` and
+        ``output_activations (N, n_out)``), ``predicted (N,)`` and optionally ``levels``.
+        Layer ``l``'s activations are the inputs of routing layer ``l``; the last layer's are
+        the outputs of the last routing layer.
+
+        Raises:
+            InvalidInputError: If the object lacks these fields or the layers do not chain.
+        """
+        if isinstance(recording, ParseTreeData):
+            return recording if class_names is None else recording.with_class_names(class_names)
+        layers = getattr(recording, "layers", None)
+        if not layers or not hasattr(recording, "predicted"):
+            raise InvalidInputError(
+                f"expected a capsule recording with .layers and .predicted (e.g. from "
+                f"explain_capsules.record_parse_tree_data); got {type(recording).__name__}"
+            )
+        try:
+            couplings = [layer.couplings for layer in layers]
+            activations = [layer.input_activations for layer in layers]
+            activations.append(layers[-1].output_activations)
+        except AttributeError as error:
+            raise InvalidInputError(
+                f"the recording's layers need couplings, input_activations and "
+                f"output_activations: {error}"
+            ) from None
+        names = None if class_names is None else tuple(str(n) for n in class_names)
+        return cls(
+            tuple(c.detach().cpu() for c in couplings),
+            tuple(a.detach().cpu() for a in activations),
+            torch.as_tensor(recording.predicted).detach().cpu().long().reshape(-1),
+            names,
+            getattr(recording, "levels", None),
+        )
+
+    @property
+    def n_samples(self) -> int:
+        """Number of samples ``N``."""
+        return int(self.predicted.shape[0])
+
+    @property
+    def n_layers(self) -> int:
+        """Number of capsule layers ``L`` (routing layers plus one)."""
+        return len(self.activations)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Number of capsules ``|Ω^l|`` of every layer ``l = 1 … L``."""
+        return [int(a.shape[1]) for a in self.activations]
+
+    def class_name(self, index: int) -> str:
+        """Name of class capsule ``index`` (its index as text without class names)."""
+        return self.class_names[index] if self.class_names is not None else str(index)
+
+    def with_class_names(self, class_names: Sequence[str]) -> ParseTreeData:
+        """A copy with names for the last layer's capsules."""
+        return replace(self, class_names=tuple(str(n) for n in class_names))
+
+    def quantised(self, levels: int) -> ParseTreeData:
+        """A copy with couplings quantised into ``K = levels`` levels (REM's ``c̃``)."""
+        return replace(
+            self, couplings=tuple(quantise(c, levels) for c in self.couplings), levels=levels
+        )
+
+    def sample(self, index: int) -> LayerStack:
+        """The tensors of one sample.
+
+        Raises:
+            InvalidInputError: If ``index`` is out of range.
+        """
+        if isinstance(index, bool) or not isinstance(index, int):
+            raise InvalidInputError(f"sample index must be an int; got {index!r}")
+        if not -self.n_samples <= index < self.n_samples:
+            raise InvalidInputError(
+                f"sample index {index} is out of range for {self.n_samples} recorded samples"
+            )
+        return LayerStack(
+            tuple(c[index] for c in self.couplings), tuple(a[index] for a in self.activations)
+        )
+
+    def mean(self, mask: Tensor | None = None) -> LayerStack:
+        """Couplings and activations averaged over all samples, or those where ``mask`` is true.
+
+        Raises:
+            InvalidInputError: If no sample is selected.
+        """
+        if mask is None:
+            mask = torch.ones(self.n_samples, dtype=torch.bool)
+        mask = torch.as_tensor(mask, dtype=torch.bool).reshape(-1)
+        if mask.shape[0] != self.n_samples:
+            raise InvalidInputError(
+                f"mask has {mask.shape[0]} entries but {self.n_samples} samples were recorded"
+            )
+        count = int(mask.sum())
+        if count == 0:
+            raise InvalidInputError("no sample is selected; cannot average over zero samples")
+        return LayerStack(
+            tuple(c[mask].double().mean(0).float() for c in self.couplings),
+            tuple(a[mask].double().mean(0).float() for a in self.activations),
+            count,
+        )
+
+
+def quantise(couplings: Tensor, levels: int) -> Tensor:
+    """Quantise couplings to ``K`` uniform levels ``k/(K-1)`` (REM's ``c̃``, nearest level).
+
+    Values are clamped to ``[0, 1]``; halves round up, computed in float64 — the same values as
+    ``explain_capsules.rem.quantise_couplings`` (``K = 11`` gives ``0, 0.1, …, 1``).
+
+    Raises:
+        InvalidInputError: If ``levels`` is not an int ≥ 2.
+    """
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
+        raise InvalidInputError(f"levels must be an int ≥ 2; got {levels!r}")
+    dtype = couplings.dtype if torch.is_floating_point(couplings) else torch.float32
+    scaled = couplings.to(torch.float64).clamp(0.0, 1.0) * (levels - 1)
+    return (torch.floor(scaled + 0.5) / (levels - 1)).to(dtype)
+
+
+def collect_parse_tree_data(
+    model: nn.Module,
+    inputs: Tensor,
+    *,
+    levels: int | None = None,
+    batch_size: int = 256,
+    class_names: Sequence[str] | None = None,
+) -> ParseTreeData:
+    """Run ``model`` over ``inputs`` and collect every routing layer's couplings and activations.
+
+    Works for any model whose capsule layers derive from
+    :class:`~explain_core.interfaces.routing.RoutingLayer` and call each routing layer once per
+    forward pass, in a chain (layer ``k``'s outputs are layer ``k+1``'s inputs). The model runs
+    under ``torch.no_grad`` in eval mode; every module's training flag is restored afterwards.
+
+    Args:
+        model: A capsule network returning ``(batch, classes)`` scores.
+        inputs: ``(N, ...)`` inputs.
+        levels: Quantise the couplings into ``K`` levels (REM's ``c̃``).
+        batch_size: Samples per forward pass.
+        class_names: Names of the class capsules.
+
+    Raises:
+        InvalidInputError: If the model has no routing layer, the routing layers do not form a
+            chain, or the output is not ``(batch, classes)``.
+    """
+    if not any(isinstance(m, RoutingLayer) for m in model.modules()):
+        raise InvalidInputError(
+            f"{type(model).__name__} has no routing layers (modules deriving from "
+            "explain_core.RoutingLayer); parse trees need a capsule network"
+        )
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidInputError(f"batch_size must be a positive int; got {batch_size!r}")
+    if inputs.dim() < 1 or inputs.shape[0] == 0:
+        raise InvalidInputError(f"inputs must hold at least one sample; got {tuple(inputs.shape)}")
+    device = next((p.device for p in model.parameters()), inputs.device)
+    flags = [(module, module.training) for module in model.modules()]
+    batches: list[list[RoutingEvent]] = []
+    outputs = []
+    try:
+        model.eval()
+        with torch.no_grad(), record_routing(model) as recording:
+            for start in range(0, inputs.shape[0], batch_size):
+                output = model(inputs[start : start + batch_size].to(device))
+                if not isinstance(output, Tensor) or output.dim() != 2:
+                    raise InvalidInputError(
+                        f"{type(model).__name__} must return (batch, classes) scores; got "
+                        f"{tuple(output.shape) if isinstance(output, Tensor) else type(output)}"
+                    )
+                batches.append(recording.drain())
+                outputs.append(output.detach().cpu())
+    finally:
+        for module, flag in flags:
+            module.training = flag
+    order = [e.layer for e in batches[0]]
+    for events in batches:
+        if [e.layer for e in events] != order or len(set(order)) != len(order):
+            raise InvalidInputError(
+                "every forward pass must call each routing layer exactly once, in the same "
+                f"order; got {[e.layer for e in events]}"
+            )
+    couplings = [torch.cat([b[k].couplings for b in batches]) for k in range(len(order))]
+    activations = [torch.cat([b[k].input_activations for b in batches]) for k in range(len(order))]
+    activations.append(torch.cat([b[-1].output_activations for b in batches]))
+    for k in range(len(order) - 1):
+        if couplings[k].shape[2] != couplings[k + 1].shape[1]:
+            raise InvalidInputError(
+                f"routing layers {order[k]!r} ({couplings[k].shape[2]} outputs) and "
+                f"{order[k + 1]!r} ({couplings[k + 1].shape[1]} inputs) do not form a chain; "
+                "parse trees need consecutive capsule layers"
+            )
+    predicted = torch.cat(outputs).argmax(dim=1)
+    return ParseTreeData.from_tensors(
+        couplings, activations, predicted, class_names=class_names, levels=levels
+    )
+
+
+def _validate(
+    couplings: Sequence[Tensor],
+    activations: Sequence[Tensor],
+    predicted: Tensor,
+    class_names: Sequence[str] | None,
+) -> None:
+    if len(couplings) < 1 or len(activations) != len(couplings) + 1:
+        raise InvalidInputError(
+            f"a parse tree needs L-1 ≥ 1 coupling tensors and L activation tensors; got "
+            f"{len(couplings)} and {len(activations)}"
+        )
+    n = int(predicted.shape[0]) if predicted.dim() == 1 else -1
+    for k, c in enumerate(couplings):
+        a_in, a_out = activations[k], activations[k + 1]
+        if (
+            c.dim() != 3
+            or a_in.shape != (n, c.shape[1])
+            or a_out.dim() != 2
+            or a_out.shape != (n, c.shape[2])
+        ):
+            raise InvalidInputError(
+                f"layer {k + 1}: couplings {tuple(c.shape)} need activations ({n}, n_in) and "
+                f"({n}, n_out) matching predictions ({n},); got {tuple(a_in.shape)} and "
+                f"{tuple(a_out.shape)}"
+            )
+    if n == 0:
+        raise InvalidInputError("parse-tree data needs at least one sample")
+    classes = int(activations[-1].shape[1])
+    if class_names is not None and len(class_names) != classes:
+        raise InvalidInputError(
+            f"{len(class_names)} class names given for {classes} class capsules"
+        )
+    if predicted.numel() and (int(predicted.min()) < 0 or int(predicted.max()) >= classes):
+        raise InvalidInputError(f"predicted classes must lie in [0, {classes - 1}]")

@@ -1,0 +1,78 @@
+"""Parse trees for other tools: GraphML (Gephi, yEd, Cytoscape) and node-link JSON (d3).
+
+Both formats keep every node, edge and graph attribute with its type, so reading a file back
+gives a graph equal to the one written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from explain_core.parse_trees._deps import require_networkx
+
+__all__ = [
+    "read_graphml",
+    "read_node_link_json",
+    "to_node_link",
+    "write_graphml",
+    "write_node_link_json",
+]
+
+
+def write_graphml(graph: Any, path: str | Path) -> Path:
+    """Write ``graph`` as GraphML (atomically) and return the path."""
+    nx = require_networkx()
+    return _write_atomically(Path(path), lambda handle: nx.write_graphml(graph, handle))
+
+
+def read_graphml(path: str | Path) -> Any:
+    """Read a parse tree written by :func:`write_graphml` (node ids stay strings)."""
+    nx = require_networkx()
+    graph = nx.read_graphml(Path(path), node_type=str)
+    # networkx adds empty defaults on reading; drop them so a round trip gives the same graph.
+    for key in ("node_default", "edge_default"):
+        if graph.graph.get(key) == {}:
+            del graph.graph[key]
+    return graph
+
+
+def to_node_link(graph: Any) -> dict[str, Any]:
+    """The node-link form of ``graph`` (``{"nodes": [...], "edges": [...], "graph": {...}}``)."""
+    nx = require_networkx()
+    try:
+        return nx.node_link_data(graph, edges="edges")
+    except TypeError:  # networkx < 3.4 names the keyword `link`
+        return nx.node_link_data(graph, link="edges")
+
+
+def write_node_link_json(graph: Any, path: str | Path) -> Path:
+    """Write the node-link form of ``graph`` as JSON (atomically) and return the path."""
+    text = json.dumps(to_node_link(graph), indent=1, ensure_ascii=False)
+    return _write_atomically(Path(path), lambda handle: handle.write(text.encode()))
+
+
+def read_node_link_json(path: str | Path) -> Any:
+    """Read a parse tree written by :func:`write_node_link_json`."""
+    nx = require_networkx()
+    data = json.loads(Path(path).read_text())
+    try:
+        return nx.node_link_graph(data, edges="edges")
+    except TypeError:  # networkx < 3.4
+        return nx.node_link_graph(data, link="edges")
+
+
+def _write_atomically(path: Path, write: Any) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            write(handle)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path

@@ -1,0 +1,247 @@
+"""Drawing parse trees with graphviz: SVG, PNG or PDF, one tree or several side by side.
+
+Capsule layers are ranks (``rank=same``), primary capsules at the bottom and the classes at the
+top; nodes keep their index order within a rank. A node's fill comes from a matplotlib colormap
+of its activation ``‖u‖`` in ``[0, 1]``; an edge's pen width and opacity grow with its coupling.
+Capsules added by ``keep_all_nodes`` that are not in the tree are drawn faded and dashed.
+
+The DOT source is generated here and always written next to the picture (``.gv``) before
+graphviz runs, so it exists even when the ``dot`` program is missing; then
+:class:`~explain_core.errors.GraphvizNotFoundError` says how to install it, and
+:func:`~explain_core.parse_trees.text.text_tree` draws the tree in a terminal instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from explain_core.errors import GraphvizNotFoundError, InvalidInputError
+from explain_core.parse_trees._deps import require_graphviz
+from explain_core.parse_trees.export import _write_atomically
+
+__all__ = ["FORMATS", "RenderedTree", "render_parse_tree", "render_side_by_side", "to_dot"]
+
+FORMATS = ("svg", "png", "pdf")
+DOT_INSTALL_HINT = (
+    "install the graphviz program: Debian/Ubuntu `apt-get install graphviz` (the package "
+    "`graphviz`), macOS `brew install graphviz`, conda `conda install graphviz`"
+)
+
+
+@dataclass(frozen=True)
+class RenderedTree:
+    """Where a rendering went.
+
+    Attributes:
+        path: The picture (SVG, PNG or PDF).
+        source_path: The DOT source (``.gv``) it was drawn from.
+    """
+
+    path: Path
+    source_path: Path
+
+
+def to_dot(
+    trees: Any | Sequence[tuple[str, Any]],
+    *,
+    title: str | None = None,
+    colormap: str = "viridis",
+) -> str:
+    """DOT source of one parse tree, or of several ``(title, graph)`` pairs side by side.
+
+    Every layer is one ``rank=same`` row holding, left to right, each tree's layer label and
+    capsules in index order (kept by invisible edges along the row); side by side, a title
+    node heads each tree.
+
+    Args:
+        trees: A parse-tree graph, or ``(title, graph)`` pairs drawn left to right.
+        title: Title over the whole picture (one tree: default its ``title`` attribute).
+        colormap: Matplotlib colormap for the activation ``‖u‖`` in ``[0, 1]``.
+
+    Returns:
+        The source text. With one tree, DOT node names are the node ids (``L2:C5``); side by
+        side, tree ``k`` (from 1) prefixes them with ``t{k}/``.
+
+    Raises:
+        InvalidInputError: If no tree is given.
+    """
+    import matplotlib
+
+    cmap = matplotlib.colormaps[colormap]
+    single = not isinstance(trees, (list, tuple))
+    pairs = [(None, trees)] if single else list(trees)
+    if not pairs:
+        raise InvalidInputError("nothing to draw: no parse trees given")
+    if single and title is None:
+        title = pairs[0][1].graph.get("title")
+    legend = f"fill: ‖u‖ ({colormap}, 0 → 1)   edges: coupling c (width, opacity)"
+    lines = [
+        "digraph parse_tree {",
+        "\tgraph [rankdir=BT, nodesep=0.12, ranksep=0.55, fontname=Helvetica, labelloc=t, "
+        f"label={_quote(title + chr(10) + legend if title else legend)}, fontsize=12]",
+        "\tnode [shape=circle, style=filled, fixedsize=true, width=0.42, fontname=Helvetica, "
+        "fontsize=9, penwidth=0.8]",
+        "\tedge [arrowhead=none]",
+    ]
+    rows: dict[int, list[str]] = {}  # layer -> DOT names, left to right
+    statements: list[str] = []
+    titles: list[str] = []
+    for k, (name, graph) in enumerate(pairs, start=1):
+        prefix = "" if single else f"t{k}/"
+        by_layer: dict[int, list[tuple[int, str, dict[str, Any]]]] = {}
+        for node, data in graph.nodes(data=True):
+            by_layer.setdefault(int(data["layer"]), []).append((int(data["index"]), node, data))
+        top = max(by_layer, default=0)
+        for layer in sorted(by_layer):
+            label = "classes" if layer == top else "primary" if layer == 1 else f"layer {layer}"
+            label_node = f"{prefix}layer:{layer}"
+            statements.append(
+                f"{_quote(label_node)} [shape=plaintext, style=solid, fixedsize=false, "
+                f"label={_quote(label)}, fontsize=10, fontcolor=gray35]"
+            )
+            row = rows.setdefault(layer, [])
+            row.append(label_node)
+            for _, node, data in sorted(by_layer[layer]):
+                statements.append(f"{_quote(prefix + node)} {_attributes(_node_style(data, cmap))}")
+                row.append(prefix + node)
+        for child, parent, data in sorted(graph.edges(data=True)):
+            statements.append(
+                f"{_quote(prefix + child)} -> {_quote(prefix + parent)} "
+                f"{_attributes(_edge_style(float(data['weight'])))}"
+            )
+        if not single and by_layer:
+            head = f"{prefix}title"
+            statements.append(
+                f"{_quote(head)} [shape=plaintext, style=solid, fixedsize=false, "
+                f"label={_quote(str(name))}, fontsize=13]"
+            )
+            # A heavy edge from the middle of the tree's top row places its title above it.
+            top_row = sorted(by_layer[top])
+            middle = prefix + top_row[len(top_row) // 2][1]
+            statements.append(f"{_quote(middle)} -> {_quote(head)} [style=invis, weight=20]")
+            titles.append(head)
+    lines += ["\t" + statement for statement in statements]
+    for layer, row in [*sorted(rows.items()), (None, titles)]:
+        if not row:
+            continue
+        lines.append(f"\tsubgraph {_quote(f'row {layer}' if layer else 'titles')} {{")
+        lines.append("\t\trank=same")
+        for a, b in itertools.pairwise(row):
+            lines.append(f"\t\t{_quote(a)} -> {_quote(b)} [style=invis]")
+        lines.append("\t}")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _node_style(data: dict[str, Any], cmap: Any) -> dict[str, str]:
+    activation = min(max(float(data["activation"]), 0.0), 1.0)
+    red, green, blue, _ = cmap(activation)
+    fill = f"#{round(red * 255):02x}{round(green * 255):02x}{round(blue * 255):02x}"
+    luminance = 0.299 * red + 0.587 * green + 0.114 * blue
+    style = {
+        "label": str(data.get("label", data["index"])),
+        "fillcolor": fill,
+        "fontcolor": "black" if luminance > 0.5 else "white",
+        "tooltip": f"{data.get('label', '')} ‖u‖={float(data['activation']):.3f}",
+    }
+    if data.get("class_name") is not None:
+        style["shape"] = "doublecircle" if data.get("root") else "circle"
+        style["width"] = "0.36" if data.get("root") else "0.42"
+    if data.get("root"):
+        style["penwidth"] = "2"
+    if not data.get("in_tree", True):
+        style.update(style="filled,dashed", fillcolor=fill + "40", fontcolor="gray50")
+    return style
+
+
+def _edge_style(weight: float) -> dict[str, str]:
+    strength = min(max(weight, 0.0), 1.0)
+    alpha = round(255 * (0.2 + 0.8 * strength))
+    return {
+        "penwidth": f"{0.4 + 3.6 * strength:.2f}",
+        "color": f"#1f2f4f{alpha:02x}",
+        "tooltip": f"c={weight:.3f}",
+    }
+
+
+def _quote(text: str) -> str:
+    escaped = str(text).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{escaped}"'
+
+
+def _attributes(attributes: dict[str, str]) -> str:
+    return "[" + ", ".join(f"{key}={_quote(value)}" for key, value in attributes.items()) + "]"
+
+
+def render_parse_tree(
+    graph: Any,
+    path: str | Path,
+    *,
+    format: str | None = None,
+    title: str | None = None,
+    colormap: str = "viridis",
+) -> RenderedTree:
+    """Draw one parse tree to ``path`` (SVG, PNG or PDF) and its DOT source beside it.
+
+    Args:
+        graph: A parse-tree graph.
+        path: The picture; the ``.gv`` source goes to the same path with suffix ``.gv``.
+        format: ``svg``, ``png`` or ``pdf``; default: from the suffix of ``path``, else SVG
+            (the suffix is then added).
+        title: Title over the picture (default: the graph's ``title``).
+        colormap: Matplotlib colormap of the activation.
+
+    Raises:
+        GraphvizNotFoundError: If the ``dot`` program is missing (the ``.gv`` is written).
+        MissingDependencyError: If the graphviz Python package is missing (the ``.gv`` is
+            written).
+        InvalidInputError: On an unknown format.
+    """
+    return _render(to_dot(graph, title=title, colormap=colormap), path, format)
+
+
+def render_side_by_side(
+    trees: Sequence[tuple[str, Any]],
+    path: str | Path,
+    *,
+    format: str | None = None,
+    title: str | None = None,
+    colormap: str = "viridis",
+) -> RenderedTree:
+    """Draw several ``(title, graph)`` parse trees side by side in one picture.
+
+    For example ``[("DR-CapsNet+Q", tree_q), ("DR-CapsNet+REM", tree_rem)]``. Arguments and
+    errors as in :func:`render_parse_tree`.
+    """
+    pairs = [(str(name), graph) for name, graph in trees]
+    return _render(to_dot(pairs, title=title, colormap=colormap), path, format)
+
+
+def _render(source: str, path: str | Path, format: str | None) -> RenderedTree:
+    path = Path(path)
+    suffix = path.suffix.lower().lstrip(".")
+    if format is None:
+        format = suffix if suffix in FORMATS else "svg"
+    format = format.lower()
+    if format not in FORMATS:
+        raise InvalidInputError(f"unknown picture format {format!r}; choose one of {FORMATS}")
+    if suffix != format:
+        path = path.with_name(path.name + "." + format)
+    source_path = path.with_suffix(".gv")
+    _write_atomically(source_path, lambda handle: handle.write(source.encode()))
+    graphviz = require_graphviz()
+    try:
+        picture = graphviz.Source(source, engine="dot").pipe(format=format)
+    except graphviz.ExecutableNotFound:
+        raise GraphvizNotFoundError(
+            f"the graphviz `dot` program was not found on PATH, so {path.name} could not be "
+            f"drawn; {DOT_INSTALL_HINT}. The DOT source was written to {source_path}; "
+            "`text_tree(graph)` (or `explain parse-tree --text`) prints the tree in a terminal",
+            source_path,
+        ) from None
+    _write_atomically(path, lambda handle: handle.write(picture))
+    return RenderedTree(path, source_path)

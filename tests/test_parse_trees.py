@@ -1,0 +1,533 @@
+"""Parse-tree graphs: building (thresholds, backtracking, in-degree rule, modes), rendering,
+the missing-`dot` behaviour, exports and the `explain parse-tree` command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import uuid
+import warnings
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from explain_core.cli import main
+from explain_core.errors import GraphvizNotFoundError, InvalidInputError, MissingDependencyError
+from explain_core.parse_trees import (
+    ParseTreeData,
+    build_parse_tree,
+    class_parse_tree,
+    collect_parse_tree_data,
+    compare_parse_trees,
+    dataset_parse_tree,
+    default_thresholds,
+    node_id,
+    parse_tree,
+    quantise,
+    read_graphml,
+    read_node_link_json,
+    render_parse_tree,
+    render_side_by_side,
+    sample_parse_tree,
+    text_tree,
+    to_dot,
+    write_graphml,
+    write_node_link_json,
+)
+
+DOT = shutil.which("dot")
+needs_dot = pytest.mark.skipif(
+    DOT is None,
+    reason="graphviz's `dot` program is not installed (Debian/Ubuntu: apt-get install graphviz; "
+    "scripts/setup-env.sh with the graphs extra installs it where it can)",
+)
+SVG = "{http://www.w3.org/2000/svg}"
+
+
+@pytest.fixture(autouse=True)
+def _restore_showwarning(monkeypatch: pytest.MonkeyPatch) -> None:
+    # main() installs a one-line warning printer; undo it after each test.
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+
+
+# --- hand-made couplings -----------------------------------------------------------------------
+# Layer 1: 3 primary capsules; layer 2: 4 capsules (threshold 1/4 on c^[1]); layer 3: 2 classes
+# (threshold 1/2 on c^[2]). L2:C3 receives no coupling above 1/4 (in-degree 0), L2:C1 couples
+# to both classes with exactly 0.5 (not above the threshold).
+C1 = torch.tensor(
+    [
+        [0.70, 0.10, 0.10, 0.10],
+        [0.20, 0.50, 0.10, 0.20],
+        [0.10, 0.10, 0.60, 0.20],
+    ]
+)
+C2 = torch.tensor([[0.90, 0.10], [0.50, 0.50], [0.30, 0.70], [0.95, 0.05]])
+A = [torch.tensor([0.9, 0.8, 0.7]), torch.tensor([0.6, 0.5, 0.4, 0.3]), torch.tensor([0.8, 0.2])]
+
+
+def hand_tree(roots=(0,), **options):
+    return build_parse_tree([C1, C2], A, roots, class_names=["zero", "one"], **options)
+
+
+def edge_set(graph) -> set[tuple[str, str]]:
+    return set(graph.edges())
+
+
+def test_node_ids_are_stable_text():
+    assert node_id(2, 5) == "L2:C5"
+    assert node_id(torch.tensor(1), np.int64(0)) == "L1:C0"
+    tree = hand_tree(keep_all_nodes=True)
+    expected = {f"L{layer}:C{i}" for layer, n in ((1, 3), (2, 4), (3, 2)) for i in range(n)}
+    assert set(tree.nodes) == expected
+    assert sorted(hand_tree(keep_all_nodes=True).nodes) == sorted(tree.nodes)  # no hash()
+
+
+def test_default_threshold_is_one_over_the_parent_count():
+    assert default_thresholds([3, 4, 2]) == [0.25, 0.5]
+    assert hand_tree().graph["thresholds"] == "0.25,0.5"
+
+
+def test_backtracking_threshold_and_in_degree_rule():
+    tree = hand_tree(roots=(0,))
+    # L2:C1 -> class 0 is exactly 0.5 (not above); L2:C3 -> class 0 is 0.95 but deg⁻(L2:C3) = 0.
+    assert edge_set(tree) == {("L1:C0", "L2:C0"), ("L2:C0", "L3:C0")}
+    assert set(tree.nodes) == {"L1:C0", "L2:C0", "L3:C0"}
+    assert tree.edges["L2:C0", "L3:C0"]["weight"] == pytest.approx(0.9)
+    assert tree.edges["L1:C0", "L2:C0"]["layer"] == 1
+    root = tree.nodes["L3:C0"]
+    assert root["root"] and root["class_name"] == "zero" and root["label"] == "zero"
+    assert tree.nodes["L2:C0"] == {
+        "layer": 2,
+        "index": 0,
+        "activation": pytest.approx(0.6),
+        "in_tree": True,
+        "root": False,
+        "label": "C0",
+    }
+    # Backtracking from class 1 reaches another branch only.
+    assert edge_set(hand_tree(roots=(1,))) == {("L1:C2", "L2:C2"), ("L2:C2", "L3:C1")}
+
+
+def test_custom_thresholds_and_no_backtracking():
+    tree = hand_tree(roots=(0,), threshold=0.45)
+    assert edge_set(tree) == {
+        ("L1:C0", "L2:C0"),
+        ("L1:C1", "L2:C1"),
+        ("L2:C0", "L3:C0"),
+        ("L2:C1", "L3:C0"),
+    }
+    assert edge_set(hand_tree(roots=(0,), threshold=[0.25, 0.45])) == edge_set(tree)
+    everything = hand_tree(roots=(0,), backtrack=False)
+    assert edge_set(everything) == {
+        ("L1:C0", "L2:C0"),
+        ("L1:C1", "L2:C1"),
+        ("L1:C2", "L2:C2"),
+        ("L2:C0", "L3:C0"),
+        ("L2:C2", "L3:C1"),
+    }
+    # A low threshold lets L2:C3 in (in-degree 1 then) and keeps ties above 0.4.
+    low = hand_tree(roots=(0,), threshold=0.15)
+    assert ("L2:C3", "L3:C0") in edge_set(low) and ("L1:C1", "L2:C3") in edge_set(low)
+    with pytest.raises(InvalidInputError, match="one value per routing layer"):
+        hand_tree(threshold=[0.1])
+
+
+def test_keep_all_nodes_marks_capsules_outside_the_tree():
+    tree = hand_tree(keep_all_nodes=True)
+    outside = {n for n, d in tree.nodes(data=True) if not d["in_tree"]}
+    assert outside == {"L1:C1", "L1:C2", "L2:C1", "L2:C2", "L2:C3", "L3:C1"}
+    assert edge_set(tree) == edge_set(hand_tree())
+
+
+def test_bad_shapes_and_roots_are_clear_errors():
+    with pytest.raises(InvalidInputError, match="classes to backtrack from"):
+        hand_tree(roots=(2,))
+    with pytest.raises(InvalidInputError, match="layer 2"):
+        build_parse_tree([C1, C2.T], A, [0])
+    with pytest.raises(InvalidInputError, match="L-1"):
+        build_parse_tree([C1], A, [0])
+
+
+def make_data() -> ParseTreeData:
+    # Sample 0 and 2 are predicted as class 0, sample 1 as class 1.
+    c1 = torch.stack([C1, C1.roll(1, dims=1), C1 * 0.5])
+    c2 = torch.stack([C2, C2.flip(1), C2])
+    acts = [torch.stack([a, a * 0.5, a * 0.25]) for a in A]
+    return ParseTreeData.from_tensors([c1, c2], acts, torch.tensor([0, 1, 0]))
+
+
+def test_sample_mode_backtracks_from_the_prediction_or_a_target():
+    data = make_data()
+    tree = sample_parse_tree(data, 0)
+    assert edge_set(tree) == edge_set(hand_tree())
+    assert tree.graph["mode"] == "sample" and tree.graph["sample"] == 0
+    assert sample_parse_tree(data, 1).graph["roots"] == "L3:C1"
+    assert sample_parse_tree(data, 1, target=0).graph["roots"] == "L3:C0"
+    with pytest.raises(InvalidInputError, match="out of range"):
+        sample_parse_tree(data, 3)
+
+
+def test_class_mode_averages_couplings_and_activations_of_the_class():
+    data = make_data()
+    tree = class_parse_tree(data, 0)
+    mean_c1 = (C1 + C1 * 0.5) / 2
+    mean_c2 = C2  # both class-0 samples have C2
+    expected = build_parse_tree([mean_c1, mean_c2], [a * 0.625 for a in A], [0])
+    assert edge_set(tree) == edge_set(expected)
+    for u, v, weight in tree.edges(data="weight"):
+        assert weight == pytest.approx(expected.edges[u, v]["weight"])
+    for n, activation in tree.nodes(data="activation"):
+        assert activation == pytest.approx(expected.nodes[n]["activation"])
+    assert tree.graph["n_samples"] == 2 and tree.graph["class_index"] == 0
+    # The halved L1 couplings fall to 0.35, 0.25, 0.30 at their maxima: only 0.35 stays above 1/4.
+    assert edge_set(tree) == {("L1:C0", "L2:C0"), ("L2:C0", "L3:C0")}
+    labelled = class_parse_tree(data, 1, labels=torch.tensor([1, 0, 0]))
+    assert labelled.graph["n_samples"] == 1
+    assert edge_set(labelled) == {("L1:C2", "L2:C2"), ("L2:C2", "L3:C1")}
+    with pytest.raises(InvalidInputError, match="no sample is predicted as class 1"):
+        class_parse_tree(ParseTreeData.from_tensors([C1, C2], A), 1)
+
+
+def test_dataset_mode_averages_everything_and_backtracks_from_predicted_classes():
+    data = make_data()
+    tree = dataset_parse_tree(data)
+    stack = data.mean()
+    assert tree.graph["roots"] == "L3:C0,L3:C1" and tree.graph["n_samples"] == 3
+    expected = build_parse_tree(stack.couplings, stack.activations, [0, 1])
+    assert edge_set(tree) == edge_set(expected)
+    assert parse_tree(data).graph["mode"] == "dataset"
+    assert parse_tree(data, cls=1).graph["mode"] == "class"
+    assert dataset_parse_tree(data, roots=[1]).graph["roots"] == "L3:C1"
+
+
+def test_quantise_matches_rem_quantiser():
+    from explain_capsules.rem import quantise_couplings
+
+    c = torch.rand(5, 7, 3)
+    c[0, 0, 0] = 0.05
+    assert torch.equal(quantise(c, 11), quantise_couplings(c, 11))
+    data = make_data().quantised(3)
+    assert data.levels == 3 and set(data.couplings[0].unique().tolist()) <= {0.0, 0.5, 1.0}
+
+
+def test_text_tree_for_terminals():
+    text = text_tree(hand_tree(roots=(0, 1), threshold=0.45), title="hand-made")
+    lines = text.splitlines()
+    assert lines[0] == "hand-made"
+    assert lines[1].startswith("L3:C0 zero ‖u‖=0.80")
+    assert any(line.startswith("├── L2:C0 C0") and "c=0.90" in line for line in lines)
+    assert any("L1:C1 C1" in line for line in lines)
+    assert lines.count("L3:C1 one ‖u‖=0.20") == 1
+
+
+def test_graphml_and_node_link_json_round_trip(tmp_path: Path):
+    tree = sample_parse_tree(make_data(), 0, title="round trip", keep_all_nodes=True)
+    back = read_graphml(write_graphml(tree, tmp_path / "tree.graphml"))
+    assert nx.utils.graphs_equal(tree, back)
+    assert back.nodes["L3:C0"]["in_tree"] is True and isinstance(back.nodes["L1:C0"]["index"], int)
+    path = write_node_link_json(tree, tmp_path / "tree.json")
+    assert json.loads(path.read_text())["graph"]["title"] == "round trip"
+    assert nx.utils.graphs_equal(tree, read_node_link_json(path))
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def svg_titles(path: Path) -> tuple[set[str], set[str], list[str]]:
+    root = ET.parse(path).getroot()
+    nodes, edges = set(), set()
+    for group in root.iter(f"{SVG}g"):
+        title = group.find(f"{SVG}title")
+        if group.get("class") == "node":
+            nodes.add(title.text)
+        elif group.get("class") == "edge":
+            edges.add(title.text)
+    texts = [t.text for t in root.iter(f"{SVG}text")]
+    return nodes, edges, texts
+
+
+@needs_dot
+def test_rendered_svg_has_the_tree_nodes_and_edges(tmp_path: Path):
+    tree = hand_tree(roots=(0,), threshold=0.45)
+    rendered = render_parse_tree(tree, tmp_path / "tree.svg", title="hand-made")
+    assert rendered.path == tmp_path / "tree.svg" and rendered.source_path.suffix == ".gv"
+    nodes, edges, texts = svg_titles(rendered.path)
+    capsules = {n for n in nodes if ":C" in n}
+    assert capsules == set(tree.nodes)
+    assert edges == {f"{u}->{v}" for u, v in tree.edges}
+    assert "zero" in texts and "hand-made" in texts and "classes" in texts
+    # Stronger couplings are drawn wider and more opaque.
+    style = {}
+    for group in ET.parse(rendered.path).getroot().iter(f"{SVG}g"):
+        if group.get("class") == "edge":
+            path = next(group.iter(f"{SVG}path"))
+            width, opacity = float(path.get("stroke-width")), float(path.get("stroke-opacity"))
+            style[group.find(f"{SVG}title").text] = (width, opacity)
+    by_weight = sorted(tree.edges(data="weight"), key=lambda e: e[2])
+    drawn = [style[f"{u}->{v}"] for u, v, _ in by_weight]
+    assert drawn == sorted(drawn) and drawn[0] < drawn[-1]
+    assert style["L2:C0->L3:C0"][0] == pytest.approx(0.4 + 3.6 * 0.9, abs=0.01)
+
+
+@needs_dot
+def test_png_pdf_and_side_by_side(tmp_path: Path):
+    tree = hand_tree(keep_all_nodes=True)
+    assert render_parse_tree(tree, tmp_path / "a.png").path.read_bytes()[:4] == b"\x89PNG"
+    assert render_parse_tree(tree, tmp_path / "b", format="pdf").path.name == "b.pdf"
+    assert (tmp_path / "b.pdf").read_bytes()[:4] == b"%PDF"
+    both = render_side_by_side(
+        [("DR-CapsNet+Q", tree), ("DR-CapsNet+REM", hand_tree(roots=(1,)))],
+        tmp_path / "both.svg",
+    )
+    nodes, edges, texts = svg_titles(both.path)
+    assert {"t1/L2:C3", "t2/L2:C2", "t2/L3:C1"} <= nodes and "t2/L2:C3" not in nodes
+    assert "t2/L2:C2->t2/L3:C1" in edges
+    assert "DR-CapsNet+Q" in texts and "DR-CapsNet+REM" in texts
+    with pytest.raises(InvalidInputError, match="unknown picture format"):
+        render_parse_tree(tree, tmp_path / "c.svg", format="jpg")
+
+
+def test_dot_source_keeps_index_order_in_each_rank():
+    source = to_dot(hand_tree(keep_all_nodes=True))
+    assert 'rank=same\n\t\t"layer:2" -> "L2:C0" [style=invis]' in source
+    assert '"L2:C2" -> "L2:C3" [style=invis]' in source
+    assert "rankdir=BT" in source
+
+
+def test_missing_dot_writes_the_source_and_says_how_to_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no `dot` anywhere
+    tree = hand_tree()
+    with pytest.raises(GraphvizNotFoundError, match="apt-get install graphviz") as caught:
+        render_parse_tree(tree, tmp_path / "tree.svg")
+    source = tmp_path / "tree.gv"
+    assert caught.value.source_path == source
+    assert '"L1:C0" -> "L2:C0"' in source.read_text()
+    assert str(source) in str(caught.value) and "text_tree" in str(caught.value)
+    assert not (tmp_path / "tree.svg").exists()
+    # The same through graphviz's own exception, as raised where the binary is absent.
+    import graphviz
+
+    def no_dot(*args, **kwargs):
+        raise graphviz.ExecutableNotFound(("dot",))
+
+    monkeypatch.setattr(graphviz.Source, "pipe", no_dot)
+    with pytest.raises(GraphvizNotFoundError):
+        render_side_by_side([("a", tree), ("b", tree)], tmp_path / "pair.png")
+    assert (tmp_path / "pair.gv").is_file()
+
+
+def test_missing_python_packages_name_the_extra(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setitem(sys.modules, "networkx", None)
+    with pytest.raises(MissingDependencyError, match=r"pip install 'explain-torch\[graphs\]'"):
+        hand_tree()
+
+
+# --- a trained multi-layer capsule net ---------------------------------------------------------
+
+FACTORY = """
+from explain_capsules import MultiLayerCapsNet
+
+
+def build():
+    return MultiLayerCapsNet(
+        in_features=(1, 8, 8), primary_caps=8, hidden_layers=1, hidden_caps=8, dim=4
+    )
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory):
+    """A small MultiLayerCapsNet (8 primary, 8 hidden, 10 classes) trained briefly on digits."""
+    from explain_capsules.training import CapsuleTrainConfig, train_capsnet
+    from explain_core.data import load_digits
+
+    root = tmp_path_factory.mktemp("capsnet")
+    module = f"pt_models_{uuid.uuid4().hex[:8]}"
+    (root / f"{module}.py").write_text(FACTORY)
+    sys.path.insert(0, str(root))
+    try:
+        model = __import__(module).build()
+    finally:
+        sys.path.remove(str(root))
+    torch.manual_seed(0)
+    with torch.no_grad():  # larger initial votes than the default, so one epoch learns
+        for layer in model.routing:
+            layer.weight.normal_(0.0, 0.5)
+    digits = load_digits()
+    train_capsnet(
+        model,
+        digits.train_images,
+        digits.train_labels,
+        CapsuleTrainConfig(epochs=1, batch_size=32, lr=1e-2),
+    )
+    weights = root / "capsnet.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    return model.eval(), digits, root, module, weights
+
+
+def assert_paper_rules(tree, data: ParseTreeData) -> None:
+    stack = data.sample(tree.graph["sample"]) if tree.graph["mode"] == "sample" else None
+    thresholds = [float(t) for t in tree.graph["thresholds"].split(",")]
+    (root,) = tree.graph["roots"].split(",")
+    for u, v, attributes in tree.edges(data=True):
+        layer = attributes["layer"]
+        assert attributes["weight"] > thresholds[layer - 1]
+        assert nx.has_path(tree, v, root)  # every edge leads up to the root
+        if layer > 1 and stack is not None:  # the in-degree rule, on all couplings
+            index = tree.nodes[u]["index"]
+            assert int((stack.couplings[layer - 2][:, index] > thresholds[layer - 2]).sum()) >= 1
+
+
+def test_trained_capsnet_trees_follow_the_paper_rules(trained):
+    from explain_capsules import record_parse_tree_data
+
+    model, digits, *_ = trained
+    images = digits.test_images[:64]
+    data = collect_parse_tree_data(model, images, levels=11)
+    recorded = ParseTreeData.from_recording(record_parse_tree_data(model, images, levels=11))
+    assert all(torch.equal(a, b) for a, b in zip(data.couplings, recorded.couplings, strict=True))
+    assert torch.equal(data.predicted, recorded.predicted) and recorded.levels == 11
+    assert data.sizes == [8, 8, 10]
+    assert (data.predicted == digits.test_labels[:64]).float().mean() > 0.2  # it learned a bit
+    sizes = []
+    for index in range(8):
+        tree = sample_parse_tree(data, index)
+        assert tree.graph["roots"] == node_id(3, int(data.predicted[index]))
+        assert_paper_rules(tree, data)
+        sizes.append(tree.number_of_edges())
+    assert max(sizes) > 0
+    cls = int(data.predicted[0])
+    assert class_parse_tree(data, cls).graph["n_samples"] == int((data.predicted == cls).sum())
+    assert dataset_parse_tree(data).number_of_nodes() >= 1
+
+
+def test_compare_two_recordings_side_by_side(trained, tmp_path: Path, monkeypatch):
+    from explain_capsules import record_parse_tree_data
+
+    model, digits, *_ = trained
+    images = digits.test_images[:32]
+    plain = record_parse_tree_data(model, images, levels=11)
+    coarse = record_parse_tree_data(model, images, levels=3)
+    titles = ("DR-CapsNet+Q", "DR-CapsNet+REM")
+    results = compare_parse_trees(
+        [plain, coarse], tmp_path, titles=titles, samples=[0, 1], classes=[], dataset=True
+    )
+    assert [r.key for r in results] == ["sample-0", "sample-1", "dataset"]
+    assert all(len(r.graphs) == 2 for r in results)
+    assert "DR-CapsNet+REM: sample 0, predicted" in results[0].text
+    if DOT is not None:
+        assert results[0].rendered.path == tmp_path / "sample-0.svg"
+        nodes, _, _ = svg_titles(results[0].rendered.path)
+        assert any(n.startswith("t2/L3:") for n in nodes)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    (missing,) = compare_parse_trees(
+        [plain, coarse], tmp_path / "no-dot", titles=titles, samples=[2], require_dot=False
+    )
+    assert missing.rendered is None and "apt-get install graphviz" in missing.error
+    assert (tmp_path / "no-dot" / "sample-2.gv").is_file() and missing.text
+
+
+# --- the command line --------------------------------------------------------------------------
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@needs_dot
+def test_cli_draws_an_input_a_class_and_the_dataset(trained, tmp_path, monkeypatch, capsys):
+    model, digits, root, module, weights = trained
+    monkeypatch.chdir(root)
+    base = ["parse-tree", "--model", f"{module}:build", "--weights", str(weights)]
+    sample = tmp_path / "digit.npy"
+    np.save(sample, digits.test_images[0].numpy())
+    code, out, err = run_cli(
+        [*base, "--input", str(sample), "--out", str(tmp_path / "s.svg")], capsys
+    )
+    assert code == 0, err
+    predicted = int(model(digits.test_images[:1]).argmax())
+    assert f"digit.npy: predicted class {predicted}" in out and str(tmp_path / "s.svg") in out
+    nodes, _, _ = svg_titles(tmp_path / "s.svg")
+    assert f"L3:C{predicted}" in nodes
+    expected = sample_parse_tree(collect_parse_tree_data(model, digits.test_images[:1]), 0)
+    assert {n for n in nodes if ":C" in n} == set(expected.nodes)
+
+    out_class = tmp_path / "class.png"
+    argv = [*base, "--class", "3", "--levels", "11", "--out", str(out_class), "--text"]
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert out_class.read_bytes()[:4] == b"\x89PNG" and "class 3" in out
+    assert "L3:C3 3 ‖u‖=" in out  # the text tree
+
+    code, out, err = run_cli(
+        [*base, "--dataset", "digits", "--threshold", "0.3", "--out", str(tmp_path / "all"),
+         "--format", "pdf"],
+        capsys,
+    )  # fmt: skip
+    assert code == 0, err
+    assert (tmp_path / "all.pdf").read_bytes()[:4] == b"%PDF" and "all 450 samples" in out
+
+
+def test_cli_errors_are_one_line(trained, tmp_path, monkeypatch, capsys):
+    _, _, root, module, weights = trained
+    monkeypatch.chdir(root)
+    base = ["parse-tree", "--model", f"{module}:build", "--weights", str(weights)]
+    out = ["--out", str(tmp_path / "t.svg")]
+    plain = f"plain_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{plain}.py").write_text(
+        "import torch\n\n\ndef build():\n    return torch.nn.Flatten()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cases = [
+        (["parse-tree", "--model", f"{plain}:build", *out], "has no routing layers"),
+        ([*base, "--class", "11", *out], "no sample is predicted as class 11"),
+        ([*base, "--input", str(tmp_path / "x.npy"), "--dataset", "digits", *out], "--dataset"),
+        ([*base, "--levels", "1", *out], "--levels must be at least 2"),
+    ]
+    for argv, message in cases:
+        code, _, err = run_cli(argv, capsys)
+        assert code == 1, err
+        lines = err.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("explain: error:") and message in lines[0]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    code, stdout, err = run_cli([*base, "--class", "0", "--text", *out], capsys)
+    assert code == 1 and "apt-get install graphviz" in err and len(err.splitlines()) == 1
+    assert "L3:C0 0 ‖u‖=" in stdout and (tmp_path / "t.gv").is_file()
+
+
+def test_cli_help_lists_parse_tree(capsys):
+    code, out, _ = run_cli(["parse-tree", "--help"], capsys)
+    assert code == 0 and out.startswith("usage: explain parse-tree")
+    for option in ("--input", "--class", "--dataset", "--threshold", "--levels", "--format"):
+        assert option in out
+
+
+@needs_dot
+def test_explain_executable_end_to_end(trained, tmp_path):
+    _, _, root, module, weights = trained
+    explain = Path(sys.executable).parent / "explain"
+    if not explain.exists():
+        pytest.skip("the explain console script is not installed (pip install -e .)")
+    result = subprocess.run(
+        [str(explain), "parse-tree", "--model", f"{module}:build", "--weights", str(weights),
+         "--class", "0", "--out", str(tmp_path / "tree.svg")],
+        capture_output=True, text=True, timeout=120, cwd=root,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"-> {tmp_path / 'tree.svg'}" in result.stdout
+    assert (tmp_path / "tree.svg").read_text().lstrip().startswith("<?xml")
