@@ -18,7 +18,7 @@ from explain_capsules.layers import FullyConnectedCapsules, PrimaryCapsules, _co
 from explain_capsules.routing import capsule_length, squash
 from explain_core.errors import InvalidInputError
 
-__all__ = ["DRCapsNet", "MultiLayerCapsNet", "margin_loss"]
+__all__ = ["DRCapsNet", "MultiLayerCapsNet", "capsule_weight_std", "margin_loss"]
 
 
 def _positive_int(name: str, value: int) -> int:
@@ -44,6 +44,18 @@ def _check_labels(labels: torch.Tensor, batch: int, classes: int, where: str) ->
             f"{where}: expected labels in [0, {classes - 1}]; got values in "
             f"[{int(labels.min())}, {int(labels.max())}]"
         )
+
+
+def capsule_weight_std(in_caps: int, out_caps: int, out_dim: int) -> float:
+    """Variance-preserving std of a fully connected capsule layer's weights at init.
+
+    With i.i.d. ``W_ij ~ N(0, σ²)`` (``out_dim × in_dim``) and the couplings of the first routing
+    round, ``c_ij = 1/out_caps``, the sum ``s_j = Σ_i c_ij W_ij u_i`` has
+    ``E‖s_j‖² = in_caps · out_dim · σ² / out_caps² · E‖u_i‖²``. ``σ = out_caps /
+    sqrt(in_caps · out_dim)`` makes ``E‖s_j‖² = E‖u_i‖²``: the layer's linear part keeps the
+    capsule lengths, and only the squash and the routing change them.
+    """
+    return out_caps / math.sqrt(in_caps * out_dim)
 
 
 def margin_loss(
@@ -253,11 +265,29 @@ class DRCapsNet(_ReconstructionMixin):
 class MultiLayerCapsNet(_ReconstructionMixin):
     """Fully connected capsule net for parse trees: primary → hidden FC capsule layers → classes.
 
-    A linear layer maps the flattened input to ``primary_caps`` squashed capsules of ``dim``
-    dimensions; ``hidden_layers`` FullyConnectedCapsules layers (``primary_caps`` →
-    ``hidden_caps`` → … ``hidden_caps``) follow, then one to ``classes`` capsules. The routing
-    layers live in ``self.routing`` (an ``nn.ModuleList``), so recordings name them
-    ``routing.0`` … ``routing.{hidden_layers}``.
+    A linear layer and a ``LayerNorm`` map the flattened input to ``primary_caps`` squashed
+    capsules of ``dim`` dimensions; ``hidden_layers`` FullyConnectedCapsules layers
+    (``primary_caps`` → ``hidden_caps`` → … ``hidden_caps``) follow, then one to ``classes``
+    capsules. The routing layers live in ``self.routing`` (an ``nn.ModuleList``), so recordings
+    name them ``routing.0`` … ``routing.{hidden_layers}``.
+
+    Initialisation, and why. A squash maps ``‖s‖ ≪ 1`` to a length ``≈ ‖s‖²``, so through
+    several routing layers small lengths shrink doubly exponentially. The layers' old default,
+    ``W ~ N(0, 0.01²)``, put the class capsule lengths near 1e-18 on digits, with gradients of
+    exactly 0: the loss stayed at ``0.9² = 0.81``. Votes that are too large fail the other way
+    (e.g. std 3 in every layer): one class capsule saturates at length 1 for every input, draws
+    the couplings and has no gradient left. Two choices keep the net between the two:
+    (1) every routing layer starts from the variance-preserving std of
+    :func:`capsule_weight_std`, ``σ = n_out / sqrt(n_in · dim)``, so that
+    ``E‖s_j‖² = E‖u_i‖²`` under the uniform couplings ``1/n_out`` of the first routing round;
+    (2) a ``LayerNorm`` on the primary pre-activations (``primary_norm``) gives the primary
+    capsules a length of about ``d/(1+d)`` whatever the input's scale or size. At init the
+    lengths then fall gently from about 0.87 (primary) to about 0.25 (classes), near the margin
+    loss's optimum for a constant output, so training starts with useful gradients in every
+    layer. Layer sizes, routing and the loss are the paper's. On the bundled 8×8 digits,
+    ``train_capsnet`` (batch 32, Adam 3e-3) reaches 93–96% test accuracy after 5 epochs and
+    96–98% after 15 (about 1 s per epoch on one CPU core); (1) alone also trains, but starts
+    from class lengths near 0.005.
 
     Args:
         in_features: Flattened input size, or the input shape without the batch axis (e.g.
@@ -304,10 +334,21 @@ class MultiLayerCapsNet(_ReconstructionMixin):
         self.dim = _positive_int("dim", dim)
         self.class_dim = dim
         self.primary = nn.Linear(self.in_features, primary_caps * dim)
+        # Unit-variance pre-activations: primary capsules of length ≈ d/(1+d) at init, whatever
+        # the input's scale or size (see the class docstring).
+        self.primary_norm = nn.LayerNorm(primary_caps * dim)
         sizes = [primary_caps] + [_positive_int("hidden_caps", hidden_caps)] * hidden_layers
         sizes.append(classes)
         self.routing = nn.ModuleList(
-            FullyConnectedCapsules(n_in, n_out, dim, dim, iterations, name=f"routing.{i}")
+            FullyConnectedCapsules(
+                n_in,
+                n_out,
+                dim,
+                dim,
+                iterations,
+                weight_std=capsule_weight_std(n_in, n_out, dim),
+                name=f"routing.{i}",
+            )
             for i, (n_in, n_out) in enumerate(itertools.pairwise(sizes))
         )
         self.decoder = self._build_decoder(self.in_features) if reconstruction else None
@@ -333,7 +374,8 @@ class MultiLayerCapsNet(_ReconstructionMixin):
 
     def primary_capsules(self, x: torch.Tensor) -> torch.Tensor:
         """Squashed primary capsules ``(batch, primary_caps, dim)``."""
-        return squash(self.primary(self._flatten(x)).view(x.shape[0], self.primary_caps, self.dim))
+        pre = self.primary_norm(self.primary(self._flatten(x)))
+        return squash(pre.view(x.shape[0], self.primary_caps, self.dim))
 
     def capsules(self, x: torch.Tensor) -> torch.Tensor:
         """Class capsule vectors ``(batch, classes, dim)``."""
