@@ -33,9 +33,6 @@ def small_net() -> MultiLayerCapsNet:
     torch.manual_seed(0)
     model = MultiLayerCapsNet(in_features=20, primary_caps=6, hidden_layers=1, hidden_caps=5,
                               classes=3, dim=4)  # fmt: skip
-    with torch.no_grad():  # Default std 0.01 squashes to ~0 (gradients ~1e-24) in so tiny a net.
-        for layer in model.routing:
-            layer.weight.mul_(50)
     return model
 
 

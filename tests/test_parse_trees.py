@@ -354,14 +354,11 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
     module = f"pt_models_{uuid.uuid4().hex[:8]}"
     (root / f"{module}.py").write_text(FACTORY)
     sys.path.insert(0, str(root))
+    torch.manual_seed(0)
     try:
         model = __import__(module).build()
     finally:
         sys.path.remove(str(root))
-    torch.manual_seed(0)
-    with torch.no_grad():  # larger initial votes than the default, so one epoch learns
-        for layer in model.routing:
-            layer.weight.normal_(0.0, 0.5)
     digits = load_digits()
     train_capsnet(
         model,
