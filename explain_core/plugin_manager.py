@@ -28,7 +28,12 @@ from explain_core import hookspecs
 from explain_core.errors import DuplicateMethodError
 from explain_core.registry import MethodRegistry, MethodSpec
 
-BUILTIN_PLUGINS: tuple[str, ...] = ("explain_gradients", "explain_coda", "explain_capsules")
+BUILTIN_PLUGINS: tuple[str, ...] = (
+    "explain_gradients",
+    "explain_coda",
+    "explain_capsules",
+    "explain_modbp",
+)
 """Modules of the plugins that ship with the package, loaded like entry points but always on."""
 
 ENV_VARIABLE = "EXPLAIN_PLUGINS"

@@ -275,8 +275,14 @@ def test_all_builtins_load_cleanly() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", PluginWarning)
         manager.load(entry_points=False)
-    assert set(manager.plugins) == {"explain_gradients", "explain_coda", "explain_capsules"}
+    assert set(manager.plugins) == {
+        "explain_gradients",
+        "explain_coda",
+        "explain_capsules",
+        "explain_modbp",
+    }
     assert "coda.contributions" in manager.registry
+    assert manager.registry["lrp.epsilon_plus"].family == "modified-bp"
 
 
 def test_builtin_gradient_plugin_registers_exactly_its_methods() -> None:

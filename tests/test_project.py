@@ -64,7 +64,13 @@ def test_wheel_has_only_distinctly_named_top_level_packages(tmp_path):
     (wheel,) = tmp_path.glob("explain_torch-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top_level == {"explain_core", "explain_gradients", "explain_coda", "explain_capsules"}
+    assert top_level == {
+        "explain_core",
+        "explain_gradients",
+        "explain_coda",
+        "explain_capsules",
+        "explain_modbp",
+    }
     assert "explain_core/cli/__init__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "explain = explain_core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -101,7 +107,7 @@ def test_readme_gives_the_two_setup_commands_and_ci_runs_the_test_one():
         assert (ROOT / "scripts" / script).is_file()
 
 
-@pytest.mark.parametrize("name", ["explain_gradients"])
+@pytest.mark.parametrize("name", ["explain_gradients", "explain_modbp"])
 def test_builtin_plugins_are_listed_in_the_manager(name):
     from explain_core.plugin_manager import BUILTIN_PLUGINS
 

@@ -1,0 +1,98 @@
+"""Built-in plugin: modified backpropagation (LRP, Deep Taylor, Excitation BP, Guided BP, …).
+
+Rules attach to ordinary PyTorch models through composites; the engine (:mod:`.engine`) checks
+that it can see every operation, merges BatchNorms into the preceding layers for the duration and
+computes each rule from tensors saved in the forward pass. All methods are registered with the
+family ``"modified-bp"``; see :func:`explain_register_methods` for the names.
+"""
+
+from __future__ import annotations
+
+from explain_core.hookspecs import hookimpl
+from explain_core.registry import MethodSpec
+from explain_modbp.engine import (
+    BackwardResult,
+    ForwardPass,
+    Gradient,
+    LayerComposite,
+    LayerRule,
+    ModifiedBackprop,
+    OpHandler,
+)
+from explain_modbp.errors import PatternMismatchError, UnsupportedModelError
+from explain_modbp.layers import AffineLayer
+from explain_modbp.rules import (
+    AlphaBeta,
+    ContrastiveExcitation,
+    Epsilon,
+    Excitation,
+    Flat,
+    Gamma,
+    WSquare,
+    ZBox,
+    Zero,
+    ZPlus,
+)
+
+FAMILY = "modified-bp"
+
+__all__ = [
+    "AffineLayer",
+    "AlphaBeta",
+    "BackwardResult",
+    "ContrastiveExcitation",
+    "Epsilon",
+    "Excitation",
+    "Flat",
+    "ForwardPass",
+    "Gamma",
+    "Gradient",
+    "LayerComposite",
+    "LayerRule",
+    "ModifiedBackprop",
+    "OpHandler",
+    "PatternMismatchError",
+    "UnsupportedModelError",
+    "WSquare",
+    "ZBox",
+    "ZPlus",
+    "Zero",
+]
+
+
+def method_specs() -> list[MethodSpec]:
+    """Every method of the plugin (imported lazily by the hook)."""
+    from explain_modbp import deeplift, excitation, guided, methods, pattern
+
+    def spec(name: str, factory: object, summary: str) -> MethodSpec:
+        return MethodSpec(name, factory, FAMILY, summary)  # type: ignore[arg-type]
+
+    specs = [
+        spec("lrp.z", methods.LRPZ, "LRP-0 on every layer (= Input×Gradient on ReLU nets)"),
+        spec("lrp.epsilon", methods.LRPEpsilon, "LRP-ε on every layer"),
+        spec("lrp.zplus", methods.LRPZPlus, "z⁺ rule (LRP-α1β0) on every layer"),
+        spec("lrp.alpha2beta1", methods.LRPAlphaBeta, "LRP-αβ with α=2, β=1 (options alpha, beta)"),
+        spec("lrp.alpha_beta", methods.LRPAlphaBeta, "LRP-αβ on every layer (α − β = 1)"),
+        spec("lrp.gamma", methods.LRPGamma, "LRP-γ on every layer"),
+        spec("lrp.w2", methods.LRPW2, "Deep Taylor: w² on the input layer, z⁺ elsewhere"),
+        spec("lrp.zb", methods.LRPZB, "Deep Taylor: z^B (bounds low/high) on input, z⁺ elsewhere"),
+        spec("lrp.flat", methods.LRPFlat, "Flat on the input layer, z⁺ on conv, ε on dense"),
+        spec("lrp.epsilon_plus", methods.LRPEpsilonPlus, "ε+z⁺: z⁺ on conv, ε on dense layers"),
+        spec("lrp.cmp", methods.LRPCMP, "LRP-CMP: αβ on conv (alpha=1 or 2), LRP-0 on dense"),
+        spec("lrp.contrastive", methods.ContrastiveLRP, "Contrastive LRP (z⁺, the paper's Eq. 15)"),
+        spec("excitation_bp", excitation.ExcitationBP, "Excitation backprop (W⁺, probabilities)"),
+        spec(
+            "excitation_bp.contrastive",
+            excitation.ContrastiveExcitationBP,
+            "Contrastive excitation backprop (Z⁺ − N⁺ at the output layer)",
+        ),
+    ]
+    for module in (guided, deeplift, pattern):
+        specs.extend(module.method_specs(spec))
+    return specs
+
+
+@hookimpl
+def explain_register_methods() -> list[MethodSpec]:
+    """The modified-backpropagation family."""
+    return method_specs()

@@ -1,0 +1,129 @@
+"""Preset composites: which rule each layer of a model gets.
+
+Every preset maps Linear ("dense") and Conv1d/2d/3d layers; a BatchNorm that directly follows a
+Linear/Conv is merged into it for the duration of the attribution (the model is not changed).
+``first`` is the rule of the layer reading the model input, ``last`` that of the output layer.
+
+=========================  =============================================================
+preset                     rules
+=========================  =============================================================
+``lrp.z``                  LRP-0 everywhere
+``lrp.epsilon``            ε everywhere
+``lrp.zplus``              z⁺ everywhere
+``lrp.alpha_beta``         αβ everywhere (``lrp.alpha2beta1``: α=2, β=1)
+``lrp.gamma``              γ everywhere
+``lrp.w2``                 w² on the input layer, z⁺ elsewhere (Deep Taylor, real inputs)
+``lrp.zb``                 z^B on the input layer (needs bounds), z⁺ elsewhere (Deep Taylor)
+``lrp.flat``               flat on the input layer, z⁺ on convolutions, ε on dense layers
+``lrp.epsilon_plus``       z⁺ on convolutions, ε on dense layers
+``lrp.cmp``                αβ (α = 1 or 2) on convolutions, LRP-0 on dense layers
+``excitation_bp``          W⁺ rule everywhere (marginal winning probability)
+``excitation_bp.contrastive``  ``Z⁺ − N⁺`` on the output layer, W⁺ elsewhere
+=========================  =============================================================
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from explain_modbp.engine import Gradient, LayerComposite, LayerRule
+from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
+from explain_modbp.rules import (
+    AlphaBeta,
+    ContrastiveExcitation,
+    Epsilon,
+    Excitation,
+    Flat,
+    Gamma,
+    WSquare,
+    ZBox,
+    Zero,
+    ZPlus,
+)
+
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+DENSE_TYPES = (nn.Linear,)
+
+
+def uniform(rule: LayerRule, name: str, *, first: LayerRule | None = None) -> LayerComposite:
+    """The same rule for every Linear/Conv layer (and ``first`` on the input layer)."""
+    return LayerComposite([(LINEAR_TYPES, rule)], first=first, name=name)
+
+
+def conv_dense(
+    conv: LayerRule, dense: LayerRule, name: str, *, first: LayerRule | None = None
+) -> LayerComposite:
+    """One rule for convolutions and another for dense layers."""
+    return LayerComposite([(CONV_TYPES, conv), (DENSE_TYPES, dense)], first=first, name=name)
+
+
+def gradient_composite(name: str = "gradient") -> LayerComposite:
+    """The ordinary gradient through every affine layer, also BatchNorms that cannot be merged.
+
+    Guided BP, Deconv, RectGrad and DeepLIFT Rescale change only the activations.
+    """
+    return LayerComposite([(LINEAR_TYPES + BATCHNORM_TYPES, Gradient())], name=name)
+
+
+def lrp_z() -> LayerComposite:
+    """LRP-0 everywhere."""
+    return uniform(Zero(), "lrp.z")
+
+
+def lrp_epsilon(epsilon: float = 1e-6) -> LayerComposite:
+    """LRP-ε everywhere."""
+    return uniform(Epsilon(epsilon), "lrp.epsilon")
+
+
+def lrp_zplus() -> LayerComposite:
+    """z⁺ (LRP-α1β0) everywhere."""
+    return uniform(ZPlus(), "lrp.zplus")
+
+
+def lrp_alpha_beta(alpha: float = 2.0, beta: float = 1.0) -> LayerComposite:
+    """LRP-αβ everywhere."""
+    return uniform(AlphaBeta(alpha, beta), f"lrp.alpha{alpha:g}beta{beta:g}")
+
+
+def lrp_gamma(gamma: float = 0.25) -> LayerComposite:
+    """LRP-γ everywhere."""
+    return uniform(Gamma(gamma), "lrp.gamma")
+
+
+def lrp_w2() -> LayerComposite:
+    """Deep Taylor for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
+    return uniform(ZPlus(), "lrp.w2", first=WSquare())
+
+
+def lrp_zb(low: object = None, high: object = None) -> LayerComposite:
+    """Deep Taylor for bounded inputs: z^B on the input layer, z⁺ elsewhere."""
+    return uniform(ZPlus(), "lrp.zb", first=ZBox(low, high))  # type: ignore[arg-type]
+
+
+def lrp_flat(epsilon: float = 1e-6) -> LayerComposite:
+    """Flat on the input layer, z⁺ on convolutions, ε on dense layers."""
+    return conv_dense(ZPlus(), Epsilon(epsilon), "lrp.flat", first=Flat())
+
+
+def lrp_epsilon_plus(epsilon: float = 1e-6) -> LayerComposite:
+    """z⁺ on convolutions, ε on dense layers (the common "ε+z⁺" composite)."""
+    return conv_dense(ZPlus(), Epsilon(epsilon), "lrp.epsilon_plus")
+
+
+def lrp_cmp(alpha: float = 1.0) -> LayerComposite:
+    """LRP-CMP: LRP-αβ (``β = α − 1``) on convolutions, LRP-0 on dense layers."""
+    return conv_dense(AlphaBeta(alpha, alpha - 1), Zero(), f"lrp.cmp(alpha={alpha:g})")
+
+
+def excitation() -> LayerComposite:
+    """Excitation backprop: the W⁺ rule everywhere."""
+    return uniform(Excitation(), "excitation_bp")
+
+
+def contrastive_excitation() -> LayerComposite:
+    """Contrastive excitation backprop: ``Z⁺ − N⁺`` on the output layer, W⁺ elsewhere."""
+    return LayerComposite(
+        [(LINEAR_TYPES, Excitation())],
+        last=ContrastiveExcitation(),
+        name="excitation_bp.contrastive",
+    )

@@ -1,0 +1,390 @@
+"""DeepLIFT (Shrikumar et al. 2017): Rescale, RevealCancel and the decoupled "ablation".
+
+The model runs once on the inputs and the reference stacked along the batch axis; the signal is
+DeepLIFT's multiplier ``m`` with contributions ``Δx ⊙ m``, ``Δx = x − x⁰``.
+
+- **Rescale**: a ReLU's multiplier is ``Δy / Δx`` (the gradient where ``|Δx| < 1e-10``); affine
+  layers, pooling and additions pass the gradient. Max pooling uses Captum's rule by default
+  (``maxpool="rescale"``), so that ``deeplift.rescale`` equals ``captum.attr.DeepLift``.
+- **RevealCancel**: every affine layer's difference-from-reference is split into its positive and
+  negative parts ``Δz⁺ = W⁺Δx⁺ + W⁻Δx⁻``, ``Δz⁻ = W⁻Δx⁺ + W⁺Δx⁻`` (the masks ``M_{>0}``,
+  ``M_{<0}`` select inputs by the sign of ``Δx``; residual additions add the parts), and a ReLU
+  gives them separate multipliers
+  ``Δy⁺ = ½(f(x⁰+Δz⁺) − f(x⁰)) + ½(f(x⁰+Δz⁻+Δz⁺) − f(x⁰+Δz⁻))`` (and likewise ``Δy⁻``).
+  Backwards that is the paper's Eq. 13: ``r⁺ = M_{>0} ⊙ (W⁺ᵀ r⁺ + W⁻ᵀ r⁻)`` and
+  ``r⁻ = M_{<0} ⊙ (W⁺ᵀ r⁻ + W⁻ᵀ r⁺)``.
+- **Ablation** (the paper's decoupled chains): RevealCancel without the mixing terms,
+  ``r⁺ = M_{>0} ⊙ W⁺ᵀ r⁺`` and ``r⁻ = M_{<0} ⊙ W⁻ᵀ r⁻``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from explain_core.errors import InvalidInputError
+from explain_core.registry import Method, MethodResult, MethodSpec
+from explain_core.targets import select_target
+from explain_modbp.composites import gradient_composite
+from explain_modbp.engine import (
+    ADD_OPS,
+    RELU_OPS,
+    LayerComposite,
+    LayerRule,
+    ModifiedBackprop,
+    OpHandler,
+)
+from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
+from explain_modbp.methods import one_hot, per_sample_sum
+
+EPS = 1e-10
+_POOLS = {"max_pool1d": F.max_pool1d, "max_pool2d": F.max_pool2d, "max_pool3d": F.max_pool3d}
+
+
+def _is_activation(value: Any, batch: int) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dim() > 0
+        and value.shape[0] == 2 * batch
+        and value.grad_fn is not None
+    )
+
+
+class _RescaleReLU(torch.autograd.Function):
+    """ReLU with multiplier ``Δy/Δx`` on the input half; no signal to the reference half."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, batch: int, inplace: bool) -> Any:
+        delta_in = x[:batch] - x[batch:]
+        gradient = (x[:batch] > 0).to(x.dtype)
+        if inplace:
+            ctx.mark_dirty(x)
+            y = x.relu_()
+        else:
+            y = x.relu()
+        delta_out = y[:batch] - y[batch:]
+        ctx.multiplier = torch.where(
+            delta_in.abs() < EPS, gradient, delta_out / delta_in.masked_fill(delta_in == 0, 1)
+        )
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        m = ctx.multiplier
+        return torch.cat([g[: m.shape[0]] * m, torch.zeros_like(g[m.shape[0] :])]), None, None
+
+
+class _RevealCancelReLU(torch.autograd.Function):
+    """ReLU whose signal goes to the positive and negative parts with separate multipliers."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        positive: torch.Tensor,
+        negative: torch.Tensor,
+        batch: int,
+        inplace: bool,
+    ) -> Any:
+        reference = x[batch:]
+        gradient = (x[:batch] > 0).to(x.dtype)
+
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t.clamp(min=0)
+
+        dy_pos = 0.5 * (f(reference + positive) - f(reference)) + 0.5 * (
+            f(reference + negative + positive) - f(reference + negative)
+        )
+        dy_neg = 0.5 * (f(reference + negative) - f(reference)) + 0.5 * (
+            f(reference + positive + negative) - f(reference + positive)
+        )
+        ctx.m_pos = torch.where(
+            positive.abs() < EPS, gradient, dy_pos / positive.masked_fill(positive == 0, 1)
+        )
+        ctx.m_neg = torch.where(
+            negative.abs() < EPS, gradient, dy_neg / negative.masked_fill(negative == 0, 1)
+        )
+        if inplace:
+            ctx.mark_dirty(x)
+            return x.relu_()
+        return x.relu()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        g = g[: ctx.m_pos.shape[0]]
+        return None, g * ctx.m_pos, g * ctx.m_neg, None, None
+
+
+class _RescaleMaxPool(torch.autograd.Function):
+    """Captum's DeepLIFT max-pool rule on the input half."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pool: Callable[..., Any], batch: int, kw: dict) -> Any:
+        out, indices = pool(x, **kw, return_indices=True)
+        ctx.save_for_backward(indices)
+        ctx.shape = x.shape
+        ctx.batch = batch
+        out_in, out_ref = out[:batch], out[batch:]
+        cross = torch.maximum(out_in, out_ref)
+        ctx.delta_out = (cross - out_ref, out_in - cross)
+        ctx.delta_in = x[:batch] - x[batch:]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
+        (indices,) = ctx.saved_tensors
+        batch = ctx.batch
+        g_in = g[:batch]
+        idx_in, idx_ref = indices[:batch], indices[batch:]
+        shape = ctx.shape[1:]
+
+        def unpool(values: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            flat = values.new_zeros(batch, shape[0], shape[1:].numel())
+            flat.scatter_add_(2, idx.flatten(2), values.flatten(2))
+            return flat.reshape(batch, *shape)
+
+        first, second = ctx.delta_out
+        delta_in = ctx.delta_in
+        rescaled = unpool(g_in * first, idx_in) + unpool(g_in * second, idx_ref)
+        plain = unpool(g_in, idx_in)
+        safe = delta_in.masked_fill(delta_in == 0, 1)
+        grad = torch.where(delta_in.abs() < EPS, plain, rescaled / safe)
+        return torch.cat([grad, torch.zeros_like(grad)]), None, None, None
+
+
+_POOL_PARAMETERS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+
+
+class DeepLiftHandler(OpHandler):
+    """The DeepLIFT rules for ReLUs, max pooling and (RevealCancel) residual additions.
+
+    Args:
+        reference: Reference input, shaped like the inputs.
+        rule: ``"rescale"``, ``"reveal_cancel"`` or ``"ablation"`` (decoupled RevealCancel).
+        maxpool: ``"rescale"`` (Captum's rule) or ``"gradient"``.
+    """
+
+    ops: ClassVar[frozenset[str]] = RELU_OPS | frozenset(_POOLS)
+
+    def __init__(
+        self,
+        reference: torch.Tensor,
+        rule: Literal["rescale", "reveal_cancel", "ablation"] = "rescale",
+        maxpool: Literal["rescale", "gradient"] = "rescale",
+    ) -> None:
+        if rule not in ("rescale", "reveal_cancel", "ablation"):
+            raise ValueError(f"rule must be rescale, reveal_cancel or ablation; got {rule!r}")
+        if maxpool not in ("rescale", "gradient"):
+            raise ValueError(f"maxpool must be 'rescale' or 'gradient'; got {maxpool!r}")
+        self.reference = reference
+        self.rule = rule
+        self.maxpool = maxpool
+        self.batch = 0
+        self.parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        if rule != "rescale":
+            self.ops = self.ops | ADD_OPS
+
+    def prepare_inputs(self, inputs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+        self.batch = inputs.shape[0]
+        self.parts.clear()
+        return torch.cat([inputs, self.reference.to(inputs)])
+
+    # positive/negative parts ---------------------------------------------------------------
+    def register(self, tensor: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor):
+        """Record the parts of ``tensor``'s difference from reference (input half)."""
+        self.parts[id(tensor)] = (tensor, positive, negative)
+
+    def split(self, tensor: torch.Tensor, pop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The recorded parts of ``tensor``, or its difference split by sign."""
+        entry = self.parts.pop(id(tensor), None) if pop else self.parts.get(id(tensor))
+        if entry is not None and entry[0] is tensor:
+            return entry[1], entry[2]
+        delta = tensor[: self.batch] - tensor[self.batch :]
+        return delta * (delta > 0), delta * (delta < 0)
+
+    def handle(self, name, func, args, kwargs):  # noqa: D102
+        x = args[0]
+        if name in RELU_OPS:
+            if not _is_activation(x, self.batch):
+                return func(*args, **kwargs)
+            inplace = name == "relu_" or bool(
+                kwargs.get("inplace", args[1] if len(args) > 1 else False)
+            )
+            if self.rule == "rescale":
+                return _RescaleReLU.apply(x, self.batch, inplace)
+            positive, negative = self.split(x, pop=True)
+            return _RevealCancelReLU.apply(x, positive, negative, self.batch, inplace)
+        if name in _POOLS:
+            if (
+                self.maxpool == "gradient"
+                or kwargs.get("return_indices")
+                or not _is_activation(x, self.batch)
+            ):
+                return func(*args, **kwargs)
+            parameters = dict(zip(_POOL_PARAMETERS, args[1:], strict=False))
+            parameters.update({k: v for k, v in kwargs.items() if k in _POOL_PARAMETERS})
+            return _RescaleMaxPool.apply(x, _POOLS[name], self.batch, parameters)
+        return self._add(name, func, args, kwargs)
+
+    def _add(self, name, func, args, kwargs):
+        result = func(*args, **kwargs)
+        operands = [a for a in args[:2] if _is_activation(a, self.batch)]
+        if not operands or not _is_activation(result, self.batch) or "alpha" in kwargs:
+            return result
+        positive = negative = None
+        for index, operand in enumerate(args[:2]):
+            if not _is_activation(operand, self.batch):
+                continue
+            p, n = self.split(operand)
+            if index == 1 and name.startswith("sub"):
+                p, n = -n, -p
+            positive = p if positive is None else positive + p
+            negative = n if negative is None else negative + n
+        self.register(result, positive, negative)
+        return result
+
+
+class DeepLiftLinear(LayerRule):
+    """Affine layers under RevealCancel: record ``Δz⁺``/``Δz⁻`` for the following ReLU.
+
+    The module's output (and gradient) is kept; the parts are differentiable functions of the
+    layer's input whose backward is the paper's Eq. 13 (or its decoupled ablation).
+    """
+
+    def __init__(self, handler: DeepLiftHandler, decoupled: bool) -> None:
+        self.handler = handler
+        self.decoupled = decoupled
+
+    def attach(self, engine_pass, layer, x, output):  # noqa: D102
+        handler = self.handler
+        batch = handler.batch
+        delta = x[:batch] - x[batch:]
+        dpos, dneg = delta * (delta > 0), delta * (delta < 0)
+        wp, wn = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
+        pos_pos, neg_neg = layer.forward(dpos, wp), layer.forward(dneg, wn)
+        pos_neg, neg_pos = layer.forward(dpos, wn), layer.forward(dneg, wp)
+        if self.decoupled:  # values of Eq. 13, signal only along W⁺ (r⁺) and W⁻ (r⁻)
+            positive = pos_pos + neg_neg.detach()
+            negative = (pos_neg + neg_pos).detach() + neg_neg - neg_neg.detach()
+        else:
+            positive = pos_pos + neg_neg
+            negative = pos_neg + neg_pos
+        handler.register(output, positive, negative)
+        return None
+
+    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
+        return layer.transpose(signal, x)
+
+
+def deeplift_composite(handler: DeepLiftHandler) -> LayerComposite:
+    """Gradient through affine layers (Rescale) or the positive/negative split (RevealCancel)."""
+    if handler.rule == "rescale":
+        return gradient_composite("deeplift.rescale")
+    rule = DeepLiftLinear(handler, decoupled=handler.rule == "ablation")
+    return LayerComposite([(LINEAR_TYPES + BATCHNORM_TYPES, rule)], name=f"deeplift.{handler.rule}")
+
+
+def check_reference(inputs: torch.Tensor, baselines: torch.Tensor | None) -> torch.Tensor:
+    """The reference input, zeros by default.
+
+    Raises:
+        InvalidInputError: If it does not fit the inputs' shape.
+    """
+    if baselines is None:
+        return torch.zeros_like(inputs)
+    if not isinstance(baselines, torch.Tensor):
+        baselines = torch.as_tensor(baselines, dtype=inputs.dtype, device=inputs.device)
+    try:
+        return torch.broadcast_to(baselines, inputs.shape).to(inputs)
+    except RuntimeError:
+        raise InvalidInputError(
+            f"the reference input (baselines) of shape {tuple(baselines.shape)} does not fit the "
+            f"inputs of shape {tuple(inputs.shape)}; give one reference per sample or one for all"
+        ) from None
+
+
+@dataclass
+class _DeepLift(Method):
+    """Shared body of the DeepLIFT methods."""
+
+    maxpool: str = "rescale"
+    uses_baselines = True
+    rule: ClassVar[str] = "rescale"
+
+    def __post_init__(self) -> None:
+        DeepLiftHandler(torch.zeros(1), self.rule, self.maxpool)  # type: ignore[arg-type]
+
+    def attribute(self, model, inputs, target, baselines) -> MethodResult:
+        reference = check_reference(inputs, baselines)
+        handler = DeepLiftHandler(reference, self.rule, self.maxpool)  # type: ignore[arg-type]
+        forward = ModifiedBackprop(deeplift_composite(handler), handler).forward(model, inputs)
+        batch = inputs.shape[0]
+        both = forward.output.detach()
+        output, reference_output = both[:batch], both[batch:]
+        chosen = select_target(output, target)
+        start = one_hot(output, chosen)
+        parts = handler.parts.get(id(forward.output))
+        if parts is not None and parts[0] is forward.output:
+            # The output layer's positive and negative parts both carry the start signal, so
+            # its rule (coupled or decoupled) applies too.
+            (signal,) = torch.autograd.grad(parts[1:], forward.input, (start, start))
+            multiplier = signal[:batch]
+        else:
+            signal = torch.cat([start, torch.zeros_like(reference_output)])
+            multiplier = forward.backward(signal).input_signal[:batch]
+        handler.parts.clear()
+        attribution = (inputs - reference) * multiplier
+        gain = (output - reference_output).gather(1, chosen[:, None])[:, 0]
+        return MethodResult(
+            attribution,
+            output,
+            chosen,
+            gain - per_sample_sum(attribution),
+            {"baselines": reference, "multipliers": multiplier},
+        )
+
+
+@dataclass
+class DeepLiftRescale(_DeepLift):
+    """DeepLIFT with the Rescale rule (equals ``captum.attr.DeepLift``).
+
+    Attributes:
+        maxpool: ``"rescale"`` (Captum's max-pool rule) or ``"gradient"``.
+    """
+
+    rule: ClassVar[str] = "rescale"
+
+
+@dataclass
+class DeepLiftRevealCancel(_DeepLift):
+    """DeepLIFT with the RevealCancel rule (positive and negative parts, Eq. 13)."""
+
+    rule: ClassVar[str] = "reveal_cancel"
+
+
+@dataclass
+class DeepLiftAblation(_DeepLift):
+    """The paper's DeepLIFT ablation: RevealCancel with decoupled positive/negative chains."""
+
+    rule: ClassVar[str] = "ablation"
+
+
+def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:
+    """The registered names of this module."""
+    return [
+        spec("deeplift.rescale", DeepLiftRescale, "DeepLIFT Rescale with a reference input"),
+        spec(
+            "deeplift.reveal_cancel",
+            DeepLiftRevealCancel,
+            "DeepLIFT RevealCancel with a reference input",
+        ),
+        spec(
+            "deeplift.ablation",
+            DeepLiftAblation,
+            "DeepLIFT with decoupled positive/negative chains (the paper's ablation)",
+        ),
+    ]

@@ -1,0 +1,202 @@
+"""Affine layers as the rules see them: ``z = W ∗ x + b`` with a forward and a transposed map.
+
+Linear, Conv1d/2d/3d, a Linear/Conv merged with the BatchNorm that follows it, and a BatchNorm on
+its own (a per-channel scale) all become an :class:`AffineLayer`. Rules only call
+:meth:`AffineLayer.forward` (with modified weights) and :meth:`AffineLayer.transpose` (the
+vector-Jacobian product with modified weights: one transposed convolution), so no module is run
+again during the backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from explain_modbp.errors import UnsupportedModelError
+
+LINEAR_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+
+_CONV_FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+@dataclass(frozen=True)
+class AffineLayer:
+    """One affine layer ``z = W ∗ x + b``.
+
+    Attributes:
+        name: Qualified name of the module (of the Linear/Conv when merged with a BatchNorm).
+        kind: ``"linear"``, ``"conv"`` or ``"scale"`` (per-channel ``x·w + b``, a lone BatchNorm).
+        weight: Weight tensor (for ``"scale"``: one value per channel).
+        bias: Bias or ``None``.
+        dims: Spatial dimensions of a convolution (1, 2, 3).
+        stride, padding, dilation, groups: Convolution settings (integers per dimension).
+        merged: Name of the BatchNorm folded into this layer, if any.
+        nonnegative_input: The input is non-negative by construction (it comes from a ReLU).
+    """
+
+    name: str
+    kind: Literal["linear", "conv", "scale"]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    dims: int = 0
+    stride: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    groups: int = 1
+    merged: str | None = None
+    nonnegative_input: bool = False
+
+    @classmethod
+    def from_module(cls, name: str, module: nn.Module) -> AffineLayer:
+        """View a Linear or Conv module (its current parameters, detached)."""
+        weight = module.weight.detach()
+        bias = module.bias.detach() if module.bias is not None else None
+        if isinstance(module, nn.Linear):
+            return cls(name, "linear", weight, bias)
+        if isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d):
+            scale, shift = batchnorm_affine(name, module)
+            return cls(name, "scale", scale, shift)
+        dims = weight.dim() - 2
+        if module.padding_mode != "zeros":
+            raise UnsupportedModelError(
+                f"module {name!r} ({type(module).__name__}) uses padding_mode="
+                f"{module.padding_mode!r}; the relevance rules support zero padding only. Pad "
+                "the input explicitly with F.pad in the model, or map the module to your own rule"
+            )
+        padding = module.padding
+        if isinstance(padding, str):
+            padding = _string_padding(name, module, padding)
+        return cls(
+            name,
+            "conv",
+            weight,
+            bias,
+            dims,
+            tuple(module.stride),
+            tuple(padding),
+            tuple(module.dilation),
+            module.groups,
+        )
+
+    def merge_batchnorm(self, bn_name: str, bn: nn.Module) -> AffineLayer:
+        """This layer followed by an eval-mode BatchNorm, as one affine layer."""
+        scale, shift = batchnorm_affine(bn_name, bn)
+        shape = (-1,) + (1,) * (self.weight.dim() - 1)
+        weight = self.weight * scale.reshape(shape)
+        bias = shift if self.bias is None else self.bias * scale + shift
+        return replace(self, weight=weight, bias=bias, merged=bn_name)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``weight ∗ x + bias`` with this layer's geometry (defaults: no bias, own weight)."""
+        weight = self.weight if weight is None else weight
+        if self.kind == "linear":
+            return F.linear(x, weight, bias)
+        if self.kind == "scale":
+            shape = (1, -1) + (1,) * (x.dim() - 2)
+            out = x * weight.reshape(shape)
+            return out if bias is None else out + bias.reshape(shape)
+        return _CONV_FORWARD[self.dims](
+            x, weight, bias, self.stride, self.padding, self.dilation, self.groups
+        )
+
+    def transpose(
+        self,
+        signal: torch.Tensor,
+        like: torch.Tensor | torch.Size,
+        weight: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``weightᵀ · signal``: the vector-Jacobian product of :meth:`forward` w.r.t. ``x``.
+
+        Args:
+            signal: Signal at the output.
+            like: The layer's input (only its shape and layout are used) or its shape.
+            weight: Weight to use instead of the layer's own.
+        """
+        weight = self.weight if weight is None else weight
+        if self.kind == "linear":
+            return signal @ weight
+        if self.kind == "scale":
+            return signal * weight.reshape((1, -1) + (1,) * (signal.dim() - 2))
+        if not isinstance(like, torch.Tensor):  # the backend only reads the shape; a real
+            like = signal.new_empty(1).expand(like)  # input can pick a faster kernel
+        return torch.ops.aten.convolution_backward(
+            signal,
+            like,
+            weight,
+            None,
+            self.stride,
+            self.padding,
+            self.dilation,
+            False,
+            [0] * self.dims,
+            self.groups,
+            (True, False, False),
+        )[0]
+
+    def correlate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``Σ y_j ⊗ x_patch`` over batch and positions, shaped like the weight.
+
+        The weight gradient of :meth:`forward` for the output signal ``y``: with ``y = 1`` it
+        sums the input patches seen by each output, with ``y`` the outputs it correlates them.
+        """
+        if self.kind == "linear":
+            return y.reshape(-1, y.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        if self.kind == "scale":
+            dims = [d for d in range(x.dim()) if d != 1]
+            return (x * y).sum(dims)
+        return torch.ops.aten.convolution_backward(
+            y,
+            x,
+            self.weight,
+            None,
+            self.stride,
+            self.padding,
+            self.dilation,
+            False,
+            [0] * self.dims,
+            self.groups,
+            (False, True, False),
+        )[1]
+
+    def ones_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``weight ∗ 1`` over the input's shape (zero padding counts as absent inputs)."""
+        return self.forward(torch.ones_like(x), weight)
+
+
+def batchnorm_affine(name: str, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and shift of an eval-mode BatchNorm: ``BN(x) = scale·x + shift`` per channel."""
+    if bn.training or bn.running_mean is None or bn.running_var is None:
+        raise UnsupportedModelError(
+            f"BatchNorm {name!r} ({type(bn).__name__}) needs eval mode and running statistics "
+            "(track_running_stats=True) to be merged; call model.eval() first"
+        )
+    scale = torch.rsqrt(bn.running_var.detach() + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight.detach()
+    shift = -bn.running_mean.detach() * scale
+    if bn.bias is not None:
+        shift = shift + bn.bias.detach()
+    return scale, shift
+
+
+def _string_padding(name: str, module: nn.Module, padding: str) -> tuple[int, ...]:
+    dims = module.weight.dim() - 2
+    if padding == "valid":
+        return (0,) * dims
+    total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+    if any(t % 2 for t in total):
+        raise UnsupportedModelError(
+            f"module {name!r} ({type(module).__name__}) uses padding='same' with an even kernel "
+            "(asymmetric padding); give explicit integer padding instead"
+        )
+    return tuple(t // 2 for t in total)

@@ -1,0 +1,229 @@
+"""LRP methods as registered attribution methods (``lrp.*``).
+
+Each method builds its preset composite, runs one forward pass with the rules attached and one
+backward pass from the explained logit (relevance ``R = f_k(x)`` at the output), and returns the
+input relevance. ``delta`` is the explained logit minus the summed relevance: zero (up to
+rounding) for conserving rules on bias-free models, what biases and ε absorb otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from explain_core.registry import Method, MethodResult
+from explain_core.targets import select_target
+from explain_modbp import composites
+from explain_modbp.engine import ForwardPass, LayerComposite, ModifiedBackprop, safe_divide
+
+
+def one_hot(output: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """``(batch, n_outputs)`` with a 1 at each sample's explained output."""
+    signal = torch.zeros_like(output)
+    signal.scatter_(1, chosen[:, None], 1.0)
+    return signal
+
+
+def per_sample_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over everything but the batch axis."""
+    return tensor.reshape(tensor.shape[0], -1).sum(dim=1)
+
+
+def input_relevance(forward: ForwardPass, signal: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """Relevance at the model input for a backward pass started with ``signal``."""
+    result = forward.backward(signal, **kwargs)  # type: ignore[arg-type]
+    if result.input_is_relevance:
+        return result.input_signal
+    return forward.input.detach() * result.input_signal
+
+
+def run_composite(
+    composite: LayerComposite,
+    model: nn.Module,
+    inputs: torch.Tensor,
+    target: torch.Tensor | None,
+    *,
+    start: str = "logit",
+) -> MethodResult:
+    """Explain with a composite, starting from the logit (``"logit"``) or from 1 (``"one"``)."""
+    forward = ModifiedBackprop(composite).forward(model, inputs)
+    output = forward.output.detach()
+    chosen = select_target(output, target)
+    signal = one_hot(output, chosen)
+    if start == "one":  # relevance 1 at the explained output: signal 1 / f_k(x)
+        signal = safe_divide(signal, output)
+    relevance = input_relevance(forward, signal)
+    explained = (output * signal).gather(1, chosen[:, None])[:, 0]
+    return MethodResult(
+        relevance,
+        output,
+        chosen,
+        explained - per_sample_sum(relevance),
+        {"composite": composite.name},
+    )
+
+
+class _CompositeMethod(Method):
+    """A method defined by one preset composite."""
+
+    start = "logit"
+
+    def __post_init__(self) -> None:
+        self.composite()  # invalid options fail when the method is created
+
+    def composite(self) -> LayerComposite:
+        """The composite with this method's options."""
+        raise NotImplementedError
+
+    def attribute(self, model, inputs, target, baselines) -> MethodResult:
+        return run_composite(self.composite(), model, inputs, target, start=self.start)
+
+
+@dataclass
+class LRPZ(_CompositeMethod):
+    """LRP-0 on every layer (equals Input×Gradient on ReLU networks)."""
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_z()
+
+
+@dataclass
+class LRPEpsilon(_CompositeMethod):
+    """LRP-ε on every layer.
+
+    Attributes:
+        epsilon: Stabiliser of the denominators.
+    """
+
+    epsilon: float = 1e-6
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_epsilon(self.epsilon)
+
+
+@dataclass
+class LRPZPlus(_CompositeMethod):
+    """z⁺ (LRP-α1β0) on every layer."""
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_zplus()
+
+
+@dataclass
+class LRPAlphaBeta(_CompositeMethod):
+    """LRP-αβ on every layer (``alpha - beta == 1``).
+
+    Attributes:
+        alpha: Weight of positive contributions.
+        beta: Weight of negative contributions.
+    """
+
+    alpha: float = 2.0
+    beta: float = 1.0
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_alpha_beta(self.alpha, self.beta)
+
+
+@dataclass
+class LRPGamma(_CompositeMethod):
+    """LRP-γ on every layer.
+
+    Attributes:
+        gamma: Amplification of positive weights.
+    """
+
+    gamma: float = 0.25
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_gamma(self.gamma)
+
+
+@dataclass
+class LRPW2(_CompositeMethod):
+    """Deep Taylor decomposition for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_w2()
+
+
+@dataclass
+class LRPZB(_CompositeMethod):
+    """Deep Taylor decomposition for bounded inputs: z^B on the input layer, z⁺ elsewhere.
+
+    Attributes:
+        low: Lower input bound (number or tensor shaped like the inputs or one sample).
+        high: Upper input bound.
+    """
+
+    low: float | torch.Tensor | None = None
+    high: float | torch.Tensor | None = None
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_zb(self.low, self.high)
+
+
+@dataclass
+class LRPFlat(_CompositeMethod):
+    """Flat rule on the input layer, z⁺ on convolutions, ε on dense layers."""
+
+    epsilon: float = 1e-6
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_flat(self.epsilon)
+
+
+@dataclass
+class LRPEpsilonPlus(_CompositeMethod):
+    """The ε+z⁺ composite: z⁺ on convolutions, ε on dense layers."""
+
+    epsilon: float = 1e-6
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_epsilon_plus(self.epsilon)
+
+
+@dataclass
+class LRPCMP(_CompositeMethod):
+    """LRP-CMP: αβ (``β = α − 1``; α = 1 or 2 in the paper) on convolutions, LRP-0 on dense."""
+
+    alpha: float = 1.0
+
+    def composite(self) -> LayerComposite:  # noqa: D102
+        return composites.lrp_cmp(self.alpha)
+
+
+@dataclass
+class ContrastiveLRP(Method):
+    """Contrastive LRP (Gu et al. 2018; the paper's Eq. 15) with the z⁺ rule.
+
+    ``max(0, n(R(x | r := y ⊙ m_k))) − n(R(x | r := y ⊙ (1 − m_k)))`` where ``n`` divides a map
+    by its sum; one forward pass, two backward passes.
+
+    Attributes:
+        clamp: Apply the ``max(0, ·)`` of Eq. 15 to the target's map.
+    """
+
+    clamp: bool = True
+
+    def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
+        forward = ModifiedBackprop(composites.lrp_zplus()).forward(model, inputs)
+        output = forward.output.detach()
+        chosen = select_target(output, target)
+        target_signal = one_hot(output, chosen)
+        for_target = input_relevance(forward, target_signal, retain_graph=True)
+        for_others = input_relevance(forward, 1 - target_signal)
+        shape = (-1,) + (1,) * (inputs.dim() - 1)
+        first = safe_divide(for_target, per_sample_sum(for_target).reshape(shape))
+        if self.clamp:
+            first = first.clamp(min=0)
+        second = safe_divide(for_others, per_sample_sum(for_others).reshape(shape))
+        return MethodResult(
+            first - second,
+            output,
+            chosen,
+            None,
+            {"target_relevance": for_target, "other_relevance": for_others},
+        )

@@ -1,0 +1,316 @@
+"""LRP and Deep-Taylor rules for affine layers, in the engine's signal convention.
+
+Notation: a layer computes ``z_j = Σ_i w_ji x_i + b_j``; ``R_j`` is the relevance of output ``j``.
+Rules return the signal ``s_i`` with input relevance ``R_i = x_i s_i``, except the input-layer
+rules (w², flat, z^B), which return ``R_i`` itself. Every rule is a few convolutions with
+modified weights in the forward pass plus one transposed convolution per weight variant in the
+backward pass.
+
+=================  ==========================================================================
+rule               ``R_i``
+=================  ==========================================================================
+LRP-0 (``z``)      ``Σ_j x_i w_ji / z_j · R_j`` (bias in ``z``); = Input×Gradient on ReLU nets
+ε                  ``Σ_j x_i w_ji / (z_j + ε·sign z_j) · R_j``
+γ                  ``Σ_j x_i ρ(w)_ji / (Σ_i' x_i' ρ(w)_ji' + ρ(b)_j) · R_j``, ``ρ(w) = w + γw⁺``
+αβ                 ``Σ_j (α [x_i w_ji]⁺/Σ_i'[x_i' w_ji']⁺ − β [x_i w_ji]⁻/Σ_i'[x_i' w_ji']⁻) R_j``
+z⁺                 αβ with α=1, β=0 (bias ignored, as in the paper's Eq. 5)
+w² (input)         ``Σ_j w_ji² / Σ_i' w_ji'² · R_j``
+flat (input)       ``Σ_j 1 / Σ_i' 1 · R_j`` over each output's receptive field
+z^B (input)        ``Σ_j (x_i w_ji − l_i w⁺_ji − h_i w⁻_ji) / Σ_i'(…) · R_j`` for ``l ≤ x ≤ h``
+=================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from explain_core.errors import InvalidInputError
+from explain_modbp.engine import LayerRule, safe_divide
+from explain_modbp.layers import AffineLayer
+
+
+def _stabilise(z: torch.Tensor, epsilon: float) -> torch.Tensor:
+    return torch.where(z >= 0, z + epsilon, z - epsilon)
+
+
+def _ratio(z: torch.Tensor, denominator: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale · z / denominator`` with 0 where the denominator is 0 (computed once, forward)."""
+    ratio = torch.div(z, denominator)
+    if scale != 1.0:
+        ratio.mul_(scale)
+    return ratio.nan_to_num_(0.0, 0.0, 0.0)
+
+
+class Epsilon(LayerRule):
+    """LRP-ε: the output (with bias) stabilised by ``ε·sign(z)``; ``ε=0`` is LRP-0.
+
+    Args:
+        epsilon: Stabiliser, ``>= 0``.
+    """
+
+    def __init__(self, epsilon: float = 1e-6) -> None:
+        if epsilon < 0:
+            raise ValueError(f"epsilon must be >= 0; got {epsilon}")
+        self.epsilon = float(epsilon)
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        if not self.epsilon:  # z / z = 1 where z != 0: the gradient (LRP-0 = Input×Gradient)
+            return z, (z != 0).to(z.dtype)
+        denominator = _stabilise(z, self.epsilon)
+        return denominator, z / denominator
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        return layer.transpose(safe_divide(relevance, state[0]), x)
+
+    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
+        return layer.transpose(signal * state[1], x)
+
+
+class Zero(Epsilon):
+    """LRP-0 (the "z" rule): ``ε = 0``."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+
+    def __repr__(self) -> str:
+        return "Zero()"
+
+
+class Gamma(LayerRule):
+    """LRP-γ: positive weights (and biases) amplified by ``1 + γ``.
+
+    Args:
+        gamma: Amplification of the positive parts, ``>= 0``.
+        epsilon: Small stabiliser of the denominator.
+    """
+
+    def __init__(self, gamma: float = 0.25, epsilon: float = 1e-6) -> None:
+        if gamma < 0 or epsilon < 0:
+            raise ValueError(f"gamma and epsilon must be >= 0; got {gamma}, {epsilon}")
+        self.gamma = float(gamma)
+        self.epsilon = float(epsilon)
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        weight = layer.weight + self.gamma * layer.weight.clamp(min=0)
+        bias = None if layer.bias is None else layer.bias + self.gamma * layer.bias.clamp(min=0)
+        denominator = _stabilise(layer.forward(x, weight, bias), self.epsilon)
+        return weight, denominator, _ratio(z, denominator)
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        weight, denominator, _ = state
+        return layer.transpose(safe_divide(relevance, denominator), x, weight)
+
+    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
+        weight, _, ratio = state
+        return layer.transpose(signal * ratio, x, weight)
+
+
+class AlphaBeta(LayerRule):
+    """LRP-αβ: positive and negative contributions normalised separately (bias ignored).
+
+    Inputs of either sign are handled by splitting ``x`` into ``x⁺`` and ``x⁻``; for
+    non-negative inputs (after a ReLU) that costs one convolution per weight sign.
+
+    Args:
+        alpha: Weight of the positive part; ``alpha - beta`` must be 1.
+        beta: Weight of the negative part, ``>= 0``.
+    """
+
+    def __init__(self, alpha: float = 2.0, beta: float = 1.0) -> None:
+        if beta < 0 or abs(alpha - beta - 1) > 1e-9:
+            raise ValueError(
+                f"alpha - beta must be 1 with beta >= 0; got alpha={alpha}, beta={beta}"
+            )
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        positive, negative = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
+        nonnegative = layer.nonnegative_input or bool((x >= 0).all())
+        if nonnegative:
+            pos = layer.forward(x, positive)
+            neg = layer.forward(x, negative) if self.beta else None
+        else:
+            xp, xn = x.clamp(min=0), x.clamp(max=0)
+            pos = layer.forward(xp, positive) + layer.forward(xn, negative)
+            neg = (layer.forward(xp, negative) + layer.forward(xn, positive)) if self.beta else None
+        ratios = _ratio(z, pos, self.alpha), (_ratio(z, neg, self.beta) if self.beta else None)
+        return positive, negative, nonnegative, pos, neg, ratios
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        pos, neg = state[3], state[4]
+        s_pos = safe_divide(relevance, pos)
+        if self.alpha != 1:
+            s_pos = s_pos * self.alpha
+        s_neg = safe_divide(relevance, neg) * self.beta if self.beta else None
+        return self._propagate(layer, state, x, s_pos, s_neg)
+
+    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
+        ratio_pos, ratio_neg = state[5]
+        s_neg = signal * ratio_neg if ratio_neg is not None else None
+        return self._propagate(layer, state, x, signal * ratio_pos, s_neg)
+
+    def _propagate(self, layer, state, x, s_pos, s_neg):
+        positive, negative, nonnegative = state[:3]
+        if nonnegative:
+            signal = layer.transpose(s_pos, x, positive)
+            if s_neg is not None:
+                signal = signal - layer.transpose(s_neg, x, negative)
+            return signal
+        for_positive_x = layer.transpose(s_pos, x, positive)
+        for_negative_x = layer.transpose(s_pos, x, negative)
+        if s_neg is not None:
+            for_positive_x = for_positive_x - layer.transpose(s_neg, x, negative)
+            for_negative_x = for_negative_x - layer.transpose(s_neg, x, positive)
+        return torch.where(x > 0, for_positive_x, for_negative_x)
+
+
+class ZPlus(AlphaBeta):
+    """The z⁺ rule: LRP-α1β0 (Deep Taylor's rule for ReLU inputs)."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0, 0.0)
+
+    def __repr__(self) -> str:
+        return "ZPlus()"
+
+
+class WSquare(LayerRule):
+    """Deep Taylor's w² rule for unbounded real inputs (input layer only)."""
+
+    relevance_output = True
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        squared = layer.weight.square()
+        return squared, layer.ones_forward(x, squared)
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        squared, denominator = state
+        return layer.transpose(safe_divide(relevance, denominator), x, squared)
+
+
+class Flat(LayerRule):
+    """The flat rule: each output's relevance spread uniformly over its inputs (input layer)."""
+
+    relevance_output = True
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        ones = torch.ones_like(layer.weight)
+        return ones, layer.ones_forward(x, ones)
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        ones, denominator = state
+        return layer.transpose(safe_divide(relevance, denominator), x, ones)
+
+
+class ZBox(LayerRule):
+    """Deep Taylor's z^B rule for inputs bounded by ``low <= x <= high`` (input layer only).
+
+    Args:
+        low: Lower bound: a number, or a tensor broadcastable to the inputs (or one sample).
+        high: Upper bound, likewise.
+
+    Raises:
+        InvalidInputError: If a bound is missing, or (at use) does not fit the inputs or the
+            inputs leave the bounds.
+    """
+
+    relevance_output = True
+
+    def __init__(self, low: float | torch.Tensor | None, high: float | torch.Tensor | None) -> None:
+        if low is None or high is None:
+            raise InvalidInputError(
+                "the z^B rule needs the input's bounds: pass low= and high= (numbers or tensors "
+                "shaped like the inputs), e.g. low=0.0, high=1.0 for images scaled to [0, 1]"
+            )
+        self.low = low
+        self.high = high
+
+    def _bound(self, value: float | torch.Tensor, x: torch.Tensor, what: str) -> torch.Tensor:
+        bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
+        if bound.dim() == 0:
+            return bound.expand_as(x)
+        sample = x.shape[1:]
+        if bound.numel() == x[0].numel() and bound.shape != x.shape:
+            return bound.reshape(1, *sample).expand_as(x)
+        if bound.numel() == x.numel():
+            return bound.reshape(x.shape)
+        try:
+            return torch.broadcast_to(bound, x.shape)
+        except RuntimeError:
+            raise InvalidInputError(
+                f"z^B bound {what} of shape {tuple(bound.shape)} does not fit the inputs of shape "
+                f"{tuple(x.shape)}; give a number or a tensor shaped like one sample or the batch"
+            ) from None
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        low, high = self._bound(self.low, x, "low"), self._bound(self.high, x, "high")
+        tolerance = 1e-6 * (1 + float(x.abs().max()))
+        if bool((x < low - tolerance).any() or (x > high + tolerance).any()):
+            raise InvalidInputError(
+                "the inputs leave the z^B bounds (low <= x <= high must hold); got inputs in "
+                f"[{float(x.min()):.4g}, {float(x.max()):.4g}], check low= and high="
+            )
+        positive, negative = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
+        denominator = (
+            layer.forward(x) - layer.forward(low, positive) - layer.forward(high, negative)
+        )
+        return low, high, positive, negative, denominator
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        low, high, positive, negative, denominator = state
+        s = safe_divide(relevance, denominator)
+        return (
+            x * layer.transpose(s, x)
+            - low * layer.transpose(s, x, positive)
+            - high * layer.transpose(s, x, negative)
+        )
+
+
+class Excitation(LayerRule):
+    """Excitation backprop's marginal winning probability: only positive weights (``W⁺``).
+
+    ``R_i = Σ_j x_i w⁺_ji / Σ_i' x_i' w⁺_ji' · R_j`` (equals z⁺ for non-negative inputs).
+    """
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        positive = layer.weight.clamp(min=0)
+        denominator = layer.forward(x, positive)
+        return positive, denominator, _ratio(z, denominator)
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        positive, denominator, _ = state
+        return layer.transpose(safe_divide(relevance, denominator), x, positive)
+
+    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
+        positive, _, ratio = state
+        return layer.transpose(signal * ratio, x, positive)
+
+
+class ContrastiveExcitation(LayerRule):
+    """Contrastive excitation backprop's final-layer rule ``(Z⁺ − N⁺)``, ``N⁺`` from ``−W``."""
+
+    def prepare(self, layer, x, z):  # noqa: D102
+        positive, flipped = layer.weight.clamp(min=0), (-layer.weight).clamp(min=0)
+        return positive, flipped, layer.forward(x, positive), layer.forward(x, flipped)
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        positive, flipped, den_positive, den_flipped = state
+        return layer.transpose(safe_divide(relevance, den_positive), x, positive) - layer.transpose(
+            safe_divide(relevance, den_flipped), x, flipped
+        )
+
+
+__all__ = [
+    "AffineLayer",
+    "AlphaBeta",
+    "ContrastiveExcitation",
+    "Epsilon",
+    "Excitation",
+    "Flat",
+    "Gamma",
+    "WSquare",
+    "ZBox",
+    "ZPlus",
+    "Zero",
+]

@@ -1,0 +1,439 @@
+"""The engine on real user models: composites, BatchNorm merging, residual code, checks, state."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_state, state_fingerprint
+from test_modbp_rules import reference
+from torch import nn
+
+from explain_core import Rule, explain
+from explain_core.errors import InvalidInputError
+from explain_modbp import (
+    AlphaBeta,
+    Epsilon,
+    Gradient,
+    LayerComposite,
+    ModifiedBackprop,
+    UnsupportedModelError,
+    ZBox,
+    Zero,
+    ZPlus,
+)
+from explain_modbp.composites import lrp_epsilon_plus
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def randomise_batchnorm(model):
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.3, 0.3)
+    return model
+
+
+def vgg_bn(bias=True):
+    model = nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1, bias=bias),
+        nn.BatchNorm2d(6),
+        nn.ReLU(inplace=True),
+        nn.Conv2d(6, 6, 3, padding=1, bias=bias),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 8, 3, padding=1, bias=bias),
+        nn.ReLU(),
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Dropout(0.5),
+        nn.Linear(8 * 2 * 2, 16, bias=bias),
+        nn.ReLU(),
+        nn.Linear(16, 5, bias=bias),
+    )
+    return randomise_batchnorm(model).double().eval()
+
+
+def sequential_reference(model, x, composite_rules, start):
+    """Independent layer-by-layer LRP on a Sequential, using the dense matrix references."""
+    layers = list(model)
+    activations = [x]
+    for layer in layers:
+        activations.append(layer(activations[-1]).detach())
+    relevance = start
+    index = len(layers) - 1
+    while index >= 0:
+        layer = layers[index]
+        h = activations[index]
+        if isinstance(layer, nn.BatchNorm2d):  # merged with the conv before it
+            pair = nn.Sequential(layers[index - 1], layer)
+            relevance = reference(
+                composite_rules(layers[index - 1]), pair, activations[index - 1], relevance
+            )
+            index -= 2
+            continue
+        if isinstance(layer, (nn.Conv2d, nn.Linear)):
+            relevance = reference(composite_rules(layer), layer, h, relevance)
+        elif isinstance(layer, nn.MaxPool2d):
+            _, indices = F.max_pool2d(h, 2, return_indices=True)
+            relevance = F.max_unpool2d(relevance, indices, 2, output_size=h.shape[-2:])
+        elif isinstance(layer, nn.AvgPool2d):
+            relevance = reference(Zero(), layer, h, relevance)
+        elif isinstance(layer, nn.Flatten):
+            relevance = relevance.reshape(h.shape)
+        # ReLU and Dropout (eval): relevance passes unchanged
+        index -= 1
+    return relevance
+
+
+def rules_epsilon_plus(layer):
+    return ZPlus() if isinstance(layer, nn.Conv2d) else Epsilon(1e-6)
+
+
+def rules_cmp(layer):
+    return AlphaBeta(2.0, 1.0) if isinstance(layer, nn.Conv2d) else Zero()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize(
+    "method, options, rules",
+    [
+        ("lrp.epsilon_plus", {}, rules_epsilon_plus),
+        ("lrp.cmp", {"alpha": 2.0}, rules_cmp),
+        ("lrp.alpha2beta1", {}, lambda layer: AlphaBeta(2.0, 1.0)),
+        ("lrp.epsilon", {"epsilon": 0.1}, lambda layer: Epsilon(0.1)),
+    ],
+)
+def test_composites_on_vgg_with_batchnorm_match_layerwise_reference(seed, method, options, rules):
+    torch.manual_seed(seed)
+    model = vgg_bn()
+    x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
+    result = explain(model, x, method, target=[0, 2, 4], **options)
+    start = torch.zeros(3, 5, dtype=torch.float64)
+    logits = model(x).detach()
+    start[range(3), [0, 2, 4]] = logits[range(3), [0, 2, 4]]
+    expected = sequential_reference(model, x, rules, start)
+    torch.testing.assert_close(result.attribution, expected, rtol=1e-8, atol=1e-10)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
+            )
+
+    def forward(self, x):
+        identity = x
+        out = self.conv1(x)
+        out = self.bn1(out)
+        out = self.relu(out)
+        out = self.conv2(out)
+        out = self.bn2(out)
+        if self.downsample is not None:
+            identity = self.downsample(x)
+        out += identity
+        return self.relu(out)
+
+
+class TinyResNet(nn.Module):
+    def __init__(self, bias=True):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=bias)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.layer1 = BasicBlock(8, 8)
+        self.layer2 = BasicBlock(8, 12, stride=2)
+        self.fc = nn.Linear(24, 4, bias=bias)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(x, 2)
+        x = self.layer1(x)
+        x = self.layer2(x)
+        pooled = torch.cat([F.adaptive_avg_pool2d(x, 1), x.mean((2, 3), keepdim=True)], dim=1)
+        x = torch.flatten(pooled, 1)
+        return self.fc(x)
+
+
+def resnet(bias=True):
+    return randomise_batchnorm(TinyResNet(bias)).double().eval()
+
+
+@pytest.mark.parametrize("make", [vgg_bn, resnet], ids=["vgg_bn", "resnet"])
+def test_lrp_zero_equals_input_times_gradient_on_relu_networks(make):
+    model = make()
+    x = torch.randn(4, 3, 8, 8, dtype=torch.float64)
+    lrp = explain(model, x, "lrp.z", target=1)
+    ixg = explain(model, x, "input_x_gradient", target=1)
+    torch.testing.assert_close(lrp.attribution, ixg.attribution, rtol=1e-9, atol=1e-12)
+
+
+def test_resnet_merges_every_batchnorm_and_conserves_relevance_without_biases():
+    model = resnet(bias=False)
+    for m in model.modules():  # BatchNorm shifts act as biases: remove them for conservation
+        if isinstance(m, nn.BatchNorm2d):
+            m.bias.data.zero_()
+            m.running_mean.zero_()
+    x = torch.rand(3, 3, 8, 8, dtype=torch.float64)
+    forward = ModifiedBackprop(lrp_epsilon_plus(1e-12), record=True).forward(model, x)
+    assert forward.plan.merged == {
+        "conv1": "bn1",
+        "layer1.conv1": "layer1.bn1",
+        "layer1.conv2": "layer1.bn2",
+        "layer2.conv1": "layer2.bn1",
+        "layer2.conv2": "layer2.bn2",
+        "layer2.downsample.0": "layer2.downsample.1",
+    }
+    for method in ("lrp.z", "lrp.zplus", "lrp.alpha2beta1", "lrp.epsilon_plus", "lrp.w2"):
+        result = explain(
+            model, x, method, target=2, **({"epsilon": 1e-12} if "eps" in method else {})
+        )
+        torch.testing.assert_close(result.delta, torch.zeros(3).double(), atol=1e-9, rtol=0)
+    result = explain(model, x, "excitation_bp", target=2)
+    torch.testing.assert_close(
+        result.attribution.sum((1, 2, 3)), torch.ones(3).double(), rtol=1e-9, atol=1e-9
+    )
+
+
+def test_relevance_injected_at_a_layer_is_read_at_every_lower_layer():
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3)
+    ).double()
+    x = torch.randn(2, 6, dtype=torch.float64)
+    composite = LayerComposite([(nn.Linear, ZPlus())])
+    forward = ModifiedBackprop(composite).forward(model, x)
+    assert forward.layers == ["0", "2", "4"]
+    v = torch.randn(2, 7, dtype=torch.float64)
+    result = forward.backward(start="2", relevance=v, read_layers=True, retain_graph=True)
+    h1 = model[1](model[0](x)).detach()
+    r2 = reference(ZPlus(), model[2], h1, v)
+    torch.testing.assert_close(h1 * result.layer_signals["2"], r2)
+    r0 = reference(ZPlus(), model[0], x, r2)
+    torch.testing.assert_close(x * result.layer_signals["0"], r0)
+    torch.testing.assert_close(x * result.input_signal, r0)
+    # a signal injected at a layer's output is an ordinary vector-Jacobian product start
+    signal = forward.backward(torch.ones(2, 7).double(), start="2").input_signal
+    assert signal.shape == x.shape
+
+
+def test_functional_and_inplace_relu_dropout_and_views_are_supported():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv1d(2, 4, 3)
+            self.drop = nn.Dropout(0.3)
+            self.fc = nn.Linear(4 * 3, 3)
+
+        def forward(self, x):
+            x = F.relu(self.conv(x), inplace=True)
+            x = self.drop(x)
+            x = x.view(x.size(0), -1)
+            return self.fc(torch.relu(x) * 2.0)
+
+    model = Net().double().eval()
+    x = torch.randn(2, 2, 5, dtype=torch.float64)
+    lrp = explain(model, x, "lrp.z", target=0)
+    ixg = explain(model, x, "input_x_gradient", target=0)
+    torch.testing.assert_close(lrp.attribution, ixg.attribution)
+
+
+def test_model_state_is_identical_after_attribution_and_after_exceptions():
+    model = resnet()
+    model.user_attribute = [1, 2]
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    expected = model(x).detach()
+    before = state_fingerprint(model)
+    for method in ("lrp.epsilon_plus", "lrp.cmp", "excitation_bp", "lrp.contrastive"):
+        explain(model, x, method)
+        assert_same_state(before, state_fingerprint(model))
+    # an error inside a rule in the middle of the forward pass
+    with pytest.raises(InvalidInputError, match="z\\^B bounds"):
+        explain(model, x * 10, "lrp.zb", low=-1.0, high=1.0)
+    assert_same_state(before, state_fingerprint(model))
+    with pytest.raises(UnsupportedModelError):
+        ModifiedBackprop(LayerComposite([(nn.Linear, ZPlus())])).forward(model, x)
+    assert_same_state(before, state_fingerprint(model))
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    assert model.user_attribute == [1, 2]
+
+
+def test_reused_module_is_an_error_naming_it():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.ReLU(), shared).double().eval()
+    with pytest.raises(UnsupportedModelError, match=r"'0' \(Linear\) is called more than once"):
+        explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
+
+
+def test_unsupported_layer_is_an_error_naming_path_type_and_how_to_register():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double().eval()
+    with pytest.raises(UnsupportedModelError, match=r"'tanh' in module '1' \(Tanh\).*with_rules"):
+        explain(model, torch.randn(2, 4).double(), "lrp.zplus")
+
+
+def test_custom_rule_registered_for_an_unsupported_layer_is_used():
+    class TanhRule(Rule):  # the exact gradient, in the signal convention
+        def backward(self, call, grad_output):
+            return (grad_output * (1 - call.output**2),)
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double().eval()
+    x = torch.randn(3, 4).double()
+    composite = LayerComposite([(nn.Linear, Zero())]).with_rules((nn.Tanh, TanhRule()))
+    forward = ModifiedBackprop(composite).forward(model, x)
+    signal = forward.backward(torch.tensor([[1.0, 0.0]] * 3).double()).input_signal
+    xg = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(xg)[:, 0].sum(), xg)
+    torch.testing.assert_close(signal, grad)
+
+
+@pytest.mark.parametrize(
+    "forward, message",
+    [
+        (lambda self, x: F.linear(x, self.fc.weight), r"'linear' in module '<root>' \(Net\)"),
+        (lambda self, x: self.fc(x) * torch.sigmoid(self.fc2(x)), r"'sigmoid'"),
+        (lambda self, x: self.fc(x) * self.fc2(x), r"'mul'.*multiplies"),
+        (lambda self, x: self.fc(F.gelu(x)), r"'gelu' in module '<root>'"),
+    ],
+    ids=["functional_linear", "sigmoid_gate", "product", "gelu"],
+)
+def test_operations_the_engine_cannot_see_are_errors(forward, message):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+            self.fc2 = nn.Linear(4, 3)
+
+    Net.forward = forward
+    model = Net().double().eval()
+    with pytest.raises(UnsupportedModelError, match=message):
+        explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
+
+
+def test_batchnorm_that_cannot_be_merged_and_unmapped_layers_are_errors():
+    model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval()
+    with pytest.raises(UnsupportedModelError, match=r"no rule for module '0' \(BatchNorm1d\)"):
+        explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
+    # mapping it explicitly makes it a per-channel affine layer
+    composite = LayerComposite([(nn.Linear, Zero()), (nn.BatchNorm1d, Zero())])
+    x = torch.randn(3, 4).double()
+    forward = ModifiedBackprop(composite).forward(model, x)
+    relevance = x * forward.backward(torch.tensor([[1.0, 0.0]] * 3).double()).input_signal
+    xg = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(xg)[:, 0].sum(), xg)
+    torch.testing.assert_close(relevance, x * grad)
+    conv_only = LayerComposite([(nn.Conv2d, ZPlus())])
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    with pytest.raises(UnsupportedModelError, match=r"no rule for module '0' \(Linear\)"):
+        ModifiedBackprop(conv_only).forward(mlp, x)
+
+
+def test_input_layer_rules_are_refused_on_inner_layers_and_padding_modes():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
+    composite = LayerComposite([("2", ZBox(0.0, 1.0)), (nn.Linear, ZPlus())])
+    with pytest.raises(UnsupportedModelError, match="only applies to the layer reading"):
+        ModifiedBackprop(composite).forward(model, torch.rand(2, 4).double())
+    reflect = nn.Sequential(nn.Conv1d(1, 1, 3, padding=1, padding_mode="reflect"), nn.Flatten())
+    with pytest.raises(UnsupportedModelError, match="padding_mode='reflect'"):
+        explain(reflect.double(), torch.randn(2, 1, 4).double(), "lrp.epsilon")
+
+
+def test_bad_inputs_give_clear_errors():
+    model = vgg_bn()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match=r"target must lie in \[0, 4\]"):
+        explain(model, x, "lrp.epsilon_plus", target=5)
+    with pytest.raises(InvalidInputError, match="z\\^B rule needs the input's bounds"):
+        explain(model, x, "lrp.zb")
+    with pytest.raises(InvalidInputError, match="does not fit the inputs"):
+        explain(model, x, "lrp.zb", low=torch.zeros(5), high=1.0)
+    with pytest.raises(InvalidInputError, match="alpha - beta must be 1"):
+        explain(model, x, "lrp.alpha_beta", alpha=3.0, beta=1.0)
+
+
+def test_gradient_rule_needs_no_hooks_and_is_the_gradient():
+    model = vgg_bn()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    composite = LayerComposite([((nn.Conv2d, nn.Linear), Gradient())])
+    forward = ModifiedBackprop(composite).forward(model, x)
+    assert forward.records == {}
+    signal = forward.backward(F.one_hot(torch.tensor([1, 1]), 5).double()).input_signal
+    ixg = explain(model, x, "gradient", target=1).attribution
+    torch.testing.assert_close(signal, ixg)
+
+
+def test_recorded_gradient_layers_give_the_signal_at_every_layer_input():
+    model = vgg_bn()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    composite = LayerComposite([((nn.Conv2d, nn.Linear), Gradient())])
+    forward = ModifiedBackprop(composite, record=True).forward(model, x)
+    assert forward.layers == ["0", "3", "7", "12", "14"]
+    start = F.one_hot(torch.tensor([1, 3]), 5).double()
+    result = forward.backward(start, read_layers=True)
+    xg = x.clone().requires_grad_(True)
+    h = model[:12](xg)
+    (expected,) = torch.autograd.grad(model[12:](h), h, start)
+    torch.testing.assert_close(result.layer_signals["12"], expected)
+    torch.testing.assert_close(result.input_signal, torch.autograd.grad(model(xg), xg, start)[0])
+
+
+def test_affine_subclass_with_its_own_forward_is_refused():
+    class StandardisedConv(nn.Conv2d):
+        def forward(self, x):
+            w = (self.weight - self.weight.mean()) / self.weight.std()
+            return self._conv_forward(x, w, self.bias)
+
+    model = nn.Sequential(StandardisedConv(2, 3, 3), nn.Flatten(), nn.Linear(12, 2)).double()
+    with pytest.raises(UnsupportedModelError, match=r"'0' \(StandardisedConv\) does not compute"):
+        explain(model.eval(), torch.randn(2, 2, 4, 4).double(), "lrp.epsilon_plus")
+
+
+class ResidualBlockNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 3, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(3)
+        self.conv2 = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(3)
+        self.fc = nn.Linear(3 * 5 * 5, 4)
+
+    def forward(self, x):
+        h = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(h)) + x)
+        return self.fc(out.flatten(1))
+
+
+@pytest.mark.parametrize("method, rule", [("lrp.zplus", ZPlus()), ("lrp.alpha2beta1", AlphaBeta())])
+def test_residual_block_matches_hand_written_reference(method, rule):
+    torch.manual_seed(4)
+    model = randomise_batchnorm(ResidualBlockNet()).double().eval()
+    x = torch.rand(2, 3, 5, 5, dtype=torch.float64)
+    result = explain(model, x, method, target=[1, 3])
+    with torch.no_grad():
+        h = F.relu(model.bn1(model.conv1(x)))
+        a = model.bn2(model.conv2(h))
+        s = a + x
+        out = F.relu(s).flatten(1)
+        logits = model.fc(out)
+    start = torch.zeros_like(logits)
+    start[[0, 1], [1, 3]] = logits[[0, 1], [1, 3]]
+    r_out = reference(rule, model.fc, out, start).reshape(s.shape)  # passes the final ReLU
+    share = torch.where(s == 0, 0.0, r_out / torch.where(s == 0, 1.0, s))
+    r_a, r_x_skip = a * share, x * share  # LRP-0 split of the residual sum
+    r_h = reference(rule, nn.Sequential(model.conv2, model.bn2), h, r_a)
+    r_x = reference(rule, nn.Sequential(model.conv1, model.bn1), x, r_h) + r_x_skip
+    torch.testing.assert_close(result.attribution, r_x, rtol=1e-8, atol=1e-10)
