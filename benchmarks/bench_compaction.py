@@ -77,9 +77,7 @@ def main() -> None:
             "max |Δ output|": parity,
         }
         for batch in (1, 32):
-            latency = median_latencies(
-                {"before": model, "after": compacted}, test[:batch], ROUNDS
-            )
+            latency = median_latencies({"before": model, "after": compacted}, test[:batch], ROUNDS)
             row[f"ms b{batch} before"] = 1000 * latency["before"]
             row[f"ms b{batch} after"] = 1000 * latency["after"]
             row[f"speed-up b{batch}"] = latency["before"] / latency["after"]

@@ -70,7 +70,9 @@ def test_wheel_has_only_distinctly_named_top_level_packages(tmp_path):
         "explain_coda",
         "explain_capsules",
         "explain_modbp",
+        "explain_onnx",
     }
+    assert "explain_onnx/export.py" in names
     assert "explain_core/cli/__init__.py" in names
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "explain = explain_core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()

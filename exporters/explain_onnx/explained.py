@@ -1,0 +1,332 @@
+"""Explained exports: one graph returning ``(logits, explanation)``, and the explainer registry.
+
+An explainer is registered under a method name (the same names as ``explain()`` uses) with two
+functions: ``build(model, example, target_input, **options)`` returns an ``nn.Module`` computing
+``(logits, explanation)`` from ``x`` (and, with ``target_input``, the class to explain, int64
+``(batch,)``; otherwise the predicted class) with exportable operations only, and
+``reference(model, x, target, **options)`` computes the same with the library's PyTorch method,
+which is what parity checks compare the exported graph against.
+
+Built in:
+
+- ``coda.contributions``: CoDA-Net contributions ``W_{0→L}(x)_t ⊙ x`` (shape of the encoded
+  input), with the backward pass written out: every DAU layer's ``W_l(x)`` is computed once, used
+  for the forward pass and transposed for the backward pass (a transposed unfold is ``Col2Im``).
+- ``capsules.saliency``: REM saliency maps ``(batch, H, W)`` of a DR-CapsNet (Eq. 16), option
+  ``levels`` (``K``-level quantised couplings), routing unrolled.
+- ``input_x_gradient``: Input×Gradient for plain CNNs and other models of standard layers, the
+  gradient function traced first (:mod:`explain_onnx.gradtrace`).
+
+Extension point: a plugin adds methods (e.g. the LRP composites of the modified-backprop plugin)
+with :func:`register_explainer`, or lazily through an entry point in the group
+``explain_onnx.explainers`` naming a callable that returns a list of :class:`ExplainerSpec`. For
+rules that act on the gradient, ``build`` can call
+:func:`explain_onnx.gradtrace.input_gradient_graph` while the composite's hooks are attached:
+the gradient is traced as it is computed, so hooks that rewrite it (checked for forward hooks of
+the form ``z.detach() + (r - r.detach())``) end up in the graph; backward operators without an
+ONNX translation are named by the export's error. Rules can also be written out as forward
+operations, as ``coda.contributions`` is.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from explain_core.errors import InvalidInputError
+
+ENTRY_POINT_GROUP = "explain_onnx.explainers"
+
+Build = Callable[..., nn.Module]
+Reference = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class ExplainerSpec:
+    """An explanation method that can be exported with the model.
+
+    Attributes:
+        name: Method name, as in ``explain(model, x, name)``.
+        build: ``build(model, example, target_input, **options) -> nn.Module`` returning
+            ``(logits, explanation)``.
+        reference: ``reference(model, x, target, **options) -> (logits, explanation)`` in
+            PyTorch; ``target`` is int64 ``(batch,)`` or ``None`` for the predicted class.
+        description: One line for listings.
+    """
+
+    name: str
+    build: Build
+    reference: Reference
+    description: str = ""
+
+
+_EXPLAINERS: dict[str, ExplainerSpec] = {}
+_LOADED = False
+
+
+def register_explainer(spec: ExplainerSpec, *, replace: bool = False) -> None:
+    """Make ``spec.name`` exportable.
+
+    Raises:
+        ValueError: If the name is taken and ``replace`` is false.
+    """
+    _load()
+    if spec.name in _EXPLAINERS and not replace:
+        raise ValueError(f"an ONNX explainer named {spec.name!r} is already registered")
+    _EXPLAINERS[spec.name] = spec
+
+
+def available_explainers() -> dict[str, ExplainerSpec]:
+    """Every exportable method, by name (built-ins and entry points)."""
+    _load()
+    return dict(sorted(_EXPLAINERS.items()))
+
+
+def get_explainer(name: str) -> ExplainerSpec:
+    """The explainer registered as ``name``.
+
+    Raises:
+        InvalidInputError: Naming the exportable methods (closest first).
+    """
+    explainers = available_explainers()
+    if name not in explainers:
+        close = difflib.get_close_matches(name, explainers, n=3, cutoff=0.4)
+        others = [n for n in explainers if n not in close]
+        raise InvalidInputError(
+            f"method {name!r} cannot be exported with the model; exportable methods: "
+            f"{', '.join(close + others)}"
+        )
+    return explainers[name]
+
+
+def explained_module(
+    model: nn.Module,
+    method: str,
+    example: torch.Tensor,
+    *,
+    target_input: bool = False,
+    **options: Any,
+) -> nn.Module:
+    """The module ``(x[, target]) → (logits, explanation)`` of ``method`` for ``model``.
+
+    Raises:
+        InvalidInputError: For a method without an ONNX explainer, or one that does not fit
+            the model.
+    """
+    return get_explainer(method).build(model, example, target_input, **options)
+
+
+# --- CoDA contributions --------------------------------------------------------------------
+
+
+class CoDAContributionsGraph(nn.Module):
+    """Logits and contributions of a CoDA-Net, the backward pass written out.
+
+    In explanation mode a CoDA-Net is the linear map ``ŷ = T⁻¹·W_{0→L}(x)·x + b₀`` with constant
+    ``W_l(x)``; the row of the explained class is ``W_1ᵀ ⋯ W_Lᵀ`` applied to ``T⁻¹`` times the
+    class indicator at every position of the last map, and each ``W_lᵀ`` of a convolutional DAU
+    layer is a per-position product followed by a transposed unfold (``F.fold``).
+    """
+
+    def __init__(self, model: nn.Module, target_input: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.target_input = target_input
+
+    def forward(
+        self, x: torch.Tensor, target: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits (batch, classes), contributions (batch, *x.shape[1:]))``."""
+        model = self.model
+        inputs, weights = [], []
+        h = x
+        for layer in model.layers:
+            weight = layer.dynamic_weight(h)  # (B, out, patch_dim, oh, ow)
+            batch, _, patch_dim, oh, ow = weight.shape
+            patches = F.unfold(h, layer.kernel_size, padding=layer.padding, stride=layer.stride)
+            inputs.append(h)
+            weights.append(weight)
+            h = (patches.view(batch, 1, patch_dim, oh, ow) * weight).sum(2)
+        logits = h.sum(dim=(2, 3)) / model.temperature + model.logit_bias
+        chosen = target if target is not None else logits.argmax(dim=1)
+        classes = torch.arange(logits.shape[1], device=x.device)
+        selector = (classes[None] == chosen[:, None]).to(x.dtype) / model.temperature
+        grad = selector[:, :, None, None].expand_as(h)
+        for layer, h_in, weight in zip(
+            reversed(model.layers), reversed(inputs), reversed(weights), strict=True
+        ):
+            patch_grad = torch.einsum("bohw,bophw->bphw", grad, weight)
+            grad = F.fold(
+                patch_grad.flatten(2),
+                output_size=tuple(h_in.shape[2:]),
+                kernel_size=layer.kernel_size,
+                padding=layer.padding,
+                stride=layer.stride,
+            )
+        return logits, grad * x
+
+
+def _build_coda(
+    model: nn.Module, example: torch.Tensor, target_input: bool, **options: Any
+) -> nn.Module:
+    from explain_coda import CoDANet, DAUConv2d
+
+    _no_options("coda.contributions", options)
+    if not isinstance(model, CoDANet) or not all(isinstance(m, DAUConv2d) for m in model.layers):
+        raise InvalidInputError(
+            f"the ONNX explainer 'coda.contributions' needs an explain_coda.CoDANet of "
+            f"convolutional DAU layers; got {type(model).__name__}"
+        )
+    return CoDAContributionsGraph(model, target_input)
+
+
+def _reference_coda(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, **options: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from explain_coda import coda_contributions
+
+    result = coda_contributions(model, x, target)
+    return result.output, result.contributions
+
+
+# --- capsule saliency ----------------------------------------------------------------------
+
+
+class CapsuleSaliencyGraph(nn.Module):
+    """Class capsule lengths and REM saliency maps (Eq. 16) of a DR-CapsNet."""
+
+    def __init__(self, model: nn.Module, target_input: bool, levels: int | None) -> None:
+        super().__init__()
+        from explain_onnx.adapters import CapsuleGraph
+
+        self.capsule_graph = CapsuleGraph(model)
+        self.target_input = target_input
+        self.levels = levels
+
+    def forward(
+        self, x: torch.Tensor, target: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lengths (batch, classes), saliency (batch, H, W))``."""
+        from explain_capsules.routing import capsule_length
+
+        model = self.capsule_graph.model
+        primary, capsules, couplings = self.capsule_graph.capsules(x)
+        lengths = capsule_length(capsules)
+        chosen = target if target is not None else lengths.argmax(dim=1)
+        classes = torch.arange(lengths.shape[1], device=x.device)
+        selector = (classes[None] == chosen[:, None]).to(couplings.dtype)
+        coupling = (couplings * selector[:, None, :]).sum(2)  # (B, n_primary)
+        if self.levels is not None:
+            # REM's K levels k/(K-1), rounded half up in float64 as quantise_couplings does.
+            scaled = coupling.to(torch.float64).clamp(0.0, 1.0) * (self.levels - 1)
+            coupling = (torch.floor(scaled + 0.5) / (self.levels - 1)).to(couplings.dtype)
+        activation = torch.sqrt((primary * primary).sum(-1))  # ‖u‖, as the recording reports
+        m, n, o = model.primary.grid_shape
+        grid = (activation * coupling).view(-1, m, n, o).mean(dim=3)
+        maps = F.interpolate(
+            grid.unsqueeze(1), size=tuple(x.shape[2:]), mode="bilinear", align_corners=False
+        )
+        return lengths, maps.squeeze(1)
+
+
+def _build_saliency(
+    model: nn.Module, example: torch.Tensor, target_input: bool, **options: Any
+) -> nn.Module:
+    from explain_capsules import DRCapsNet
+    from explain_capsules.recording import check_levels
+
+    levels = options.pop("levels", None)
+    _no_options("capsules.saliency", options)
+    check_levels(levels)
+    if not isinstance(model, DRCapsNet):
+        raise InvalidInputError(
+            "the ONNX explainer 'capsules.saliency' needs an explain_capsules.DRCapsNet (grid "
+            f"capsules routed to the class capsules); got {type(model).__name__}"
+        )
+    return CapsuleSaliencyGraph(model, target_input, levels)
+
+
+def _reference_saliency(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, **options: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from explain_capsules import capsule_saliency
+
+    maps, output, _ = capsule_saliency(model, x, target, levels=options.get("levels"))
+    return output, maps
+
+
+# --- Input×Gradient ------------------------------------------------------------------------
+
+
+def _build_input_x_gradient(
+    model: nn.Module, example: torch.Tensor, target_input: bool, **options: Any
+) -> nn.Module:
+    from explain_onnx.gradtrace import input_gradient_graph
+
+    _no_options("input_x_gradient", options)
+    return input_gradient_graph(model, example, target_input=target_input)
+
+
+def _reference_input_x_gradient(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, **options: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from explain_core.api import explain
+
+    result = explain(model, x, "input_x_gradient", target)
+    return result.output, result.attribution
+
+
+def _no_options(method: str, options: dict[str, Any]) -> None:
+    if options:
+        raise InvalidInputError(
+            f"the ONNX explainer {method!r} takes no option {', '.join(sorted(options))}"
+        )
+
+
+BUILTIN_EXPLAINERS = (
+    ExplainerSpec(
+        "coda.contributions",
+        _build_coda,
+        _reference_coda,
+        "CoDA-Net contributions W_{0→L}(x)_t ⊙ x, backward pass written out",
+    ),
+    ExplainerSpec(
+        "capsules.saliency",
+        _build_saliency,
+        _reference_saliency,
+        "REM saliency maps of a DR-CapsNet (option levels=K), routing unrolled",
+    ),
+    ExplainerSpec(
+        "input_x_gradient",
+        _build_input_x_gradient,
+        _reference_input_x_gradient,
+        "Input×Gradient of models of standard layers (gradient function traced first)",
+    ),
+)
+
+
+def _load() -> None:
+    global _LOADED
+    if _LOADED:
+        return
+    _LOADED = True
+    for spec in BUILTIN_EXPLAINERS:
+        _EXPLAINERS.setdefault(spec.name, spec)
+    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            for spec in entry_point.load()():
+                register_explainer(spec, replace=True)
+        except Exception as error:  # one broken plugin must not break exports of the others
+            warnings.warn(
+                f"ONNX explainers from entry point {entry_point.name!r} ({entry_point.value}) "
+                f"could not be loaded: {type(error).__name__}: {error}",
+                stacklevel=2,
+            )

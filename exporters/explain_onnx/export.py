@@ -1,0 +1,412 @@
+"""Export a model, or a model with its explanation, to ONNX with a dynamic batch axis.
+
+The path is ``torch.export.export`` (non-strict) → ``torch.onnx.export`` (the torch.export-based
+exporter, which needs ``onnxscript``) → the full ONNX checker → parity against PyTorch in
+onnxruntime. The graph is written beside its destination and moved into place only when every
+check passed, so a failed export leaves no file behind. Errors say what to change: a model in
+training mode, an output path that cannot be written, model code that branches on tensor values,
+an operator without an ONNX translation (named with the module that called it), a parity failure.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from explain_core.errors import (
+    ExportError,
+    InvalidInputError,
+    ModelStateError,
+    UnsupportedOperatorError,
+)
+from explain_onnx._deps import require
+from explain_onnx.adapters import exportable
+from explain_onnx.explained import explained_module, get_explainer
+from explain_onnx.parity import BATCH_SIZES, ParityReport, check_graph, check_parity
+
+MAX_INLINE_BYTES = 1_800_000_000  # ONNX protobufs stop at 2 GB
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_onnx` wrote and checked.
+
+    Attributes:
+        path: The ``.onnx`` file.
+        input_names: ``["input"]``, or ``["input", "target"]`` with a class input.
+        output_names: ``["logits"]``, or ``["logits", "explanation"]``.
+        method: The exported explanation method, or ``None``.
+        opset: The ONNX opset of the default domain.
+        parity: The parity report (``None`` when parity was skipped).
+    """
+
+    path: Path
+    input_names: list[str]
+    output_names: list[str]
+    method: str | None
+    opset: int
+    parity: ParityReport | None
+
+    def summary(self) -> str:
+        """A few lines: file, signature, opset, parity and provider."""
+        lines = [
+            f"exported {self.path} (opset {self.opset}): "
+            f"({', '.join(self.input_names)}) -> ({', '.join(self.output_names)}), dynamic batch"
+        ]
+        if self.parity is not None:
+            lines.append(self.parity.summary())
+            lines.append(f"provider: {self.parity.providers[0]}")
+        return "\n".join(lines)
+
+
+def export_onnx(
+    model: nn.Module,
+    example_inputs: torch.Tensor,
+    path: str | Path,
+    *,
+    explain: str | None = None,
+    target_input: bool = False,
+    opset: int | None = None,
+    parity: bool = True,
+    real_inputs: bool = True,
+    batch_sizes: tuple[int, ...] = BATCH_SIZES,
+    **options: Any,
+) -> ExportResult:
+    """Export ``model`` (with the explanation ``explain``) to ``path`` and check it.
+
+    Args:
+        model: A model in eval mode returning ``(batch, classes)`` scores.
+        example_inputs: A batch of inputs: shapes for tracing, values for parity (with random
+            inputs of the same value range).
+        path: Destination ``.onnx`` file; its folder is created if needed.
+        explain: An exportable method (see :func:`explain_onnx.available_explainers`); the graph
+            then returns ``(logits, explanation)``.
+        target_input: With ``explain``: take the class to explain as a second input (int64
+            ``(batch,)``) instead of explaining the predicted class.
+        opset: ONNX opset to target (default: the exporter's).
+        parity: Run the checker and compare onnxruntime with PyTorch (strongly recommended).
+        real_inputs: Whether ``example_inputs`` are real samples (as opposed to random ones);
+            only labels the parity report.
+        batch_sizes: Batch sizes compared in the parity check.
+        **options: Options of the explanation method (e.g. ``levels=11``).
+
+    Returns:
+        The result, with the parity report.
+
+    Raises:
+        ModelStateError: If a module of the model is in training mode.
+        InvalidInputError: For an unwritable path, bad inputs or an unknown method.
+        UnsupportedOperatorError: For an operator without ONNX translation.
+        ExportError: If tracing or the checker fails.
+        ParityError: If onnxruntime and PyTorch disagree beyond the tolerances.
+        MissingDependencyError: Without onnx, onnxscript or onnxruntime.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(f"expected a torch.nn.Module; got {type(model).__name__}")
+    check_eval_mode(model)
+    devices = {t.device.type for t in [*model.parameters(), *model.buffers()]}
+    if devices - {"cpu"}:
+        raise InvalidInputError(
+            f"the model's tensors are on {', '.join(sorted(devices))}; export from the CPU "
+            "(model.cpu()): the exported graph runs on a GPU through onnxruntime's CUDA provider "
+            "all the same"
+        )
+    if target_input and explain is None:
+        raise InvalidInputError("target_input=True needs an explanation method (explain=...)")
+    if options and explain is None:
+        raise InvalidInputError(f"options {sorted(options)} need an explanation method")
+    path = check_output_path(path)
+    example = _check_example(example_inputs)
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        require(module)
+
+    spec = get_explainer(explain) if explain is not None else None
+    with torch.no_grad():
+        logits = exportable(model)(example[:1])
+    num_classes = int(logits.shape[1]) if logits.dim() == 2 else 0
+    if spec is not None and num_classes == 0:
+        raise InvalidInputError(
+            f"the model must return scores of shape (batch, classes); got {tuple(logits.shape)}"
+        )
+    # Two samples: a batch of one would let torch.export specialise the batch axis to 1.
+    tracing_example = example[torch.arange(2) % len(example)]
+    if spec is not None:
+        module = explained_module(
+            model, spec.name, tracing_example, target_input=target_input, **options
+        )
+    else:
+        module = exportable(model)
+    input_names = ["input", "target"] if target_input else ["input"]
+    output_names = ["logits", "explanation"] if spec is not None else ["logits"]
+    args: tuple[torch.Tensor, ...] = (tracing_example,)
+    if target_input:
+        args += (torch.zeros(len(tracing_example), dtype=torch.long),)
+
+    program = trace(module, args, model_name=type(model).__name__)
+    onnx_program = convert(program, input_names, output_names, opset)
+    opset_used = _default_opset(onnx_program)
+
+    report = None
+    with _temporary_beside(path) as temporary:
+        _save(onnx_program, temporary, model)
+        check_graph(temporary)
+        if parity:
+
+            def reference(x: torch.Tensor, target: torch.Tensor | None) -> list[torch.Tensor]:
+                if spec is None:
+                    with torch.no_grad():
+                        return [model(x)]
+                return list(spec.reference(model, x, target, **options))
+
+            report = check_parity(
+                temporary,
+                reference,
+                example,
+                num_classes=num_classes,
+                target_input=target_input,
+                explained=spec is not None,
+                batch_sizes=batch_sizes,
+                real_source="real" if real_inputs else "example",
+            )
+        os.replace(temporary, path)
+    return ExportResult(path, input_names, output_names, explain, opset_used, report)
+
+
+def _check_example(example: Any) -> torch.Tensor:
+    if not isinstance(example, torch.Tensor) or example.dim() < 2 or len(example) == 0:
+        got = tuple(example.shape) if isinstance(example, torch.Tensor) else type(example).__name__
+        raise InvalidInputError(
+            f"example_inputs must be a non-empty batch tensor (batch, ...); got {got}"
+        )
+    if not example.is_floating_point() or not torch.isfinite(example).all():
+        raise InvalidInputError("example_inputs must hold finite floating-point values")
+    return example.detach().cpu()
+
+
+def check_eval_mode(model: nn.Module) -> None:
+    """Refuse a model with any module in training mode.
+
+    Raises:
+        ModelStateError: Naming the first such module.
+    """
+    training = [name or type(model).__name__ for name, m in model.named_modules() if m.training]
+    if training:
+        raise ModelStateError(
+            f"the model is in training mode (module {training[0]!r}"
+            f"{f' and {len(training) - 1} more' if len(training) > 1 else ''}); call model.eval() "
+            "before exporting, so that dropout and batch norm are exported as used for inference"
+        )
+
+
+def check_output_path(path: str | Path) -> Path:
+    """Create the folder of ``path`` and check that a file can be written there.
+
+    Raises:
+        InvalidInputError: If ``path`` is a folder, its folder cannot be created or is not
+            writable.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise InvalidInputError(f"output path {path} is a folder; give a file name like model.onnx")
+    folder = path.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise InvalidInputError(
+            f"cannot create the output folder {folder}: {error.strerror or error}"
+        ) from None
+    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise InvalidInputError(f"cannot write {path}: permission denied")
+    return path
+
+
+def trace(module: nn.Module, args: tuple[torch.Tensor, ...], *, model_name: str) -> Any:
+    """``torch.export.export`` with the batch axis of every input dynamic.
+
+    Raises:
+        ExportError: For model code that branches on tensor values or fixes the batch size,
+            with the file and line that did.
+    """
+    batch = torch.export.Dim("batch", min=1)
+    dynamic = tuple({0: batch} for _ in args)
+    try:
+        with _quiet():
+            return torch.export.export(module, args, dynamic_shapes=dynamic, strict=False)
+    except Exception as error:
+        raise _tracing_error(error, model_name) from error
+
+
+def convert(
+    program: Any, input_names: list[str], output_names: list[str], opset: int | None
+) -> Any:
+    """``torch.onnx.export`` of an exported program.
+
+    Raises:
+        UnsupportedOperatorError: Naming the operator and the module that called it.
+        ExportError: For other conversion failures.
+    """
+    try:
+        with _quiet():
+            return torch.onnx.export(
+                program,
+                dynamo=True,
+                input_names=input_names,
+                output_names=output_names,
+                opset_version=opset,
+                verbose=False,
+                # onnxscript's optimizer (0.7) rewrites `x + c` to `x` for |c| ≤ 1e-8, dropping
+                # the epsilons of norms (capsule lengths, DAU scaling): sqrt(q + 1e-8) became
+                # sqrt(q), 1e-4 off at q = 0. onnxruntime optimises the graph when it loads it.
+                optimize=False,
+            )
+    except Exception as error:
+        raise _conversion_error(error, program, opset) from error
+
+
+_OP_PATTERNS = (
+    re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)', overload='(\w+)'\)>"),
+    re.compile(r"target=torch\.ops\.([\w.]+)\]"),
+)
+
+
+def _conversion_error(error: Exception, program: Any, opset: int | None) -> ExportError:
+    text = str(error)
+    operator = ""
+    for pattern in _OP_PATTERNS:
+        match = pattern.search(text)
+        if match:
+            operator = ".".join(g for g in match.groups() if g)
+            break
+    if not operator:
+        detail = _last_summary_line(text)
+        hint = f" (opset {opset})" if opset is not None else ""
+        return ExportError(f"converting the traced model to ONNX{hint} failed: {detail}")
+    module = _module_calling(program, operator)
+    where = f" called by module {module}" if module else ""
+    return UnsupportedOperatorError(
+        f"the ONNX exporter has no translation for operator {operator}{where}; replace that "
+        "computation with standard layers or operations, or register a translation with "
+        "torch.onnx.export(custom_translation_table=...)",
+        operator=operator,
+        module=module,
+    )
+
+
+def _module_calling(program: Any, operator: str) -> str:
+    """``'name' (Type)`` of the innermost module around the first node calling ``operator``."""
+    graphs = [m for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    for graph_module in graphs:  # the top graph and those of no_grad regions etc.
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function" or str(node.target) != operator:
+                continue
+            stack = node.meta.get("nn_module_stack") or {}
+            if stack:
+                name, kind = list(stack.values())[-1]
+                type_name = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
+                return f"{_strip_wrappers(name)!r} ({type_name})"
+    return ""
+
+
+def _strip_wrappers(name: str) -> str:
+    # Adapters keep the user's model as ``model``; report the user's own module names.
+    name = re.sub(r"^L\['self'\]\.?", "", name)
+    for prefix in ("model.", "capsule_graph.model."):
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return name or "<root>"
+
+
+_CALL_SITE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
+
+
+def _tracing_error(error: Exception, model_name: str) -> ExportError:
+    text = str(error)
+    site = _CALL_SITE.findall(text)
+    where = ""
+    if site:
+        file, line, function, code = site[-1]
+        where = f" at {Path(file).name}:{line} in {function}: `{code.strip()}`"
+    if "data-dependent" in text or "GuardOnDataDependentSymNode" in text:
+        return ExportError(
+            f"{model_name} branches on tensor values{where}, which a graph cannot do; guard such "
+            "checks with `if not torch.compiler.is_exporting():` or compute them with tensor "
+            "operations (torch.where)"
+        )
+    if "Constraints violated" in text or "specialized" in text:
+        return ExportError(
+            f"{model_name} fixes the batch size{where}; use x.shape[0] or -1 in reshapes instead "
+            "of a constant batch size"
+        )
+    return ExportError(
+        f"torch.export could not trace {model_name}{where}: {_last_summary_line(text)}"
+    )
+
+
+def _last_summary_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for line in lines:
+        if line.startswith("<class") and ">:" in line:
+            return line.split(">:", 1)[1].strip()[:300]
+    return (lines[0] if lines else "unknown error")[:300]
+
+
+def _default_opset(onnx_program: Any) -> int:
+    for entry in onnx_program.model_proto.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return int(entry.version)
+    return 0
+
+
+def _save(onnx_program: Any, path: Path, model: nn.Module) -> None:
+    size = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    if size > MAX_INLINE_BYTES:
+        raise ExportError(
+            f"the model's tensors take {size / 1e9:.1f} GB; ONNX files with inline weights stop at "
+            "2 GB and exports with external data are not supported yet"
+        )
+    with _quiet():
+        onnx_program.save(str(path), external_data=False)
+
+
+@contextlib.contextmanager
+def _temporary_beside(path: Path) -> Iterator[Path]:
+    descriptor, name = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".onnx", dir=path.parent)
+    os.close(descriptor)
+    temporary = Path(name)
+    try:
+        yield temporary
+    finally:
+        temporary.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Keep torch.onnx's and torch.export's progress and advice logs off the console."""
+    names = ("torch.onnx", "torch.export", "torch._export", "torch.fx.experimental.symbolic_shapes")
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        with (
+            warnings.catch_warnings(),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(io.StringIO()),
+        ):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)

@@ -1,0 +1,182 @@
+"""Gradient explanations as exportable graphs: trace the gradient function first.
+
+``torch.export`` cannot trace a forward that calls ``torch.autograd.grad`` for most models
+(pytorch#125984). The way around it: trace the *gradient function* with
+``make_fx(tracing_mode="symbolic")`` over ``torch.func.functional_call`` (the parameters are graph
+inputs, so nothing becomes a fake constant, and the batch size stays symbolic), then export that
+graph like any module. The traced graph holds autograd's backward operators; those without an
+ONNX translation are decomposed here into forward operators (a convolution's input gradient is a
+transposed convolution, adaptive average pooling's is two averaging matrices, max pooling's a
+scatter-add), so the exported graph has standard ONNX operators only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+aten = torch.ops.aten
+
+
+def _convolution_backward(
+    grad: torch.Tensor,
+    inputs: torch.Tensor,
+    weight: torch.Tensor,
+    bias_sizes: Any,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    output_mask: Sequence[bool],
+) -> Any:
+    """Input gradient of a convolution as the adjoint convolution (no weight/bias gradients)."""
+    if output_mask[1] or output_mask[2]:
+        return NotImplemented  # parameter gradients are never needed for explanations
+    dims = len(stride)
+    if transposed:
+        grad_input = aten.convolution(
+            grad, weight, None, stride, padding, dilation, False, [0] * dims, groups
+        )
+    else:
+        extra = [
+            _output_padding(inputs.shape[2 + i], grad.shape[2 + i], weight.shape[2 + i],
+                            stride[i], padding[i], dilation[i])
+            for i in range(dims)
+        ]  # fmt: skip
+        grad_input = aten.convolution(
+            grad, weight, None, stride, padding, dilation, True, extra, groups
+        )
+    return grad_input, None, None
+
+
+def _output_padding(
+    size_in: Any, size_out: Any, kernel: Any, stride: Any, padding: Any, dilation: Any
+) -> Any:
+    """Rows/columns a strided window leaves uncovered; the adjoint must add them back."""
+    return size_in - ((size_out - 1) * stride - 2 * padding + dilation * (kernel - 1) + 1)
+
+
+def _averaging_matrix(size_in: Any, size_out: Any, like: torch.Tensor) -> torch.Tensor:
+    """``(size_out, size_in)``: row ``i`` averages adaptive pooling's window ``i``."""
+    i = torch.arange(size_out, device=like.device)
+    start = (i * size_in) // size_out
+    end = ((i + 1) * size_in + size_out - 1) // size_out
+    j = torch.arange(size_in, device=like.device)
+    inside = (j[None] >= start[:, None]) & (j[None] < end[:, None])
+    return inside.to(like.dtype) / (end - start)[:, None].to(like.dtype)
+
+
+def _adaptive_avg_pool2d_backward(grad: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    rows = _averaging_matrix(inputs.shape[-2], grad.shape[-2], grad)
+    cols = _averaging_matrix(inputs.shape[-1], grad.shape[-1], grad)
+    return torch.einsum("...ij,ih,jw->...hw", grad, rows, cols)
+
+
+def _avg_pool2d_backward(
+    grad: torch.Tensor,
+    inputs: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    ceil_mode: bool,
+    count_include_pad: bool,
+    divisor_override: int | None,
+) -> Any:
+    """Average pooling's input gradient as a depthwise transposed convolution of ones."""
+    kernel = list(kernel_size) * (2 // len(kernel_size))
+    stride = list(stride or kernel) * (2 // len(stride or kernel))
+    padding = list(padding) * (2 // len(padding))
+    if ceil_mode or (any(padding) and not count_include_pad):
+        return NotImplemented
+    channels = inputs.shape[-3]
+    divisor = divisor_override or kernel[0] * kernel[1]
+    ones = grad.new_ones(channels, 1, kernel[0], kernel[1]) / divisor
+    batched = grad if grad.dim() == 4 else grad.unsqueeze(0)
+    extra = [
+        _output_padding(inputs.shape[-2 + i], grad.shape[-2 + i], kernel[i], stride[i],
+                        padding[i], 1)
+        for i in range(2)
+    ]  # fmt: skip
+    out = aten.convolution(batched, ones, None, stride, padding, [1, 1], True, extra, channels)
+    return out if grad.dim() == 4 else out.squeeze(0)
+
+
+BACKWARD_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten.convolution_backward.default: _convolution_backward,
+    aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
+    aten.avg_pool2d_backward.default: _avg_pool2d_backward,
+}
+
+
+def _decompositions() -> dict[Any, Callable[..., Any]]:
+    from torch._decomp import get_decompositions
+
+    table = get_decompositions([aten.max_pool2d_with_indices_backward])
+    table.update(BACKWARD_DECOMPOSITIONS)
+    return table
+
+
+class TracedGradientGraph(nn.Module):
+    """A traced gradient function with the model's tensors as buffers; see the module docs."""
+
+    def __init__(self, graph: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.graph = graph
+        self._names = list(tensors)
+        for index, name in enumerate(self._names):
+            self.register_buffer(f"tensor_{index}", tensors[name])
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> Any:
+        """Run the traced function on ``x`` (and ``target``, if it was traced with one)."""
+        tensors = {name: getattr(self, f"tensor_{i}") for i, name in enumerate(self._names)}
+        return self.graph(tensors, x) if target is None else self.graph(tensors, x, target)
+
+
+def input_gradient_graph(
+    model: nn.Module,
+    example: torch.Tensor,
+    *,
+    target_input: bool,
+    multiply_by_input: bool = True,
+) -> TracedGradientGraph:
+    """A module ``(x[, target]) → (logits, explanation)`` with the gradient written out.
+
+    The explanation is ``∂ŷ_t/∂x`` (times ``x`` for Input×Gradient) for the class ``t`` given as
+    the second input, or the predicted class.
+
+    Args:
+        model: A model in eval mode returning ``(batch, classes)``.
+        example: An example batch (values do not matter; shapes and dtype do).
+        target_input: Take the class to explain as a second input, int64 ``(batch,)``.
+        multiply_by_input: Input×Gradient (``True``) or the plain gradient.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tensors = {
+        name: tensor.detach()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+    }
+
+    def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits = torch.func.functional_call(model, state, (x,))
+            chosen = target[0] if target else logits.argmax(dim=1)
+            classes = torch.arange(logits.shape[1], device=logits.device)
+            selector = (classes[None] == chosen[:, None]).to(logits.dtype)
+            (gradient,) = torch.autograd.grad((logits * selector).sum(), x)
+        explanation = gradient * x if multiply_by_input else gradient
+        return logits.detach(), explanation.detach()
+
+    inputs = [example]
+    if target_input:
+        inputs.append(torch.zeros(example.shape[0], dtype=torch.long, device=example.device))
+    graph = make_fx(explained, tracing_mode="symbolic", decomposition_table=_decompositions())(
+        tensors, *inputs
+    )
+    return TracedGradientGraph(graph, tensors)

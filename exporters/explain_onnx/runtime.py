@@ -1,0 +1,157 @@
+"""onnxruntime sessions that use CUDA only where it really works, and say what they use.
+
+onnxruntime falls back to the CPU silently when a requested provider cannot start (and
+onnxruntime-gpu logs error lines about it on CPU-only machines). :class:`OnnxSession` therefore
+asks for ``CUDAExecutionProvider`` only when ``get_available_providers()`` lists it *and* a probe
+session really runs on it, keeps onnxruntime's own logging to fatal errors while probing, and
+reports the providers the session actually uses (``session.get_providers()``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from explain_core.errors import InvalidInputError
+from explain_onnx._deps import require
+
+Device = Literal["auto", "cpu", "cuda"]
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+QUIET = 3  # onnxruntime severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
+SILENT = 4
+
+
+def session_options(*, threads: int | None = None, severity: int = QUIET) -> Any:
+    """``SessionOptions`` with onnxruntime's logging at ``severity`` and optional thread count."""
+    ort = require("onnxruntime")
+    options = ort.SessionOptions()
+    options.log_severity_level = severity
+    if threads is not None:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    return options
+
+
+@cache
+def cuda_usable() -> bool:
+    """Whether a CUDA session really runs here (cached): listed as available *and* used."""
+    ort = require("onnxruntime")
+    if CUDA not in ort.get_available_providers():
+        return False
+    onnx = require("onnx")
+    helper = onnx.helper
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    # ORT rejects the newest IR versions that onnx.helper writes by default.
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    try:
+        probe = ort.InferenceSession(
+            model.SerializeToString(),
+            sess_options=session_options(severity=SILENT),
+            providers=[CUDA, CPU],
+        )
+    except Exception:
+        return False
+    return probe.get_providers()[0] == CUDA
+
+
+def choose_providers(device: Device = "auto") -> list[str]:
+    """Execution providers for ``device``: CUDA first only where :func:`cuda_usable`.
+
+    Raises:
+        InvalidInputError: For ``device="cuda"`` where CUDA cannot run, or an unknown device.
+    """
+    if device not in ("auto", "cpu", "cuda"):
+        raise InvalidInputError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
+    if device == "cpu":
+        return [CPU]
+    if cuda_usable():
+        return [CUDA, CPU]
+    if device == "cuda":
+        ort = require("onnxruntime")
+        raise InvalidInputError(
+            "device='cuda' was requested but onnxruntime cannot run on CUDA here (available "
+            f"providers: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu "
+            "(extra 'gpu', instead of 'onnx') on a machine with an NVIDIA GPU, or use device='cpu'"
+        )
+    return [CPU]
+
+
+class OnnxSession:
+    """An onnxruntime session on the best usable device, taking and returning NumPy arrays.
+
+    Args:
+        path: The ``.onnx`` file.
+        device: ``"auto"`` (CUDA where usable, else CPU), ``"cpu"`` or ``"cuda"``.
+        threads: Intra-op threads (``None``: onnxruntime's default).
+
+    Attributes:
+        providers: The providers the session actually uses, best first.
+        input_names, output_names: The graph's input and output names.
+    """
+
+    def __init__(
+        self, path: str | Path, *, device: Device = "auto", threads: int | None = None
+    ) -> None:
+        ort = require("onnxruntime")
+        path = Path(path)
+        if not path.is_file():
+            raise InvalidInputError(f"ONNX file {path} does not exist")
+        requested = choose_providers(device)
+        self.session = ort.InferenceSession(
+            str(path), sess_options=session_options(threads=threads), providers=requested
+        )
+        self.providers: list[str] = list(self.session.get_providers())
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+
+    @property
+    def provider(self) -> str:
+        """The provider that runs the graph (the first one in use)."""
+        return self.providers[0]
+
+    def run(self, *inputs: Any, **named: Any) -> list[np.ndarray]:
+        """Run the graph on inputs given in order or by name (tensors or arrays).
+
+        Raises:
+            InvalidInputError: For a wrong number or unknown names of inputs.
+        """
+        feeds = self._feeds(inputs, named)
+        return self.session.run(None, feeds)
+
+    def _feeds(self, inputs: Sequence[Any], named: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        if inputs and named:
+            raise InvalidInputError("give the inputs either in order or by name, not both")
+        if inputs:
+            if len(inputs) != len(self.input_names):
+                raise InvalidInputError(
+                    f"the graph takes {len(self.input_names)} inputs "
+                    f"({', '.join(self.input_names)}); got {len(inputs)}"
+                )
+            named = dict(zip(self.input_names, inputs, strict=True))
+        unknown = sorted(set(named) - set(self.input_names))
+        missing = sorted(set(self.input_names) - set(named))
+        if unknown or missing:
+            raise InvalidInputError(
+                f"the graph takes inputs {', '.join(self.input_names)}; "
+                f"missing {missing or 'none'}, unknown {unknown or 'none'}"
+            )
+        return {name: _as_array(value) for name, value in named.items()}
+
+    def __repr__(self) -> str:
+        return f"OnnxSession(providers={self.providers}, inputs={self.input_names})"
+
+
+def _as_array(value: Any) -> np.ndarray:
+    if hasattr(value, "detach"):  # a torch tensor, without importing torch here
+        value = value.detach().cpu().numpy()
+    return np.ascontiguousarray(value)

@@ -1,0 +1,186 @@
+"""Clear errors from the ONNX exporter and runtime: bad models, paths, methods, environments."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+for _module in ("onnx", "onnxscript", "onnxruntime"):
+    pytest.importorskip(_module, reason="the onnx extra is not installed")
+
+from explain_coda import DAUConv2d  # noqa: E402
+from explain_core.errors import (  # noqa: E402
+    ExportError,
+    InvalidInputError,
+    MissingDependencyError,
+    ModelStateError,
+    ParityError,
+    RuntimeConflictError,
+    UnsupportedOperatorError,
+)
+from explain_onnx import (  # noqa: E402
+    OnnxSession,
+    _deps,
+    available_explainers,
+    check_parity,
+    choose_providers,
+    export_onnx,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny() -> nn.Module:
+    return nn.Sequential(nn.Flatten(), nn.Linear(8, 3)).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.onnx"
+    model = tiny()
+    export_onnx(model, torch.rand(2, 2, 4), path)
+    return model, path
+
+
+def test_training_mode_is_refused(tmp_path):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(), nn.Linear(4, 2))
+    model.eval()
+    model[1].train()
+    with pytest.raises(ModelStateError, match=r"training mode \(module '1'\).*model\.eval\(\)"):
+        export_onnx(model, torch.rand(2, 4), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0 if hasattr(os, "geteuid") else False,
+    reason="root may write into read-only folders",
+)
+def test_read_only_folder_is_refused(tmp_path):  # pragma: no cover - CI runs as root
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(InvalidInputError, match="permission denied"):
+            export_onnx(tiny(), torch.rand(2, 8), folder / "m.onnx")
+    finally:
+        folder.chmod(0o700)
+
+
+def test_unwritable_paths_are_refused(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(InvalidInputError, match="cannot create the output folder"):
+        export_onnx(tiny(), torch.rand(2, 8), blocker / "sub" / "m.onnx")
+    with pytest.raises(InvalidInputError, match="is a folder"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path)
+
+
+def test_unsupported_operator_names_operator_and_module(tmp_path):
+    # ONNX has no QR: DAUConv2d's factorised form uses one (its "auto" form avoids it).
+    model = nn.Sequential(nn.Identity(), DAUConv2d(2, 4, 3, 3, form="factorised")).eval()
+    with pytest.raises(UnsupportedOperatorError) as raised:
+        export_onnx(model, torch.rand(2, 2, 6, 6), tmp_path / "m.onnx")
+    assert raised.value.operator == "aten.linalg_qr.default"
+    assert raised.value.module == "'1' (DAUConv2d)"
+    assert "aten.linalg_qr.default" in str(raised.value) and "'1' (DAUConv2d)" in str(raised.value)
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_value_dependent_branch_names_the_line(tmp_path):
+    class Checks(nn.Module):
+        def forward(self, x):
+            if (x < 0).any():
+                raise ValueError("negative")
+            return x.flatten(1)
+
+    with pytest.raises(ExportError, match=r"branches on tensor values at test_onnx_errors\.py:\d+"):
+        export_onnx(Checks().eval(), torch.rand(2, 3), tmp_path / "m.onnx")
+
+
+def test_unknown_method_and_bad_options(tmp_path):
+    with pytest.raises(InvalidInputError, match=r"exportable methods: coda\.contributions"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", explain="coda.contribution")
+    with pytest.raises(InvalidInputError, match=r"needs an explain_coda\.CoDANet"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", explain="coda.contributions")
+    with pytest.raises(InvalidInputError, match="takes no option"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", explain="input_x_gradient",
+                    steps=3)  # fmt: skip
+    with pytest.raises(InvalidInputError, match="needs an explanation method"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", target_input=True)
+    assert set(available_explainers()) >= {
+        "coda.contributions", "capsules.saliency", "input_x_gradient"
+    }  # fmt: skip
+
+
+def test_both_runtimes_installed_is_refused(monkeypatch, tmp_path):
+    versions = {"onnxruntime": "1.31.1", "onnxruntime-gpu": "1.31.1"}
+    monkeypatch.setattr(_deps, "_distribution_version", versions.get)
+    with pytest.raises(
+        RuntimeConflictError, match=r"onnxruntime 1\.31\.1, onnxruntime-gpu 1\.31\.1"
+    ):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx")
+    with pytest.raises(RuntimeConflictError, match="pip uninstall"):
+        OnnxSession(tmp_path / "m.onnx")
+
+
+def test_missing_dependency_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "onnxscript", None)  # import fails as if not installed
+    with pytest.raises(MissingDependencyError, match=r"pip install 'explain-torch\[onnx\]'"):
+        _deps.require("onnxscript")
+
+
+def test_session_reports_the_provider_it_uses(tiny_onnx):
+    model, path = tiny_onnx
+    session = OnnxSession(path)
+    assert session.providers == session.session.get_providers()
+    assert session.provider in ("CPUExecutionProvider", "CUDAExecutionProvider")
+    assert choose_providers("cpu") == ["CPUExecutionProvider"]
+    x = np.random.default_rng(0).random((3, 2, 4), dtype=np.float32)
+    (logits,) = session.run(input=x)
+    with torch.no_grad():
+        np.testing.assert_allclose(logits, model(torch.from_numpy(x)).numpy(), atol=1e-5)
+    with pytest.raises(InvalidInputError, match="missing"):
+        session.run(wrong=x)
+    with pytest.raises(InvalidInputError, match="ONNX file"):
+        OnnxSession(path.with_name("missing.onnx"))
+
+
+def test_cuda_request_without_cuda_is_a_clear_error(monkeypatch):
+    import explain_onnx.runtime as runtime
+
+    monkeypatch.setattr(runtime, "cuda_usable", lambda: False)
+    with pytest.raises(InvalidInputError, match="cannot run on CUDA here"):
+        choose_providers("cuda")
+    assert choose_providers("auto") == ["CPUExecutionProvider"]
+
+
+def test_cpu_only_session_prints_no_error_lines(tiny_onnx, capfd):
+    OnnxSession(tiny_onnx[1], device="auto").run(np.zeros((1, 2, 4), np.float32))
+    out, err = capfd.readouterr()
+    assert "error" not in (out + err).lower()
+
+
+def test_parity_failure_reports_the_differences(tiny_onnx):
+    model, path = tiny_onnx
+
+    def off_by_a_bit(x, target):
+        with torch.no_grad():
+            return [model(x) + 1e-3]
+
+    with pytest.raises(ParityError, match=r"logits max abs diff 0\.001 \(limit 0\.0001\)"):
+        check_parity(path, off_by_a_bit, torch.rand(2, 2, 4), num_classes=3)
+    report = check_parity(
+        path, off_by_a_bit, torch.rand(2, 2, 4), num_classes=3, raise_on_failure=False
+    )
+    assert not report.passed and report.logits_max_abs == pytest.approx(1e-3, rel=1e-2)

@@ -1,0 +1,197 @@
+"""ONNX export of CoDA-Nets and CNNs, plain and explained: parity, dynamic batch, full checker."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_same_state, state_fingerprint
+from torch import nn
+
+for _module in ("onnx", "onnxscript", "onnxruntime"):
+    pytest.importorskip(_module, reason="the onnx extra is not installed")
+
+import onnx  # noqa: E402
+
+from explain_coda import CoDANet, coda_contributions, encode_input  # noqa: E402
+from explain_core import explain  # noqa: E402
+from explain_core.data import load_digits  # noqa: E402
+from explain_onnx import OnnxSession, export_onnx  # noqa: E402
+from explain_onnx.parity import relative_difference  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_digits()
+
+
+@pytest.fixture(scope="module")
+def coda(digits):
+    torch.manual_seed(0)
+    model = CoDANet.from_preset("digits", temperature=8.0).eval()
+    x = encode_input(digits.test_images)
+    return model, x[:8], x[100:107]  # model, example batch, held-back batch of another size
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(1)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(3),
+        nn.Flatten(),
+        nn.Linear(72, 10),
+    ).eval()
+    model[4].running_mean.normal_()
+    model[4].running_var.uniform_(0.5, 2.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def cnn(digits):
+    return small_cnn(), digits.test_images[:8], digits.test_images[200:205]
+
+
+def assert_close_logits(actual, expected) -> None:
+    assert float((torch.as_tensor(actual) - expected).abs().max()) <= 1e-4
+
+
+def test_plain_coda_parity_dynamic_batch_and_full_checker(coda, tmp_path):
+    model, example, held_back = coda
+    before = state_fingerprint(model)
+    result = export_onnx(model, example, tmp_path / "coda.onnx")
+    assert_same_state(before, state_fingerprint(model))
+
+    report = result.parity
+    assert report.passed and report.logits_max_abs <= 1e-4
+    assert report.batch_sizes == [1, 3]
+    assert {case.source for case in report.cases} == {"random", "real"}
+    onnx.checker.check_model(str(result.path), full_check=True)
+    graph = onnx.load(str(result.path)).graph
+    assert [i.name for i in graph.input] == ["input"]
+    assert graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch axis
+    assert [o.name for o in graph.output] == ["logits"]
+
+    session = OnnxSession(result.path, device="cpu")
+    (logits,) = session.run(held_back)  # 7 samples: neither traced nor parity-checked size
+    with torch.no_grad():
+        assert_close_logits(logits, model(held_back))
+    assert "1e-04" in result.summary() or "0.0001" in result.summary()
+
+
+def test_explained_coda_matches_coda_contributions(coda, tmp_path):
+    model, example, held_back = coda
+    result = export_onnx(
+        model, example, tmp_path / "coda-explained.onnx", explain="coda.contributions"
+    )
+    assert result.output_names == ["logits", "explanation"]
+    assert result.parity.explanation_max_rel <= 1e-3
+
+    logits, contributions = OnnxSession(result.path).run(held_back)
+    reference = coda_contributions(model, held_back)  # the predicted class
+    assert_close_logits(logits, reference.output)
+    assert contributions.shape == tuple(held_back.shape)
+    assert relative_difference(contributions, reference.contributions.numpy()) <= 1e-3
+    # Completeness holds in the graph too: contributions sum to the logit minus b₀.
+    chosen = logits.argmax(1)
+    total = contributions.reshape(len(held_back), -1).sum(1)
+    expected = logits[range(len(chosen)), chosen] - model.logit_bias
+    assert abs(total - expected).max() <= 1e-4
+
+
+def test_explained_coda_with_target_input(coda, tmp_path):
+    model, example, held_back = coda
+    result = export_onnx(
+        model, example, tmp_path / "coda-target.onnx", explain="coda.contributions",
+        target_input=True,
+    )  # fmt: skip
+    assert result.input_names == ["input", "target"]
+    target = torch.tensor([0, 1, 2, 3, 4, 5, 9])
+    logits, contributions = OnnxSession(result.path).run(held_back, target)
+    reference = coda_contributions(model, held_back, target)
+    assert_close_logits(logits, reference.output)
+    assert relative_difference(contributions, reference.contributions.numpy()) <= 1e-3
+
+
+def test_plain_cnn_with_opset(cnn, tmp_path):
+    model, example, held_back = cnn
+    result = export_onnx(model, example, tmp_path / "cnn.onnx", opset=18)
+    assert result.opset == 18
+    (logits,) = OnnxSession(result.path).run(held_back)
+    with torch.no_grad():
+        assert_close_logits(logits, model(held_back))
+
+
+def test_cnn_input_x_gradient(cnn, tmp_path):
+    model, example, held_back = cnn
+    before = state_fingerprint(model)
+    result = export_onnx(model, example, tmp_path / "cnn-ixg.onnx", explain="input_x_gradient")
+    assert_same_state(before, state_fingerprint(model))
+    assert result.parity.passed
+    ops = {node.op_type for node in onnx.load(str(result.path)).graph.node}
+    assert "ConvTranspose" in ops  # the convolutions' backward pass, written as forward ops
+
+    logits, maps = OnnxSession(result.path).run(held_back)
+    reference = explain(model, held_back, "input_x_gradient")
+    assert_close_logits(logits, reference.output)
+    assert relative_difference(maps, reference.attribution.numpy()) <= 1e-3
+
+
+def test_registered_explainer_is_exported(cnn, tmp_path):
+    # The extension point other plugins (e.g. LRP composites) use: a build and a reference.
+    from explain_onnx import ExplainerSpec, available_explainers, register_explainer
+    from explain_onnx.explained import _EXPLAINERS
+    from explain_onnx.gradtrace import input_gradient_graph
+
+    def build(model, example, target_input, **options):
+        return input_gradient_graph(model, example, target_input=target_input,
+                                    multiply_by_input=False)  # fmt: skip
+
+    def reference(model, x, target, **options):
+        result = explain(model, x, "gradient", target)
+        return result.output, result.attribution
+
+    register_explainer(ExplainerSpec("test.gradient", build, reference, "plain gradient"))
+    try:
+        assert "test.gradient" in available_explainers()
+        with pytest.raises(ValueError, match="already registered"):
+            register_explainer(ExplainerSpec("test.gradient", build, reference))
+        model, example, _ = cnn
+        result = export_onnx(
+            model, example, tmp_path / "grad.onnx", explain="test.gradient", target_input=True
+        )
+        assert result.parity.passed and result.method == "test.gradient"
+    finally:
+        _EXPLAINERS.pop("test.gradient", None)
+
+
+def test_input_x_gradient_through_strided_grouped_transposed_and_average_pooling(tmp_path):
+    # Each backward decomposition: odd sizes under stride 2 (output padding), groups,
+    # a transposed convolution and padded average pooling.
+    torch.manual_seed(2)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, stride=2),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, groups=2),
+        nn.ConvTranspose2d(4, 3, 3, stride=2),
+        nn.Tanh(),
+        nn.AvgPool2d(3, stride=2, padding=1),
+        nn.Flatten(),
+        nn.LazyLinear(5),
+    )
+    x = torch.rand(4, 2, 9, 9)
+    model(x)  # materialise the lazy layer
+    model.eval()
+    result = export_onnx(model, x, tmp_path / "odd.onnx", explain="input_x_gradient")
+    assert result.parity.explanation_max_rel <= 1e-3
