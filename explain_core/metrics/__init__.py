@@ -4,25 +4,60 @@ Importing this package loads no optional dependency; scikit-image is imported by
 functions when they run.
 """
 
+from explain_core.metrics.csc import (
+    AutogradPropagator,
+    CSCResult,
+    LayerPropagator,
+    SupportsLayerPropagation,
+    UnsupportedMethodError,
+    cosine_similarity_convergence,
+    layer_propagator,
+    register_layer_propagator,
+    relevance_cosines,
+)
 from explain_core.metrics.localisation import (
     grid_class_pairs,
     localisation_score,
     pointing_game_grids,
 )
+from explain_core.metrics.matrix_chain import MatrixChainCurve, matrix_chain_convergence
 from explain_core.metrics.pixel_removal import pixel_removal_curve, removed_pixel_counts
+from explain_core.metrics.random_logit import (
+    RandomLogitResult,
+    method_maps,
+    random_logit_ssim,
+    to_maps,
+)
 from explain_core.metrics.randomisation import (
     RandomisationStep,
     cascading_randomisation,
     map_ssim,
+    randomisation_layers,
 )
 
 __all__ = [
+    "AutogradPropagator",
+    "CSCResult",
+    "LayerPropagator",
+    "MatrixChainCurve",
+    "RandomLogitResult",
     "RandomisationStep",
+    "SupportsLayerPropagation",
+    "UnsupportedMethodError",
     "cascading_randomisation",
+    "cosine_similarity_convergence",
     "grid_class_pairs",
+    "layer_propagator",
     "localisation_score",
     "map_ssim",
+    "matrix_chain_convergence",
+    "method_maps",
     "pixel_removal_curve",
     "pointing_game_grids",
+    "random_logit_ssim",
+    "randomisation_layers",
+    "register_layer_propagator",
+    "relevance_cosines",
     "removed_pixel_counts",
+    "to_maps",
 ]

@@ -65,9 +65,25 @@ def map_ssim(
     return np.asarray(scores)
 
 
+def randomisation_layers(model: nn.Module) -> list[str]:
+    """Names of the modules with their own parameters and ``reset_parameters``, output side first.
+
+    Uses the registration order of the modules (the order of ``model.named_modules()``), reversed,
+    which is the execution order for ordinary sequential models.
+    """
+    names = [
+        name
+        for name, module in model.named_modules()
+        if name
+        and hasattr(module, "reset_parameters")
+        and any(True for _ in module.parameters(recurse=False))
+    ]
+    return names[::-1]
+
+
 def cascading_randomisation(
     model: nn.Module,
-    maps: MapFunction,
+    maps: MapFunction | str,
     inputs: torch.Tensor,
     targets: torch.Tensor,
     layers: Sequence[str],
@@ -79,7 +95,9 @@ def cascading_randomisation(
 
     Args:
         model: The trained model (left untouched: a deep copy is randomised).
-        maps: ``maps(model, inputs, targets) -> (N, H, W)`` attribution maps.
+        maps: ``maps(model, inputs, targets) -> (N, H, W)`` attribution maps, or a registered
+            method name (its maps summed over channels, see
+            :func:`explain_core.metrics.random_logit.method_maps`).
         inputs: Model inputs.
         targets: Explained class per sample.
         layers: Qualified names of submodules, in randomisation order (output side first).
@@ -92,6 +110,10 @@ def cascading_randomisation(
     Raises:
         ValueError: If a layer name does not exist or has no ``reset_parameters``.
     """
+    if isinstance(maps, str):
+        from explain_core.metrics.random_logit import method_maps
+
+        maps = method_maps(maps)
     original = maps(model, inputs, targets)
     randomised = copy.deepcopy(model)
     generator_state = torch.random.get_rng_state()

@@ -318,6 +318,22 @@ class _DeepLift(Method):
     def __post_init__(self) -> None:
         DeepLiftHandler(torch.zeros(1), self.rule, self.maxpool)  # type: ignore[arg-type]
 
+    def layer_propagator(self, model, inputs, baselines):
+        from explain_modbp.propagation import EnginePropagator
+
+        reference = check_reference(inputs, baselines)
+        handler = DeepLiftHandler(reference, self.rule, self.maxpool)  # type: ignore[arg-type]
+        forward = ModifiedBackprop(deeplift_composite(handler), handler, record=True).forward(
+            model, inputs
+        )
+        return EnginePropagator(
+            forward,
+            "signal",
+            batch=inputs.shape[0],
+            handler=handler,
+            method=f"deeplift.{self.rule}",
+        )
+
     def attribute(self, model, inputs, target, baselines) -> MethodResult:
         reference = check_reference(inputs, baselines)
         handler = DeepLiftHandler(reference, self.rule, self.maxpool)  # type: ignore[arg-type]

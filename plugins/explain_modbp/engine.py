@@ -28,6 +28,7 @@ needs).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -352,6 +353,8 @@ class Plan:
     custom: dict[str, Rule] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
     nonnegative_inputs: set[str] = field(default_factory=set)
+    trace_order: list[str] = field(default_factory=list)
+    opaque_custom: list[str] = field(default_factory=list)
 
     @property
     def input_relevance_form(self) -> bool:
@@ -649,12 +652,150 @@ def trace(
     """
     tracer = _Tracer(model, composite, extra_ops)
     plan = tracer.run(inputs[:1].detach())
+    plan.trace_order = list(plan.order)
+    plan.opaque_custom = list(plan.custom)
+    _move_custom(plan)
+    return plan
+
+
+def _move_custom(plan: Plan) -> None:
     for name, rule in list(plan.rules.items()):
         if not isinstance(rule, LayerRule):
             plan.custom[name] = rule
             del plan.rules[name]
             plan.order.remove(name)
+
+
+# --------------------------------------------------------------------------------------------
+# Plan cache: the trace (a one-sample run with checks) is reused for the same model structure
+# --------------------------------------------------------------------------------------------
+#
+# Key: the composite's *shape* (matchers that are types, type tuples or name globs, and the type
+# of every rule), the handler's extra operations and the input's per-sample shape, dtype and
+# device. A composite with other matchers (callables) or with canonizers is never cached.
+# Validity, checked on every call: every submodule, parameter and buffer is the same object as
+# when traced (compared through weak references), modules are in the same train/eval mode, and
+# no hook or instance-level ``forward`` was added or removed. And after the real forward pass the
+# affine modules actually called must be exactly the planned ones, each once; otherwise the plan
+# is dropped and the pass re-runs with a fresh trace, so a stale plan can never skip a rule.
+# The rules themselves are resolved again from the caller's composite on every call.
+
+_PLAN_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[Any, Plan]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached trace (the next call of each model traces again)."""
+    _PLAN_CACHE.clear()
+
+
+def _composite_key(composite: Composite, extra_ops: frozenset[str]) -> Any:
+    if composite.canonizers:
+        return None
+    entries = []
+    for entry in composite.mapping:
+        matcher = entry.matcher
+        if not (
+            isinstance(matcher, (str, type))
+            or (isinstance(matcher, tuple) and all(isinstance(t, type) for t in matcher))
+        ):
+            return None
+        entries.append((matcher, type(entry.rule)))
+    first = getattr(composite, "first", None)
+    last = getattr(composite, "last", None)
+    return (type(composite), tuple(entries), type(first), type(last), extra_ops)
+
+
+def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
+    from torch.nn.modules import module as module_globals
+
+    parts: list[tuple[Any, ...]] = [
+        (
+            len(module_globals._global_forward_hooks),
+            len(module_globals._global_forward_pre_hooks),
+        )
+    ]
+    for name, module in model.named_modules():
+        parts.append(
+            (
+                name,
+                weakref.ref(module),
+                module.training,
+                tuple(module._forward_hooks),
+                tuple(module._forward_pre_hooks),
+                module.__dict__.get("forward"),
+                tuple((k, weakref.ref(v)) for k, v in module._parameters.items() if v is not None),
+                tuple((k, weakref.ref(v)) for k, v in module._buffers.items() if v is not None),
+            )
+        )
+    return parts
+
+
+def _same_fingerprint(old: list[tuple[Any, ...]], new: list[tuple[Any, ...]]) -> bool:
+    if len(old) != len(new) or old[0] != new[0]:
+        return False
+    for a, b in zip(old[1:], new[1:], strict=True):
+        if a[0] != b[0] or a[1]() is not b[1]() or a[2:6] != b[2:6]:
+            return False
+        for refs_a, refs_b in ((a[6], b[6]), (a[7], b[7])):
+            if len(refs_a) != len(refs_b) or any(
+                ka != kb or ra() is not rb()
+                for (ka, ra), (kb, rb) in zip(refs_a, refs_b, strict=True)
+            ):
+                return False
+    return True
+
+
+def _resolve_rules(model: nn.Module, composite: Composite, structure: Plan) -> Plan:
+    """A copy of a cached plan with the rules of ``composite`` (raises like the trace)."""
+    tracer = _Tracer.__new__(_Tracer)
+    tracer.model, tracer.composite = model, composite
+    plan = replace(structure, order=list(structure.trace_order), rules={}, custom={})
+    for name in structure.opaque_custom:
+        rule = composite.rule_for(name, model.get_submodule(name))
+        if rule is not None:
+            plan.custom[name] = rule
+    for name in plan.order:
+        plan.rules[name] = tracer._rule(name, plan)
+    _move_custom(plan)
     return plan
+
+
+def planned(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    composite: Composite,
+    extra_ops: frozenset[str],
+    *,
+    cache: bool,
+) -> tuple[Plan, bool]:
+    """The plan for this call, from the cache when valid; also whether it came from the cache."""
+    key = _composite_key(composite, extra_ops) if cache else None
+    fingerprint: list[tuple[Any, ...]] = []
+    if key is not None:
+        key = (key, tuple(inputs.shape[1:]), inputs.dtype, inputs.device)
+        entry = _PLAN_CACHE.get(model, {}).get(key)
+        fingerprint = _fingerprint(model)
+        if entry is not None and _same_fingerprint(entry[0], fingerprint):
+            return _resolve_rules(model, composite, entry[1]), True
+    plan = trace(model, inputs, composite, extra_ops)
+    if key is not None:
+        structure = replace(plan, order=[], rules={}, custom={})
+        _PLAN_CACHE.setdefault(model, {})[key] = (fingerprint, structure)
+    return plan, False
+
+
+def forget_plan(model: nn.Module) -> None:
+    """Drop the cached plans of ``model``."""
+    _PLAN_CACHE.pop(model, None)
+
+
+def _expected_calls(plan: Plan) -> dict[str, int]:
+    calls = dict.fromkeys(plan.order, 1)
+    calls.update(dict.fromkeys(plan.merged.values(), 1))
+    calls.update(dict.fromkeys(plan.custom, 1))
+    return calls
 
 
 # --------------------------------------------------------------------------------------------
@@ -752,6 +893,22 @@ class _Attached:
         out = _RuleFunction.apply(x, z, core)
         self.records[layer.name] = LayerRecord(layer.name, x, out, core)
         return out
+
+    def call_counter(self) -> tuple[dict[str, int], list[Any]]:
+        """Count the calls of every affine module (to validate a cached plan)."""
+        calls: dict[str, int] = {}
+        skip = tuple(f"{name}." for name in self.plan.custom)
+        handles = []
+        for name, module in self.model.named_modules():
+            if isinstance(module, AFFINE_TYPES) or name in self.plan.custom:
+                if name and name.startswith(skip):
+                    continue
+
+                def count(module: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                    calls[name] = calls.get(name, 0) + 1
+
+                handles.append(module.register_forward_pre_hook(count))
+        return calls, handles
 
     def hooks(self) -> list[Any]:
         handles = []
@@ -855,7 +1012,8 @@ class ForwardPass:
             start: Inject at the output of this recorded layer instead of the model output.
             relevance: Inject relevance (not a signal) at ``start``'s output; it passes through
                 that layer's rule first.
-            read_layers: Also return the signal at the input of every recorded layer below.
+            read_layers: Also return the signal at the input of every recorded layer below (and
+                at ``start``'s own input).
             retain_graph: Keep the graph for another backward pass.
 
         Raises:
@@ -885,7 +1043,7 @@ class ForwardPass:
             for name in below:
                 wanted.append(self.records[name].input)
                 keys.append(name)
-            if start is not None and relevance is not None:
+            if start is not None:
                 wanted.append(self.records[start].input)
                 keys.append(start)
         unique: dict[int, torch.Tensor] = {}
@@ -913,6 +1071,8 @@ class ModifiedBackprop:
         record: Record every affine layer (also gradient-ruled ones) for reading and injecting
             signals at intermediate layers.
         extra_ops: Further operation names the trace accepts (the handler's own).
+        cache: Reuse the trace of an earlier call with the same model structure (validated on
+            every call and against the modules actually run; see :func:`planned`).
     """
 
     def __init__(
@@ -922,10 +1082,12 @@ class ModifiedBackprop:
         *,
         record: bool = False,
         extra_ops: frozenset[str] = frozenset(),
+        cache: bool = True,
     ) -> None:
         self.composite = composite
         self.handler = handler
         self.record = record
+        self.cache = cache
         self.extra_ops = extra_ops | (handler.ops if handler is not None else frozenset())
 
     def forward(self, model: nn.Module, inputs: torch.Tensor, *, grad: bool = True) -> ForwardPass:
@@ -934,28 +1096,38 @@ class ModifiedBackprop:
         The returned pass holds the autograd graph; call :meth:`ForwardPass.backward`. With
         ``grad=False`` no graph is built (for rules that only collect statistics).
         """
-        with ModelGuard(model), contextlib.ExitStack() as stack:
-            for canonizer in self.composite.canonizers:
-                stack.callback(canonizer.apply(model))
-            plan = trace(model, inputs, self.composite, self.extra_ops)
-            attached = _Attached(model, plan, self.record)
-            handles = attached.hooks()
-            stack.callback(lambda: [h.remove() for h in handles])
-            if plan.custom:
-                custom = Composite(
-                    [(_named(name), rule) for name, rule in plan.custom.items()],
+        for use_cache in (self.cache, False):
+            with ModelGuard(model), contextlib.ExitStack() as stack:
+                for canonizer in self.composite.canonizers:
+                    stack.callback(canonizer.apply(model))
+                plan, cached = planned(
+                    model, inputs, self.composite, self.extra_ops, cache=use_cache
                 )
-                stack.enter_context(custom.context(model))
-            x = inputs.detach()
-            if self.handler is not None:
-                x = self.handler.prepare_inputs(x)
-            x = x.requires_grad_(grad)
-            with torch.set_grad_enabled(grad):
-                if self.handler is not None and self.handler.ops:
-                    with _HandlerMode(self.handler, attached):
+                attached = _Attached(model, plan, self.record)
+                handles = attached.hooks()
+                calls: dict[str, int] = {}
+                if cached:
+                    calls, counters = attached.call_counter()
+                    handles += counters
+                stack.callback(lambda handles=handles: [h.remove() for h in handles])
+                if plan.custom:
+                    custom = Composite(
+                        [(_named(name), rule) for name, rule in plan.custom.items()],
+                    )
+                    stack.enter_context(custom.context(model))
+                x = inputs.detach()
+                if self.handler is not None:
+                    x = self.handler.prepare_inputs(x)
+                x = x.requires_grad_(grad)
+                with torch.set_grad_enabled(grad):
+                    if self.handler is not None and self.handler.ops:
+                        with _HandlerMode(self.handler, attached):
+                            output = model(x)
+                    else:
                         output = model(x)
-                else:
-                    output = model(x)
+            if not cached or calls == _expected_calls(plan):
+                break
+            forget_plan(model)  # the model ran other modules than planned: trace again
         return ForwardPass(x, output, attached.records, plan)
 
 

@@ -99,6 +99,14 @@ def rectified_signal(
     return MethodResult(attribution, output, chosen, None, {"signal": signal})
 
 
+def rectified_propagator(model, inputs, handler: RectifiedReLUHandler):
+    """Signals from any layer with rectified ReLUs (for CSC)."""
+    from explain_modbp.propagation import EnginePropagator
+
+    forward = ModifiedBackprop(gradient_composite(), handler, record=True).forward(model, inputs)
+    return EnginePropagator(forward, "signal", method=handler.mode)
+
+
 @dataclass
 class GuidedBackprop(Method):
     """Guided backpropagation: ``[g]⁺ ⊙ 1[h > 0]`` at every ReLU.
@@ -112,6 +120,9 @@ class GuidedBackprop(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         handler = RectifiedReLUHandler("guided")
         return rectified_signal(model, inputs, target, handler, self.times_input)
+
+    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
+        return rectified_propagator(model, inputs, RectifiedReLUHandler("guided"))
 
 
 @dataclass
@@ -127,6 +138,9 @@ class Deconvolution(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         handler = RectifiedReLUHandler("deconv")
         return rectified_signal(model, inputs, target, handler, self.times_input)
+
+    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
+        return rectified_propagator(model, inputs, RectifiedReLUHandler("deconv"))
 
 
 @dataclass
@@ -147,6 +161,9 @@ class RectGrad(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         handler = RectifiedReLUHandler("rectgrad", self.q)
         return rectified_signal(model, inputs, target, handler, self.times_input)
+
+    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
+        return rectified_propagator(model, inputs, RectifiedReLUHandler("rectgrad", self.q))
 
 
 def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:

@@ -80,6 +80,12 @@ class _CompositeMethod(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:
         return run_composite(self.composite(), model, inputs, target, start=self.start)
 
+    def layer_propagator(self, model, inputs, baselines):
+        from explain_modbp.propagation import EnginePropagator
+
+        forward = ModifiedBackprop(self.composite(), record=True).forward(model, inputs)
+        return EnginePropagator(forward, "relevance", method=type(self).__name__)
+
 
 @dataclass
 class LRPZ(_CompositeMethod):
@@ -207,6 +213,13 @@ class ContrastiveLRP(Method):
     """
 
     clamp: bool = True
+
+    def layer_propagator(self, model, inputs, baselines):
+        """The z⁺ chain both of Eq. 15's backward passes use."""
+        from explain_modbp.propagation import EnginePropagator
+
+        forward = ModifiedBackprop(composites.lrp_zplus(), record=True).forward(model, inputs)
+        return EnginePropagator(forward, "relevance", method="lrp.contrastive")
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         forward = ModifiedBackprop(composites.lrp_zplus()).forward(model, inputs)

@@ -32,7 +32,13 @@ from explain_core.errors import InvalidInputError
 from explain_core.model_guard import require_eval_mode
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
-from explain_modbp.engine import LayerComposite, LayerRule, ModifiedBackprop, safe_divide
+from explain_modbp.engine import (
+    ForwardPass,
+    LayerComposite,
+    LayerRule,
+    ModifiedBackprop,
+    safe_divide,
+)
 from explain_modbp.errors import PatternMismatchError
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.methods import one_hot
@@ -287,19 +293,15 @@ def _resolve(patterns: Patterns | str | Path | None, method: str) -> Patterns:
     return patterns
 
 
-def pattern_signal(
-    model: nn.Module,
-    inputs: torch.Tensor,
-    target: torch.Tensor | None,
-    patterns: Patterns,
-    attribution: bool,
-) -> MethodResult:
-    """Backpropagate the explained output with the patterns."""
+def pattern_forward(
+    model: nn.Module, inputs: torch.Tensor, patterns: Patterns, attribution: bool, record: bool
+) -> ForwardPass:
+    """The forward pass with pattern rules attached, after checking the patterns fit."""
     composite = LayerComposite(
         [(LINEAR_TYPES + BATCHNORM_TYPES, PatternRule(patterns, attribution))],
         name="pattern_attribution" if attribution else "patternnet",
     )
-    forward = ModifiedBackprop(composite).forward(model, inputs)
+    forward = ModifiedBackprop(composite, record=record).forward(model, inputs)
     extra = sorted(set(patterns.patterns) - set(forward.records))
     if extra:
         raise PatternMismatchError(
@@ -312,6 +314,27 @@ def pattern_signal(
                 f"the patterns were fitted on a different architecture: layer {name!r} was a "
                 f"{type_name}, the model has a {forward.plan.types[name]}"
             )
+    return forward
+
+
+def pattern_propagator(model, inputs, patterns: Patterns, attribution: bool):
+    """Signals from any layer with the patterns (for CSC)."""
+    from explain_modbp.propagation import EnginePropagator
+
+    forward = pattern_forward(model, inputs, patterns, attribution, record=True)
+    name = "pattern_attribution" if attribution else "patternnet"
+    return EnginePropagator(forward, "signal", method=name)
+
+
+def pattern_signal(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    target: torch.Tensor | None,
+    patterns: Patterns,
+    attribution: bool,
+) -> MethodResult:
+    """Backpropagate the explained output with the patterns."""
+    forward = pattern_forward(model, inputs, patterns, attribution, record=False)
     output = forward.output.detach()
     chosen = select_target(output, target)
     signal = forward.backward(one_hot(output, chosen)).input_signal
@@ -334,6 +357,9 @@ class PatternNet(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         return pattern_signal(model, inputs, target, self.patterns, attribution=False)  # type: ignore[arg-type]
 
+    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
+        return pattern_propagator(model, inputs, self.patterns, attribution=False)  # type: ignore[arg-type]
+
 
 @dataclass
 class PatternAttribution(Method):
@@ -350,6 +376,9 @@ class PatternAttribution(Method):
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         return pattern_signal(model, inputs, target, self.patterns, attribution=True)  # type: ignore[arg-type]
+
+    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
+        return pattern_propagator(model, inputs, self.patterns, attribution=True)  # type: ignore[arg-type]
 
 
 def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:

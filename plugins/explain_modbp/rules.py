@@ -125,8 +125,10 @@ class AlphaBeta(LayerRule):
         self.beta = float(beta)
 
     def prepare(self, layer, x, z):  # noqa: D102
-        positive, negative = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
         nonnegative = layer.nonnegative_input or bool((x >= 0).all())
+        positive = layer.weight.clamp(min=0)
+        # z⁺ on non-negative inputs never needs W⁻ (one clamp of the weight less)
+        negative = layer.weight.clamp(max=0) if self.beta or not nonnegative else None
         if nonnegative:
             pos = layer.forward(x, positive)
             neg = layer.forward(x, negative) if self.beta else None
