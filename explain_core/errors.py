@@ -97,3 +97,7 @@ class ParityError(ExportError):
 
 class RuntimeConflictError(ExplainError):
     """Two onnxruntime distributions (e.g. onnxruntime and onnxruntime-gpu) are installed."""
+
+
+class DistributedError(ExplainError, RuntimeError):
+    """A distributed evaluation that failed on some rank, or whose shards do not fit together."""

@@ -1,0 +1,169 @@
+"""``explain evaluate``: attribution and metric jobs over a data set, alone or under torchrun.
+
+The same command line runs in one process or in N under
+``torchrun --nproc_per_node=N -m explain_core evaluate …``: each rank computes its own chunks of
+the data set and rank 0 merges them exactly, writes the outputs and prints the summary (the other
+ranks print nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Any
+
+JOB_NAMES = ("attributions", "localisation", "pixel-removal", "csc", "rem-dictionary")
+
+
+def add_parser(subparsers: Any) -> None:
+    """Register the subcommand."""
+    parser = subparsers.add_parser(
+        "evaluate",
+        help="attribution and metric jobs over a data set (runs under torchrun)",
+        description="Build a model from package.module:factory, load its weights and run an "
+        "evaluation job over a bundled data set: attribution maps to resumable shards, "
+        "localisation, pixel removal, CSC or REM parse-tree dictionaries. Runs unchanged "
+        "under torchrun --nproc_per_node=N (gloo on CPU, NCCL with --device cuda); results "
+        "are merged exactly on rank 0, which writes them and prints the summary.",
+    )
+    parser.add_argument("--model", required=True, help="package.module:factory")
+    parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
+    parser.add_argument(
+        "--dataset",
+        required=True,
+        choices=("digits", "cluttered"),
+        help="digits: the test split (450 images); cluttered: digits on cluttered canvases "
+        "with ink masks",
+    )
+    parser.add_argument("--job", required=True, choices=JOB_NAMES, help="what to compute")
+    parser.add_argument("--method", help="registered attribution method (all jobs but REM)")
+    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per pass (64)")
+    parser.add_argument(
+        "--shard-size", type=int, default=256, help="samples per chunk and shard file (256)"
+    )
+    parser.add_argument("--limit", type=int, help="only the first N samples")
+    parser.add_argument("--image-size", type=int, default=8, help="digits: side length (8)")
+    parser.add_argument(
+        "--canvas-size", type=int, default=32, help="cluttered: canvas side length (32)"
+    )
+    parser.add_argument("--count", type=int, default=200, help="cluttered: samples (200)")
+    parser.add_argument(
+        "--target",
+        choices=("label", "predicted"),
+        default="label",
+        help="class to explain (default: the label)",
+    )
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--threads", type=int, help="torch threads per process")
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="method option, repeatable (e.g. --option steps=32)",
+    )
+    group = parser.add_argument_group("job options")
+    group.add_argument("--levels", type=int, default=11, help="rem-dictionary: K levels (11)")
+    group.add_argument("--layer", help="rem-dictionary: routing layer (default: the last)")
+    group.add_argument(
+        "--fraction", type=float, default=0.25, help="pixel-removal: pixels removed (0.25)"
+    )
+    group.add_argument(
+        "--removal-steps", type=int, help="pixel-removal: steps (default: one pixel per step)"
+    )
+    group.add_argument(
+        "--order", choices=("least", "most"), default="least", help="pixel-removal order"
+    )
+    group.add_argument("--vectors", type=int, default=5, help="csc: random vectors (5)")
+    group.add_argument("--seed", type=int, default=0, help="csc: base seed (0)")
+    group.add_argument("--start", help="csc: layer whose output is randomised (default: last)")
+    parser.set_defaults(run=run)
+
+
+_JOB_ARGUMENTS = {
+    "rem-dictionary": {"levels": "levels", "layer": "layer"},
+    "pixel-removal": {"fraction": "fraction", "removal_steps": "removal_steps", "order": "order"},
+    "csc": {"n_vectors": "vectors", "seed": "seed", "start": "start"},
+}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the job; rank 0 prints the summary and errors, the other ranks exit quietly."""
+    from explain_core.errors import ExplainError
+
+    try:
+        return _run(args)
+    except (ExplainError, OSError):
+        if getattr(args, "debug", False) or os.environ.get("RANK", "0") == "0":
+            raise
+        return 1  # rank 0 reports the same error; one message is enough
+
+
+def _run(args: argparse.Namespace) -> int:
+    import torch
+
+    from explain_core.cli.attribute import parse_options
+    from explain_core.distributed import evaluate, init_distributed
+    from explain_core.distributed.context import shutdown_distributed
+    from explain_core.distributed.gather import all_gather_objects
+    from explain_core.errors import DistributedError, InvalidInputError
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidInputError(f"--threads must be >= 1; got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.job != "rem-dictionary" and args.method is None:
+        raise InvalidInputError(f"--job {args.job} needs --method (e.g. --method gradient)")
+    if args.limit is not None and args.limit < 1:
+        raise InvalidInputError(f"--limit must be >= 1; got {args.limit}")
+    options = parse_options(args.option)
+    context = init_distributed(args.device)
+    try:
+        model, data, problem = _load(args)
+        # Every rank must have its model and data before any rank waits in a collective.
+        statuses = all_gather_objects(None if problem is None else str(problem), context)
+        if problem is not None:
+            raise problem
+        failed = [f"rank {rank}: {status}" for rank, status in enumerate(statuses) if status]
+        if failed:
+            raise DistributedError("loading failed on " + "; ".join(failed))
+        job_options = {k: getattr(args, v) for k, v in _JOB_ARGUMENTS.get(args.job, {}).items()}
+        result = evaluate(
+            args.job,
+            model,
+            data,
+            method=args.method,
+            out_dir=args.out,
+            batch_size=args.batch_size,
+            shard_size=args.shard_size,
+            target=args.target,
+            device=context.device,
+            method_options=options,
+            **job_options,
+        )
+        if context.is_main:
+            print("\n".join(result.summary_lines()))
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any, Exception | None]:
+    """Model and data set, or the error that prevented loading them."""
+    from explain_core.distributed import load_dataset
+    from explain_core.errors import ExplainError
+    from explain_core.loading import load_model
+
+    try:
+        model = load_model(args.model, args.weights)
+        if args.dataset == "digits":
+            data = load_dataset("digits", image_size=args.image_size)
+        else:
+            data = load_dataset("cluttered", canvas_size=args.canvas_size, count=args.count)
+        if args.limit is not None:
+            data = data.slice(0, min(args.limit, len(data)))
+    except (ExplainError, OSError, ValueError) as error:
+        return None, None, error
+    return model, data, None

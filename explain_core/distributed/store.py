@@ -1,0 +1,220 @@
+"""Attribution maps on disk: fixed-size shards keyed by global index range, plus an index.
+
+Layout of an output folder::
+
+    index.json                                   written last, by rank 0, atomically
+    shards/shard-000000000-000000256.safetensors samples 0..255
+    shards/shard-000000256-000000512.safetensors …
+
+Each shard holds ``attribution`` ``(n, *sample_shape)``, ``index`` (the global sample indices),
+``target`` and ``score`` (the explained class and its output), and metadata naming its range and
+the *run key* (a hash of the model weights, method, options and data). Shards are written to a
+temporary file and renamed, so a shard that exists is complete. After an interruption, a rerun
+keeps every shard whose metadata, run key and shapes check out and computes only the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from explain_core.errors import DistributedError
+
+__all__ = [
+    "FORMAT",
+    "INDEX_NAME",
+    "SHARD_FOLDER",
+    "StoredAttributions",
+    "load_attributions",
+    "read_index",
+    "read_valid_shard",
+    "shard_path",
+    "write_index",
+    "write_shard",
+]
+
+FORMAT = "explain-attributions"
+VERSION = 1
+INDEX_NAME = "index.json"
+SHARD_FOLDER = "shards"
+
+
+def shard_path(out_dir: str | Path, piece: range) -> Path:
+    """Where the shard of samples ``piece`` lives."""
+    return Path(out_dir) / SHARD_FOLDER / f"shard-{piece.start:09d}-{piece.stop:09d}.safetensors"
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write ``data`` beside ``path`` and rename it into place (a file that exists is whole)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_shard(
+    out_dir: str | Path,
+    piece: range,
+    tensors: Mapping[str, torch.Tensor],
+    run_key: str,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Write one shard atomically and return its index entry.
+
+    ``extra`` metadata (e.g. a hash of the chunk's inputs) must match again on resume.
+    """
+    from safetensors.torch import save
+
+    metadata = {
+        "format": FORMAT,
+        "version": str(VERSION),
+        "start": str(piece.start),
+        "stop": str(piece.stop),
+        "run_key": run_key,
+        **(extra or {}),
+    }
+    data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
+    path = shard_path(out_dir, piece)
+    write_atomically(path, data)
+    return _entry(out_dir, path, piece, data)
+
+
+def _entry(out_dir: str | Path, path: Path, piece: range, data: bytes) -> dict[str, Any]:
+    return {
+        "file": path.relative_to(out_dir).as_posix(),
+        "start": piece.start,
+        "stop": piece.stop,
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+
+
+def read_valid_shard(
+    out_dir: str | Path,
+    piece: range,
+    run_key: str,
+    sample_shape: tuple[int, ...] | None = None,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, Any] | None:
+    """The index entry of an existing, complete shard of this run, or ``None``.
+
+    A shard is valid when it parses, its metadata names this range and run key, ``index`` is
+    ``piece`` and ``attribution`` has ``len(piece)`` rows (of ``sample_shape`` when given), and
+    the ``extra`` metadata matches.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    path = shard_path(out_dir, piece)
+    try:
+        data = path.read_bytes()
+        tensors = load(data)
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+    except Exception:  # missing, truncated or foreign file: compute it again
+        return None
+    expected = {"format": FORMAT, "version": str(VERSION), "run_key": run_key}
+    expected |= {"start": str(piece.start), "stop": str(piece.stop), **(extra or {})}
+    if any(metadata.get(k) != v for k, v in expected.items()):
+        return None
+    attribution, index = tensors.get("attribution"), tensors.get("index")
+    if attribution is None or index is None or attribution.shape[0] != len(piece):
+        return None
+    if sample_shape is not None and tuple(attribution.shape[1:]) != tuple(sample_shape):
+        return None
+    if not torch.equal(index, torch.arange(piece.start, piece.stop, dtype=index.dtype)):
+        return None
+    return _entry(out_dir, path, piece, data)
+
+
+def write_index(out_dir: str | Path, index: Mapping[str, Any]) -> Path:
+    """Write ``index.json`` atomically."""
+    path = Path(out_dir) / INDEX_NAME
+    write_atomically(path, (json.dumps(index, indent=1) + "\n").encode())
+    return path
+
+
+def read_index(out_dir: str | Path) -> dict[str, Any]:
+    """Read and check ``index.json`` of an attribution folder.
+
+    Raises:
+        DistributedError: If it is missing, of another format, or incomplete.
+    """
+    path = Path(out_dir) / INDEX_NAME
+    try:
+        index = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DistributedError(
+            f"{path} does not exist: the attribution run did not finish; run it again with the "
+            "same arguments to complete the missing shards"
+        ) from None
+    except json.JSONDecodeError as error:
+        raise DistributedError(f"{path} is not valid JSON: {error}") from None
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise DistributedError(f"{path} is not an {FORMAT} index of version {VERSION}")
+    return index
+
+
+@dataclass(frozen=True)
+class StoredAttributions:
+    """Attributions stitched from the shards, in global sample order.
+
+    Attributes:
+        attribution: ``(N, *sample_shape)`` maps.
+        target: ``(N,)`` explained classes.
+        score: ``(N,)`` model output for the explained class.
+        index: The folder's ``index.json`` content.
+    """
+
+    attribution: torch.Tensor
+    target: torch.Tensor
+    score: torch.Tensor
+    index: dict[str, Any]
+
+
+def load_attributions(out_dir: str | Path, *, verify: bool = True) -> StoredAttributions:
+    """Read every shard listed in ``index.json`` and stitch the maps in sample order.
+
+    Args:
+        out_dir: The folder ``evaluate("attributions", ...)`` wrote.
+        verify: Check each shard's SHA-256 against the index.
+
+    Raises:
+        DistributedError: On a missing or altered shard, or shards that do not cover the data.
+    """
+    from safetensors.torch import load
+
+    from explain_core.distributed.sharding import check_partition
+
+    index = read_index(out_dir)
+    entries = sorted(index["shards"], key=lambda e: e["start"])
+    try:
+        check_partition([range(e["start"], e["stop"]) for e in entries], index["n_samples"])
+    except ValueError as problem:
+        raise DistributedError(f"{out_dir}: {problem}") from None
+    parts: dict[str, list[torch.Tensor]] = {"attribution": [], "target": [], "score": []}
+    for entry in entries:
+        path = Path(out_dir) / entry["file"]
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise DistributedError(f"shard {path} listed in the index is missing") from None
+        if verify and hashlib.sha256(data).hexdigest() != entry["sha256"]:
+            raise DistributedError(f"shard {path} changed since the index was written")
+        tensors = load(data)
+        for key, values in parts.items():
+            values.append(tensors[key])
+    stitched = {key: torch.cat(values) for key, values in parts.items()}
+    return StoredAttributions(index=index, **stitched)
