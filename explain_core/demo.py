@@ -1,17 +1,30 @@
 """``explain demo``: the main job. Every plugin contributes steps; the report grows with them.
 
 The output folder is built under a temporary name and moved into place only when every step has
-finished, so a folder that exists is always complete.
+finished, so a folder that exists is always complete. It holds ``report.html`` (self-contained:
+inline style, pictures as files beside it), the same report as ``report.md`` and the numbers as
+``summary.json``.
+
+Trained models are cached as safetensors files (see :meth:`DemoContext.cached_model`) in
+``$EXPLAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/explain-torch/demo``, else
+``~/.cache/explain-torch/demo``; the file name holds a hash of everything that decides the weights
+(step settings, seed, torch and package versions), so changed settings never reuse a stale model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import html
 import json
+import os
 import platform
+import re
 import shutil
 import tempfile
 import time
+import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,6 +34,7 @@ import torch
 from explain_core.errors import InvalidInputError
 
 REPORT_MARKER = "summary.json"
+CACHE_FORMAT = 1
 
 # Sections the finished product will have; a section disappears from this list when a plugin
 # provides it, so the report always says honestly what it does not cover yet.
@@ -33,21 +47,36 @@ PLANNED_SECTIONS: dict[str, str] = {
 }
 
 
+def default_cache_dir() -> Path:
+    """Where the demo caches trained models (see the module docstring)."""
+    if os.environ.get("EXPLAIN_CACHE_DIR"):
+        return Path(os.environ["EXPLAIN_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).expanduser() / "explain-torch" / "demo"
+
+
 @dataclass
 class DemoSection:
     """What one step reports.
 
     Attributes:
         title: Section heading.
-        lines: Markdown lines for the report (tables, findings).
-        figures: Paths of pictures relative to the output folder.
+        lines: Markdown lines for the report: paragraphs, ``- `` lists, ``|`` tables and fenced
+            code blocks (the HTML report understands exactly these).
+        figures: Paths of pictures (PNG or SVG) relative to the output folder.
         summary: JSON-serialisable numbers for ``summary.json``.
+        accuracies: Model name → test accuracy, for the report's overview table (a summary key
+            ``test_accuracy`` counts too).
+        unavailable: Why the step could not provide its sections here (e.g. a missing optional
+            dependency); its ``provides`` keys are then listed as not available.
     """
 
     title: str
     lines: list[str] = field(default_factory=list)
     figures: list[str] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    accuracies: dict[str, float] = field(default_factory=dict)
+    unavailable: str | None = None
 
 
 @dataclass
@@ -58,13 +87,17 @@ class DemoContext:
         out_dir: Folder the steps write into (a temporary folder until the run succeeds).
         quick: Small, fast settings (used by tests).
         seed: Seed of every random choice.
+        cache_dir: Folder of cached trained models; ``None`` trains every model afresh.
         artefacts: Objects steps share with later steps (e.g. trained models).
+        log: Prints one progress line.
     """
 
     out_dir: Path
     quick: bool = False
     seed: int = 0
+    cache_dir: Path | None = None
     artefacts: dict[str, Any] = field(default_factory=dict)
+    log: Callable[[str], Any] = print
 
     def digits(self, image_size: int = 8) -> Any:
         """The bundled digits at ``image_size``, loaded once per run."""
@@ -74,6 +107,103 @@ class DemoContext:
         if key not in self.artefacts:
             self.artefacts[key] = load_digits(image_size=image_size, seed=self.seed)
         return self.artefacts[key]
+
+    def cached_model(
+        self,
+        name: str,
+        settings: dict[str, Any],
+        build: Callable[[], torch.nn.Module],
+        train: Callable[[torch.nn.Module], dict[str, Any] | None],
+    ) -> tuple[torch.nn.Module, dict[str, Any], bool]:
+        """A trained model from the cache, or trained now and stored there.
+
+        ``build()`` must create the untrained model (with every buffer the trained one has, e.g.
+        pruning masks) under the seed; its state dict is then loaded from a safetensors file
+        (``strict``, never unpickled). The cache key hashes ``name``, ``settings``, the seed, the
+        quick flag and the torch and package versions.
+
+        Args:
+            name: Model name (file-name safe).
+            settings: Everything that decides the trained weights (JSON-serialisable).
+            build: Creates the untrained model.
+            train: Trains the model in place; may return a dict of JSON-serialisable facts to
+                store with the weights (anything else it returns is ignored).
+
+        Returns:
+            ``(model in eval mode, stored facts, whether it came from the cache)``.
+        """
+        torch.manual_seed(self.seed)
+        model = build()
+        path = self._cache_path(name, settings)
+        if path is not None and path.exists():
+            try:
+                state, info = _load_cached(path)
+                model.load_state_dict(state, strict=True)
+                self.log(f"    {name}: trained weights from the cache ({path.name})")
+                return model.eval(), info, True
+            except Exception as error:  # a corrupt or foreign file: train again
+                warnings.warn(f"ignoring unreadable cached model {path}: {error}", stacklevel=2)
+                torch.manual_seed(self.seed)
+                model = build()
+        start = time.perf_counter()
+        torch.manual_seed(self.seed)
+        trained = train(model)
+        info = dict(trained) if isinstance(trained, dict) else {}
+        info["train_seconds"] = round(time.perf_counter() - start, 2)
+        model.eval()
+        if path is not None:
+            _store_cached(path, model, settings, info)
+        return model, info, False
+
+    def _cache_path(self, name: str, settings: dict[str, Any]) -> Path | None:
+        if self.cache_dir is None:
+            return None
+        from explain_core.plugin_manager import package_version
+
+        key = json.dumps(
+            {
+                "name": name,
+                "settings": settings,
+                "seed": self.seed,
+                "quick": self.quick,
+                "torch": torch.__version__,
+                "package": package_version(),
+                "format": CACHE_FORMAT,
+            },
+            sort_keys=True,
+            default=str,
+        )
+        digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+        return self.cache_dir / f"{name}-{digest}.safetensors"
+
+
+def _load_cached(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(str(path), framework="pt") as handle:
+        metadata = handle.metadata() or {}
+    return load_file(str(path)), json.loads(metadata.get("info", "{}"))
+
+
+def _store_cached(
+    path: Path, model: torch.nn.Module, settings: dict[str, Any], info: dict[str, Any]
+) -> None:
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
+    metadata = {"settings": json.dumps(settings, default=str), "info": json.dumps(info)}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+        os.close(descriptor)
+        try:
+            save_file(state, temporary, metadata=metadata)
+            os.replace(temporary, path)
+        finally:
+            Path(temporary).unlink(missing_ok=True)
+    except OSError as error:  # a read-only cache only costs time
+        warnings.warn(f"could not cache the trained model in {path.parent}: {error}", stacklevel=3)
 
 
 class DemoStep(ABC):
@@ -107,26 +237,44 @@ class DemoResult:
 
 
 def run_demo(
-    out_dir: Path, steps: list[DemoStep], *, quick: bool = False, seed: int = 0, log: Any = print
+    out_dir: Path,
+    steps: list[DemoStep],
+    *,
+    quick: bool = False,
+    seed: int = 0,
+    cache_dir: Path | None = None,
+    log: Any = print,
 ) -> DemoResult:
     """Run ``steps`` and move the finished folder to ``out_dir``.
 
     Raises:
-        InvalidInputError: If ``out_dir`` exists and is not an earlier demo output.
+        InvalidInputError: If ``out_dir`` exists and is not an earlier demo output, or cannot be
+            created.
     """
     out_dir = Path(out_dir).resolve()  # "." has parent "."; staging must sit beside the folder
     _check_replaceable(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        context = DemoContext(staging, quick=quick, seed=seed)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    except OSError as error:
+        raise InvalidInputError(
+            f"cannot write the output folder {out_dir}: {error.strerror or error}"
+        ) from None
+    start = time.perf_counter()
+    try:
+        context = DemoContext(staging, quick=quick, seed=seed, cache_dir=cache_dir, log=log)
         sections = []
+        provided: set[str] = set()
         for index, step in enumerate(steps, 1):
             log(f"[{index}/{len(steps)}] {step.title} ({step.plugin or 'core'})")
+            begun = time.perf_counter()
             torch.manual_seed(seed)
-            sections.append(step.run(context))
-        provided = {key for step in steps for key in step.provides}
+            section = step.run(context)
+            section.summary.setdefault("seconds", round(time.perf_counter() - begun, 2))
+            log(f"    done in {time.perf_counter() - begun:.1f} s")
+            sections.append(section)
+            if section.unavailable is None:
+                provided.update(step.provides)
         missing = [text for key, text in PLANNED_SECTIONS.items() if key not in provided]
         seconds = time.perf_counter() - start
         _write_report(staging, sections, missing, seconds, quick)
@@ -149,26 +297,218 @@ def _check_replaceable(out_dir: Path) -> None:
         )
 
 
+def _accuracy_rows(sections: list[DemoSection]) -> list[tuple[str, str, float]]:
+    rows = []
+    for section in sections:
+        accuracies = dict(section.accuracies)
+        if not accuracies and isinstance(section.summary.get("test_accuracy"), float):
+            accuracies = {"the section's model": section.summary["test_accuracy"]}
+        rows += [(section.title, name, value) for name, value in accuracies.items()]
+    return rows
+
+
+def _markdown_figure(path: str) -> str:
+    # PNGs inline; other pictures (SVG parse trees) as links, which every viewer opens.
+    if path.lower().endswith(".png"):
+        return f"![{Path(path).stem}]({path})"
+    return f"- [{Path(path).stem} ({Path(path).suffix[1:].upper()})]({path})"
+
+
 def _write_report(
     folder: Path, sections: list[DemoSection], missing: list[str], seconds: float, quick: bool
 ) -> None:
-    lines = [
-        "# explain demo",
-        "",
+    intro = (
         f"Run on {platform.node() or 'this machine'} ({platform.machine()}, torch "
-        f"{torch.__version__}) in {seconds:.1f} s{' with --quick settings' if quick else ''}.",
-        "",
-    ]
+        f"{torch.__version__}, {torch.get_num_threads()} thread(s)) in {seconds:.1f} s"
+        f"{' with --quick settings (small, fast, less accurate)' if quick else ''}."
+    )
+    accuracies = _accuracy_rows(sections)
+    overview = ["| section | model | test accuracy |", "| --- | --- | --- |"]
+    overview += [f"| {title} | {name} | {value:.1%} |" for title, name, value in accuracies]
+    lines = ["# explain demo", "", intro, ""]
+    if accuracies:
+        lines += ["## Model accuracies", "", *overview, ""]
     for section in sections:
         lines += [f"## {section.title}", "", *section.lines, ""]
-        lines += [f"![{Path(f).stem}]({f})" for f in section.figures] + [""]
+        if section.unavailable:
+            lines += [f"Not available here: {section.unavailable}", ""]
+        lines += [_markdown_figure(f) for f in section.figures] + [""]
     if missing:
         lines += ["## Not yet available", "", *[f"- {text}" for text in missing], ""]
     (folder / "report.md").write_text("\n".join(lines), encoding="utf-8")
+    (folder / "report.html").write_text(
+        _html_report(intro, sections, overview if accuracies else [], missing), encoding="utf-8"
+    )
     summary = {
         "seconds": round(seconds, 2),
         "quick": quick,
+        "threads": torch.get_num_threads(),
+        "accuracies": {f"{t}: {n}": v for t, n, v in accuracies},
         "sections": {s.title: s.summary for s in sections},
+        "unavailable": {s.title: s.unavailable for s in sections if s.unavailable},
         "not_yet_available": missing,
     }
     (folder / REPORT_MARKER).write_text(json.dumps(summary, indent=2), encoding="utf-8")
+
+
+# --- HTML ----------------------------------------------------------------------------------------
+
+_STYLE = """
+body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; max-width: 1100px;
+  margin: 2em auto; padding: 0 1em; line-height: 1.5; color: #1d1d1f; }
+h1 { border-bottom: 2px solid #ddd; padding-bottom: .2em; }
+h2 { margin-top: 2em; border-bottom: 1px solid #eee; padding-bottom: .2em; }
+table { border-collapse: collapse; margin: 1em 0; font-size: .92em; }
+th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: left; }
+th { background: #f4f4f6; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+figure { margin: 1em 0; }
+figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #666; font-size: .85em; }
+pre { background: #f6f8fa; padding: .8em; overflow-x: auto; font-size: .85em; }
+code { background: #f6f8fa; padding: 0 .2em; }
+nav ol { columns: 2; }
+.unavailable { background: #fff4e5; border-left: 4px solid #f0a030; padding: .5em 1em; }
+"""
+
+
+def _slug(text: str, used: set[str]) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "section"
+    candidate, n = slug, 1
+    while candidate in used:
+        n += 1
+        candidate = f"{slug}-{n}"
+    used.add(candidate)
+    return candidate
+
+
+def _inline(text: str) -> str:
+    """Escape, then render `code` and **bold** spans."""
+    parts = re.split(r"(`[^`]+`)", text)
+    out = []
+    for part in parts:
+        if part.startswith("`") and part.endswith("`") and len(part) > 1:
+            out.append(f"<code>{html.escape(part[1:-1])}</code>")
+        else:
+            escaped = html.escape(part)
+            out.append(re.sub(r"\*\*(.+?)\*\*", r"<strong>\1</strong>", escaped))
+    return "".join(out)
+
+
+_NUMBER = re.compile(r"^[−+-]?[\d.,]+(e[−+-]?\d+)?\s*%?$|^1−\S+$")
+
+
+def _table(rows: list[str]) -> str:
+    cells = [[c.strip() for c in row.strip().strip("|").split("|")] for row in rows]
+    header, body = cells[0], [r for r in cells[1:] if not all(set(c) <= set("-: ") for c in r)]
+    out = ["<table>", "<thead><tr>" + "".join(f"<th>{_inline(c)}</th>" for c in header) + "</tr>"]
+    out.append("</thead><tbody>")
+    for row in body:
+        tds = "".join(
+            f'<td class="num">{_inline(c)}</td>' if _NUMBER.match(c) else f"<td>{_inline(c)}</td>"
+            for c in row
+        )
+        out.append(f"<tr>{tds}</tr>")
+    out.append("</tbody></table>")
+    return "\n".join(out)
+
+
+def markdown_to_html(lines: list[str]) -> str:
+    """The report's small markdown subset (paragraphs, lists, tables, code blocks) as HTML."""
+    out: list[str] = []
+    paragraph: list[str] = []
+    index = 0
+
+    def flush() -> None:
+        if paragraph:
+            out.append(f"<p>{_inline(' '.join(paragraph))}</p>")
+            paragraph.clear()
+
+    while index < len(lines):
+        line = lines[index]
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            flush()
+            block = []
+            index += 1
+            while index < len(lines) and not lines[index].strip().startswith("```"):
+                block.append(lines[index])
+                index += 1
+            out.append(f"<pre>{html.escape(chr(10).join(block))}</pre>")
+        elif stripped.startswith("|"):
+            flush()
+            rows = []
+            while index < len(lines) and lines[index].strip().startswith("|"):
+                rows.append(lines[index])
+                index += 1
+            out.append(_table(rows))
+            continue
+        elif stripped.startswith("- "):
+            flush()
+            items = []
+            while index < len(lines) and lines[index].strip().startswith("- "):
+                items.append(f"<li>{_inline(lines[index].strip()[2:])}</li>")
+                index += 1
+            out.append("<ul>" + "".join(items) + "</ul>")
+            continue
+        elif stripped.startswith("### "):
+            flush()
+            out.append(f"<h3>{_inline(stripped[4:])}</h3>")
+        elif not stripped:
+            flush()
+        else:
+            paragraph.append(stripped)
+        index += 1
+    flush()
+    return "\n".join(out)
+
+
+def _figure(path: str) -> str:
+    caption = html.escape(Path(path).stem.replace("_", " "))
+    source = html.escape(path, quote=True)
+    return (
+        f'<figure><a href="{source}"><img src="{source}" alt="{caption}"></a>'
+        f"<figcaption>{caption}</figcaption></figure>"
+    )
+
+
+def _html_report(
+    intro: str, sections: list[DemoSection], overview: list[str], missing: list[str]
+) -> str:
+    used: set[str] = set()
+    blocks, toc = [], []
+    if overview:
+        anchor = _slug("Model accuracies", used)
+        toc.append(f'<li><a href="#{anchor}">Model accuracies</a></li>')
+        blocks.append(f'<h2 id="{anchor}">Model accuracies</h2>\n{_table(overview)}')
+    for section in sections:
+        anchor = _slug(section.title, used)
+        title = html.escape(section.title)
+        toc.append(f'<li><a href="#{anchor}">{title}</a></li>')
+        parts = [f'<section><h2 id="{anchor}">{title}</h2>', markdown_to_html(section.lines)]
+        if section.unavailable:
+            text = _inline(section.unavailable)
+            parts.append(f'<p class="unavailable">Not available here: {text}</p>')
+        parts += [_figure(f) for f in section.figures]
+        parts.append("</section>")
+        blocks.append("\n".join(parts))
+    if missing:
+        anchor = _slug("Not yet available", used)
+        toc.append(f'<li><a href="#{anchor}">Not yet available</a></li>')
+        items = "".join(f"<li>{html.escape(m)}</li>" for m in missing)
+        blocks.append(f'<h2 id="{anchor}">Not yet available</h2><ul>{items}</ul>')
+    return "\n".join(
+        [
+            "<!DOCTYPE html>",
+            '<html lang="en"><head><meta charset="utf-8">',
+            '<meta name="viewport" content="width=device-width, initial-scale=1">',
+            f"<title>explain demo</title><style>{_STYLE}</style></head><body>",
+            "<h1>explain demo</h1>",
+            f"<p>{html.escape(intro)} Red marks evidence for the explained class, blue evidence "
+            "against it. Every picture is a file in this folder.</p>",
+            f"<nav><ol>{''.join(toc)}</ol></nav>",
+            *blocks,
+            "</body></html>",
+            "",
+        ]
+    )

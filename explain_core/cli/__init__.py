@@ -13,11 +13,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from explain_core.cli import attribute, demo, evaluate, export, parse_tree, plugins
+from explain_core.cli import attribute, check, demo, evaluate, export, parse_tree, plugins
 from explain_core.errors import ExplainError
 
 PROGRAM = "explain"
-COMMANDS = (plugins, demo, attribute, evaluate, parse_tree, export)
+COMMANDS = (plugins, demo, attribute, check, evaluate, parse_tree, export)
 
 
 class _Parser(argparse.ArgumentParser):

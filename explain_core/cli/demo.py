@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from explain_core.errors import InvalidInputError
+
 
 def add_parser(subparsers: Any) -> None:
     """Register the subcommand."""
@@ -13,28 +15,72 @@ def add_parser(subparsers: Any) -> None:
         "demo",
         help="run every available section on bundled data and write a report folder",
         description="Run the demo on bundled digits: each installed plugin contributes "
-        "sections. The folder is written only when everything succeeded; sections not yet "
-        "available are listed in the report.",
+        "sections. The folder (report.html with its pictures, report.md, summary.json) is "
+        "written only when everything succeeded; sections not available are listed in the "
+        "report. Trained models are cached, so a second run is fast.",
     )
     parser.add_argument(
         "--out", type=Path, default=Path("demo-output"), help="output folder (default: %(default)s)"
     )
     parser.add_argument("--quick", action="store_true", help="small, fast settings")
     parser.add_argument("--seed", type=int, default=0, help="seed of all randomness")
+    parser.add_argument(
+        "--cache",
+        type=Path,
+        help="folder of cached trained models (default: $EXPLAIN_CACHE_DIR, else "
+        "$XDG_CACHE_HOME/explain-torch/demo, else ~/.cache/explain-torch/demo)",
+    )
+    parser.add_argument(
+        "--no-cache", action="store_true", help="train every model afresh, cache nothing"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default: %(default)s; the demo's models are small, and more "
+        "threads mostly add overhead on a busy machine)",
+    )
     parser.set_defaults(run=run)
+
+
+def collect_steps() -> list[Any]:
+    """The core's data step, every plugin's steps and the ONNX exporter's step, in order."""
+    from explain_core.data.showcase import BundledDataStep
+    from explain_core.plugin_manager import get_plugin_manager
+
+    steps = [BundledDataStep(), *get_plugin_manager().demo_steps()]
+    try:  # the exporter is a package beside the plugins, not a plugin
+        from explain_onnx.demo import OnnxDemoStep
+    except ImportError:
+        pass
+    else:
+        step = OnnxDemoStep()
+        step.plugin = "explain_onnx"
+        steps.append(step)
+    return sorted(steps, key=lambda step: (step.order, step.title))
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo and print where the report went."""
-    from explain_core.data.showcase import BundledDataStep
-    from explain_core.demo import run_demo
-    from explain_core.plugin_manager import get_plugin_manager
+    import torch
 
-    steps = [BundledDataStep(), *get_plugin_manager().demo_steps()]
-    result = run_demo(args.out, steps, quick=args.quick, seed=args.seed)
+    from explain_core.demo import default_cache_dir, run_demo
+
+    if args.threads < 1:
+        raise InvalidInputError(f"--threads must be at least 1; got {args.threads}")
+    if args.cache is not None and args.no_cache:
+        raise InvalidInputError("give --cache or --no-cache, not both")
+    cache = None if args.no_cache else (args.cache or default_cache_dir())
+    previous = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        steps = collect_steps()
+        result = run_demo(args.out, steps, quick=args.quick, seed=args.seed, cache_dir=cache)
+    finally:  # main() may run inside another program (tests): leave it as it was
+        torch.set_num_threads(previous)
     print(
-        f"wrote {result.out_dir / 'report.md'} ({len(result.sections)} sections, "
-        f"{result.seconds:.1f} s)"
+        f"wrote {result.out_dir / 'report.md'} and {result.out_dir / 'report.html'} (open it "
+        f"in a browser; {len(result.sections)} sections, {result.seconds:.1f} s)"
     )
     if result.missing:
         print("not yet available: " + "; ".join(result.missing))

@@ -84,3 +84,11 @@ def explain_register_methods() -> list[MethodSpec]:
             "over capsule types, upsampled bilinearly (Eq. 16)",
         )
     ]
+
+
+@hookimpl
+def explain_demo_steps() -> list[object]:
+    """The capsule and parse-tree sections of ``explain demo``."""
+    from explain_capsules.demo import CapsulesREMDemoStep, ParseTreesDemoStep
+
+    return [CapsulesREMDemoStep(), ParseTreesDemoStep()]

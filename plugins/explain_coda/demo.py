@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from explain_coda.contributions import coda_contributions
 from explain_coda.model import CoDANet, encode_input
 from explain_coda.training import TrainConfig, accuracy, train_coda
@@ -23,10 +21,13 @@ class CoDADemoStep(DemoStep):
         digits = context.digits()
         train, test = encode_input(digits.train_images), encode_input(digits.test_images)
         temperature = 8.0
-        torch.manual_seed(context.seed)
-        model = CoDANet.from_preset("digits", temperature=temperature)
         config = TrainConfig(epochs=2 if context.quick else 8, seed=context.seed)
-        train_coda(model, train, digits.train_labels, config)
+        model, _, _ = context.cached_model(
+            "coda-digits",
+            {"preset": "digits", "temperature": temperature, "config": repr(config)},
+            lambda: CoDANet.from_preset("digits", temperature=temperature),
+            lambda m: train_coda(m, train, digits.train_labels, config),
+        )
         test_accuracy = accuracy(model, test, digits.test_labels)
         context.artefacts["coda_model"] = model
 

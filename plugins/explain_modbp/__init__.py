@@ -96,3 +96,11 @@ def method_specs() -> list[MethodSpec]:
 def explain_register_methods() -> list[MethodSpec]:
     """The modified-backpropagation family."""
     return method_specs()
+
+
+@hookimpl
+def explain_demo_steps() -> list[object]:
+    """The modified-backpropagation section of ``explain demo``."""
+    from explain_modbp.demo import ModifiedBackpropDemoStep
+
+    return [ModifiedBackpropDemoStep()]

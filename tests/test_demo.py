@@ -1,0 +1,281 @@
+"""``explain demo``: the HTML report folder, its numbers, the model cache and bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import warnings
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from explain_core.cli import main
+from explain_core.demo import PLANNED_SECTIONS, DemoContext, markdown_to_html
+
+EXPLAIN = Path(sys.executable).parent / "explain"
+
+
+class _Links(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[str] = []
+        self.headings: list[str] = []
+        self._in_h2 = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        for name, value in attrs:
+            if name in ("src", "href") and value:
+                self.links.append(value)
+        self._in_h2 = tag == "h2"
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in_h2 = False
+
+    def handle_data(self, data: str) -> None:
+        if self._in_h2:
+            self.headings.append(data.strip())
+
+
+@pytest.fixture(scope="module")
+def quick_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
+    """One ``explain demo --quick`` run (with its own model cache) for the whole module."""
+    root = tmp_path_factory.mktemp("demo")
+    out = root / "report"
+    result = subprocess.run(
+        [str(EXPLAIN), "demo", "--quick", "--out", str(out), "--cache", str(root / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    return out, result.stdout, summary
+
+
+def test_html_report_references_only_files_in_the_folder(quick_demo) -> None:
+    out, stdout, _ = quick_demo
+    assert f"{out / 'report.html'}" in stdout
+    parser = _Links()
+    parser.feed((out / "report.html").read_text(encoding="utf-8"))
+    files = [link for link in parser.links if not link.startswith("#")]
+    assert files, "the report shows no pictures"
+    for link in files:
+        assert "://" not in link and not link.startswith("/"), link  # self-contained
+        assert (out / link).is_file(), link
+    assert any(link.endswith(".png") for link in files)
+    assert any(link.endswith(".svg") for link in files)  # parse trees (dot is installed)
+    anchors = {link[1:] for link in parser.links if link.startswith("#")}
+    html = (out / "report.html").read_text(encoding="utf-8")
+    for anchor in anchors:
+        assert f'id="{anchor}"' in html
+
+
+def test_every_section_is_in_both_reports(quick_demo) -> None:
+    out, _, summary = quick_demo
+    html = (out / "report.html").read_text(encoding="utf-8")
+    markdown = (out / "report.md").read_text(encoding="utf-8")
+    parser = _Links()
+    parser.feed(html)
+    for title in summary["sections"]:
+        assert title in parser.headings, title
+        assert f"## {title}" in markdown
+    assert "Model accuracies" in parser.headings
+    for needed in ("LRP", "REM", "Parse trees", "ONNX", "CoDA"):
+        assert any(needed in title for title in summary["sections"]), needed
+
+
+def test_nothing_is_listed_as_missing(quick_demo) -> None:
+    _, _, summary = quick_demo
+    assert len(PLANNED_SECTIONS) == 5
+    assert summary["not_yet_available"] == []
+    assert summary["unavailable"] == {}
+    assert summary["quick"] is True and summary["threads"] == 1
+
+
+def _section(summary: dict, word: str) -> dict:
+    (title,) = [t for t in summary["sections"] if word in t]
+    return summary["sections"][title]
+
+
+def test_summary_numbers_are_sane(quick_demo) -> None:
+    _, _, summary = quick_demo
+    assert 0 < summary["seconds"] < 300
+    assert summary["accuracies"]
+    for name, value in summary["accuracies"].items():
+        assert 0.1 <= value <= 1.0, name  # quick runs train briefly, but above chance
+    cards = _section(summary, "LRP")["cards"]
+    assert len(cards) >= 5
+    for name, card in cards.items():
+        for key in ("random_logit_ssim", "randomisation_ssim_top", "randomisation_ssim_all"):
+            assert -1.0 <= card[key] <= 1.0, (name, key)
+        assert 0.0 <= card["csc_first_layer"] <= 1.0, name
+        assert card["first_layer"] == "conv1"
+    assert cards["DeepLIFT Rescale"]["completeness"] < 1e-4  # DeepLIFT is complete
+    assert cards["Gradient"]["completeness"] == "not defined"
+    models = _section(summary, "Capsules and REM")["models"]
+    assert models["CapsNet+Q"]["sparsity"] == 0.0
+    assert 0.75 <= models["CapsNet+REM"]["sparsity"] <= 0.85
+    for row in models.values():
+        assert len(row["keys_per_class"]) == 10 and row["mean_entropy_bits"] >= 0
+    trees = _section(summary, "Parse trees")
+    assert trees["pictures"] >= 2 and trees["dot_missing"] is False
+    onnx = _section(summary, "ONNX")["models"]
+    assert onnx, "nothing exported"
+    for row in onnx.values():
+        assert row["parity_passed"] is True
+        assert row["torch_ms"] > 0 and row["onnxruntime_ms"] > 0
+
+
+# --- the model cache ----------------------------------------------------------------------------
+
+
+def _counting_trainer(calls: list[int]):
+    def train(model: nn.Module) -> dict:
+        calls.append(1)
+        with torch.no_grad():
+            model.weight.fill_(float(len(calls)))
+        return {"note": "trained"}
+
+    return train
+
+
+def test_cached_model_is_reused_only_for_the_same_settings(tmp_path: Path) -> None:
+    context = DemoContext(tmp_path / "out", cache_dir=tmp_path / "cache", log=lambda _: None)
+    calls: list[int] = []
+    train = _counting_trainer(calls)
+    model, info, cached = context.cached_model("lin", {"epochs": 1}, lambda: nn.Linear(2, 2), train)
+    assert not cached and calls == [1] and info["note"] == "trained"
+    again, info, cached = context.cached_model("lin", {"epochs": 1}, lambda: nn.Linear(2, 2), train)
+    assert cached and calls == [1] and info["note"] == "trained"
+    assert torch.equal(again.weight, model.weight) and not again.training
+    (file,) = (tmp_path / "cache").glob("lin-*.safetensors")  # safetensors, nothing pickled
+    # Other settings, another seed or quick flag: trained afresh, the old file is kept.
+    context.cached_model("lin", {"epochs": 2}, lambda: nn.Linear(2, 2), train)
+    DemoContext(tmp_path, seed=1, cache_dir=tmp_path / "cache").cached_model(
+        "lin", {"epochs": 1}, lambda: nn.Linear(2, 2), train
+    )
+    assert calls == [1, 1, 1]
+    assert len(list((tmp_path / "cache").glob("lin-*.safetensors"))) == 3
+    # A corrupt file is trained over, with a warning.
+    file.write_bytes(b"not a safetensors file")
+    with pytest.warns(UserWarning, match="unreadable cached model"):
+        _, _, cached = context.cached_model("lin", {"epochs": 1}, lambda: nn.Linear(2, 2), train)
+    assert not cached and len(calls) == 4
+
+
+def test_no_cache_dir_always_trains(tmp_path: Path) -> None:
+    context = DemoContext(tmp_path, cache_dir=None, log=lambda _: None)
+    calls: list[int] = []
+    for _ in range(2):
+        context.cached_model("lin", {}, lambda: nn.Linear(2, 2), _counting_trainer(calls))
+    assert calls == [1, 1] and not list(tmp_path.iterdir())
+
+
+def test_unwritable_cache_only_warns(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the cache folder should be")
+    context = DemoContext(tmp_path, cache_dir=blocker / "cache", log=lambda _: None)
+    with pytest.warns(UserWarning, match="could not cache"):
+        model, _, cached = context.cached_model(
+            "lin", {}, lambda: nn.Linear(2, 2), _counting_trainer([])
+        )
+    assert not cached and isinstance(model, nn.Linear)
+
+
+# --- HTML rendering and bad input ---------------------------------------------------------------
+
+
+def test_markdown_subset_to_html() -> None:
+    lines = ["Some *text* with `code` and <tags>.", "", "| a | b |", "| --- | --- |"]
+    lines += ["| x | 0.5 |", "", "- one", "- two", "", "```", "tree <x>", "```"]
+    html = markdown_to_html(lines)
+    assert "<code>code</code>" in html and "&lt;tags&gt;" in html
+    assert "<th>a</th>" in html and '<td class="num">0.5</td>' in html
+    assert "<li>one</li><li>two</li>" in html
+    assert "<pre>tree &lt;x&gt;</pre>" in html
+
+
+@pytest.fixture
+def _restore_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+
+
+@pytest.mark.parametrize(
+    ("extra", "keywords"),
+    [
+        (["--threads", "0"], ("--threads",)),
+        (["--no-cache", "--cache", "somewhere"], ("--cache", "--no-cache")),
+    ],
+)
+def test_bad_options_are_one_line(
+    extra: list[str], keywords: tuple[str, ...], tmp_path: Path, capsys, _restore_warnings
+) -> None:
+    code = main(["demo", "--quick", "--out", str(tmp_path / "out"), *extra])
+    out, err = capsys.readouterr()
+    assert code == 1 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("explain: error:"), err
+    assert all(k in err for k in keywords), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unwritable_output_folder_is_one_line(tmp_path: Path, capsys, _restore_warnings) -> None:
+    blocker = tmp_path / "afile"
+    blocker.write_text("a file, not a folder")
+    code = main(["demo", "--quick", "--no-cache", "--out", str(blocker / "report")])
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert len(err.splitlines()) == 1 and "cannot write the output folder" in err, err
+    assert re.search(r"afile", err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+# --- steps that cannot run here say so ----------------------------------------------------------
+
+
+def test_onnx_step_without_onnxruntime_is_listed_as_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.util
+
+    from explain_core.demo import run_demo
+    from explain_onnx.demo import OnnxDemoStep
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "onnxruntime" else real(name)
+    )
+    result = run_demo(tmp_path / "out", [OnnxDemoStep()], quick=True, log=lambda _: None)
+    (section,) = result.sections
+    assert "onnxruntime not installed" in section.unavailable
+    assert "pip install 'explain-torch[onnx]'" in section.unavailable
+    assert PLANNED_SECTIONS["onnx"] in result.missing
+    html = (tmp_path / "out" / "report.html").read_text(encoding="utf-8")
+    assert "Not available here: onnxruntime not installed" in html
+    assert PLANNED_SECTIONS["onnx"] in html
+
+
+def test_parse_tree_step_without_dot_gives_text_trees(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("networkx")
+    pytest.importorskip("graphviz")
+    from explain_capsules import MultiLayerCapsNet
+    from explain_capsules.demo import TITLES, ParseTreesDemoStep
+
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no dot program anywhere
+    context = DemoContext(tmp_path, quick=True, log=lambda _: None)
+    torch.manual_seed(0)
+    models = {t: MultiLayerCapsNet(in_features=(1, 8, 8)).eval() for t in TITLES}
+    context.artefacts["capsule_models"] = models
+    section = ParseTreesDemoStep().run(context)
+    assert section.unavailable is None and section.figures == []
+    assert section.summary["dot_missing"] is True
+    text = "\n".join(section.lines)
+    assert "```" in text and "L1:" in text  # the trees as text
+    assert list((tmp_path / "parse_trees").glob("*.gv"))  # and the sources
