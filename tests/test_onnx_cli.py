@@ -104,7 +104,7 @@ def test_export_explained_coda_end_to_end(project, capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--explain", "lrp.epsilon"], "method 'lrp.epsilon' cannot be exported"),
+        (["--explain", "lrp.contrastive"], "method 'lrp.contrastive' cannot be exported"),
         (["--option", "levels=3"], "--option and --target-input need --explain"),
         (["--opset", "3"], "--opset must be 7 or higher"),
         (["--out", "."], "is a folder"),

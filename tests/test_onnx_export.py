@@ -195,3 +195,16 @@ def test_input_x_gradient_through_strided_grouped_transposed_and_average_pooling
     model.eval()
     result = export_onnx(model, x, tmp_path / "odd.onnx", explain="input_x_gradient")
     assert result.parity.explanation_max_rel <= 1e-3
+
+
+def test_coda_export_runs_the_factorised_form(coda):
+    """The QR basis is baked in at export: factorised layers where eager uses them."""
+    from explain_onnx.adapters import CoDAGraph, FactorisedDAU
+
+    model, x, _ = coda
+    graph = CoDAGraph(model)
+    forms = [isinstance(layer, FactorisedDAU) for layer in graph.layers]
+    assert forms == [layer.effective_form == "factorised" for layer in model.layers]
+    assert any(forms)
+    with torch.no_grad():
+        assert (graph(x) - model(x)).abs().max() <= 1e-5

@@ -34,20 +34,102 @@ def exportable(model: nn.Module) -> nn.Module:
     return adapter(model) if adapter is not None else model
 
 
+class FactorisedDAU(nn.Module):
+    """A ``DAUConv2d``'s factorised forward with its QR basis baked in as a constant.
+
+    The eager layer's factorised form (the module docstring of :mod:`explain_coda.layers`)
+    computes ``‖w_j‖² = ‖Q_jᵀA'_j z'‖²`` with ``Q_j`` from a QR factorisation of the weights
+    ``A'_j`` — a constant per weight, but ONNX has no QR operator. ``Q_jᵀA'_j`` (and the
+    numerator's kernel ``A'_jᵀ``) depend only on the weights, so they are computed here once, in
+    PyTorch, with the layer's own QR, and the graph only holds convolutions:
+
+    - numerator ``w_jᵀp = z'ᵀ(A'_jᵀp)``: one ``k × k`` convolution of ``x`` with
+      ``out · (rank + 1)`` channels, contracted with ``z' = [Bx; 1]``;
+    - squared norm: a ``1 × 1`` convolution of ``Bx`` with ``Q_jᵀA_j`` (bias ``Q_jᵀb_j``), squared
+      and summed over the basis.
+
+    The weights are copied at construction: build the adapter when exporting (as
+    :func:`exportable` does), not before training further.
+    """
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        from explain_coda.layers import _orthonormal_columns
+
+        self.layer = layer
+        out, rank, k = layer.out_channels, layer.rank, layer.kernel_size
+        n = rank + 1
+        with torch.no_grad():
+            a = torch.cat(
+                [
+                    layer.weightings.weight.reshape(layer.patch_dim, out, rank),
+                    layer.weightings.bias.reshape(layer.patch_dim, out, 1),
+                ],
+                2,
+            ).permute(1, 0, 2)  # (out, patch_dim, n): A'_j, as the layer builds it
+            coords = _orthonormal_columns(a).transpose(1, 2) @ a  # (out, m, n) = Q_jᵀA'_j
+            m = coords.shape[1]
+            kernel = a.transpose(1, 2).reshape(out * n, layer.in_channels, k, k)
+            norm_kernel = coords.reshape(out * m, n)
+        self.register_buffer("numerator_kernel", kernel.contiguous())
+        self.register_buffer("norm_weight", norm_kernel[:, :rank, None, None].contiguous())
+        self.register_buffer("norm_bias", norm_kernel[:, rank].contiguous())
+        self.out, self.n, self.m = out, n, m
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``(batch, in, H, W) → (batch, out, h, w)``, the layer's output values."""
+        import torch.nn.functional as F
+
+        from explain_coda.nonlinearity import scale_from_squared_norm
+
+        layer = self.layer
+        reduced = layer.dim_reduction(layer.weight_input(x))  # Bx: (B, rank, h, w)
+        batch, rank, h, w = reduced.shape
+        projected = F.conv2d(
+            x, self.numerator_kernel, stride=layer.stride, padding=layer.padding
+        ).view(batch, self.out, self.n, h, w)
+        # z'ᵀ(A'_jᵀp) with z' = [Bx; 1]: the last channel of each DAU is the bias term.
+        numerator = (projected[:, :, :rank] * reduced[:, None]).sum(2) + projected[:, :, rank]
+        rotated = F.conv2d(reduced, self.norm_weight, self.norm_bias)  # Q_jᵀw_j: (B, out·m, h, w)
+        squared_norm = rotated.view(batch, self.out, self.m, h, w).square().sum(2)
+        return numerator * scale_from_squared_norm(squared_norm, layer.nonlinearity)
+
+
+def export_form(layer: nn.Module) -> nn.Module:
+    """The exported form of one CoDA layer: the form the eager layer uses, QR baked in.
+
+    ``DAUConv2d`` layers whose eager forward is factorised get :class:`FactorisedDAU`; others
+    (``form="direct"``, or ``"auto"`` where the direct form is cheaper) export as they are.
+    """
+    try:
+        from explain_coda import DAUConv2d
+    except ImportError:  # pragma: no cover
+        return layer
+    factorised = isinstance(layer, DAUConv2d) and (
+        layer.form == "factorised" or (layer.form == "auto" and layer.patch_dim > layer.rank + 1)
+    )
+    return FactorisedDAU(layer) if factorised else layer
+
+
 class CoDAGraph(nn.Module):
     """``CoDANet.forward`` without its NaN check: ``T⁻¹·Σ_{h,w} layers(x) + b₀``.
 
-    ``DAUConv2d`` computes Algorithm 1's direct form while exporting (ONNX has no QR).
+    ``DAUConv2d`` layers run the form their eager forward uses: factorised, with the QR basis
+    computed once here (:class:`FactorisedDAU`), or Algorithm 1's direct form.
     """
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+        self.layers = nn.ModuleList(export_form(layer) for layer in model.layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Logits ``(batch, classes)`` of encoded inputs."""
         model = self.model
-        return model.layers(x).sum(dim=(2, 3)) / model.temperature + model.logit_bias
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+        return h.sum(dim=(2, 3)) / model.temperature + model.logit_bias
 
 
 def route(layer: nn.Module, votes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,11 +16,15 @@ Built in:
   ``levels`` (``K``-level quantised couplings), routing unrolled.
 - ``input_x_gradient``: Input×Gradient for plain CNNs and other models of standard layers, the
   gradient function traced first (:mod:`explain_onnx.gradtrace`).
+- The modified-backprop plugin's one-composite methods — ``lrp.epsilon_plus`` (ε+z⁺),
+  ``lrp.zplus``, ``lrp.epsilon``, ``lrp.z``, ``lrp.alpha_beta``, ``lrp.alpha2beta1``,
+  ``lrp.gamma``, ``lrp.w2``, ``lrp.flat``, ``lrp.cmp``, ``excitation_bp``,
+  ``excitation_bp.contrastive`` (with their options, e.g. ``epsilon=0.25``): the engine's own
+  rules, attached by its hooks, with the whole attribution traced (:mod:`explain_onnx.lrp`).
 
-Extension point: a plugin adds methods (e.g. the LRP composites of the modified-backprop plugin)
-with :func:`register_explainer`, or lazily through an entry point in the group
-``explain_onnx.explainers`` naming a callable that returns a list of :class:`ExplainerSpec`. For
-rules that act on the gradient, ``build`` can call
+Extension point: a plugin adds methods with :func:`register_explainer`, or lazily through an
+entry point in the group ``explain_onnx.explainers`` naming a callable that returns a list of
+:class:`ExplainerSpec`. For rules that act on the gradient, ``build`` can call
 :func:`explain_onnx.gradtrace.input_gradient_graph` while the composite's hooks are attached:
 the gradient is traced as it is computed, so hooks that rewrite it (checked for forward hooks of
 the form ``z.detach() + (r - r.detach())``) end up in the graph; backward operators without an
@@ -284,6 +288,41 @@ def _reference_input_x_gradient(
     return result.output, result.attribution
 
 
+# --- LRP composites (modified backprop) -----------------------------------------------------
+
+
+def _lrp_spec(name: str, summary: str) -> ExplainerSpec:
+    def build(
+        model: nn.Module, example: torch.Tensor, target_input: bool, **options: Any
+    ) -> nn.Module:
+        from explain_onnx.lrp import lrp_graph
+
+        return lrp_graph(model, name, example, target_input=target_input, **options)
+
+    def reference(
+        model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, **options: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        from explain_core.api import explain
+
+        result = explain(model, x, name, target, **options)
+        return result.output, result.attribution
+
+    return ExplainerSpec(name, build, reference, f"{summary} (engine's rules, traced)")
+
+
+def lrp_explainers() -> list[ExplainerSpec]:
+    """The exportable methods of the modified-backprop plugin (none without the plugin)."""
+    try:
+        from explain_onnx.lrp import composite_methods
+    except ImportError:  # pragma: no cover - the plugin ships with the package
+        return []
+    try:
+        methods = composite_methods()
+    except ImportError:  # pragma: no cover
+        return []
+    return [_lrp_spec(name, spec.summary) for name, spec in methods.items()]
+
+
 def _no_options(method: str, options: dict[str, Any]) -> None:
     if options:
         raise InvalidInputError(
@@ -318,7 +357,7 @@ def _load() -> None:
     if _LOADED:
         return
     _LOADED = True
-    for spec in BUILTIN_EXPLAINERS:
+    for spec in (*BUILTIN_EXPLAINERS, *lrp_explainers()):
         _EXPLAINERS.setdefault(spec.name, spec)
     for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:

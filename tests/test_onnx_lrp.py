@@ -1,0 +1,157 @@
+"""Explained ONNX export of the LRP composites (ε+z⁺, z⁺, …) for CNNs: parity with ``explain``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+for _module in ("onnx", "onnxscript", "onnxruntime"):
+    pytest.importorskip(_module, reason="the onnx extra is not installed")
+
+import onnx  # noqa: E402
+
+from explain_core import explain  # noqa: E402
+from explain_core.errors import InvalidInputError  # noqa: E402
+from explain_onnx import OnnxSession, available_explainers, export_onnx  # noqa: E402
+from explain_onnx.parity import relative_difference  # noqa: E402
+
+STANDARD_DOMAINS = {"", "ai.onnx"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def vgg_bn() -> nn.Module:
+    """A small VGG-style CNN: conv-BN-ReLU blocks, max and average pooling, dense head."""
+    torch.manual_seed(2)
+    layers: list[nn.Module] = []
+    channels = 3
+    for width in (8, 16):
+        layers += [
+            nn.Conv2d(channels, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        ]
+        channels = width
+    layers += [
+        nn.AvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(16 * 2 * 2, 32),
+        nn.ReLU(),
+        nn.Dropout(),
+        nn.Linear(32, 10),
+    ]
+    model = nn.Sequential(*layers).eval()
+    for module in model:
+        if isinstance(module, nn.BatchNorm2d):  # trained-looking statistics
+            module.running_mean.normal_(0, 0.2)
+            module.running_var.uniform_(0.5, 2.0)
+            module.weight.data.uniform_(0.5, 1.5)
+            module.bias.data.normal_(0, 0.1)
+    return model
+
+
+def small_cnn() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 4 * 4, 10),
+    ).eval()
+
+
+def assert_standard_and_valid(path) -> None:
+    model = onnx.load(str(path))
+    onnx.checker.check_model(model, full_check=True)
+    domains = {node.domain for node in model.graph.node}
+    assert domains <= STANDARD_DOMAINS, domains
+    assert not model.functions or {f.domain for f in model.functions} <= STANDARD_DOMAINS
+
+
+def assert_maps_close(actual: np.ndarray, expected: torch.Tensor) -> None:
+    assert relative_difference(actual, expected.numpy()) <= 1e-3
+
+
+def test_lrp_methods_are_exportable():
+    names = set(available_explainers())
+    assert {"lrp.epsilon_plus", "lrp.zplus", "lrp.epsilon", "excitation_bp"} <= names
+    assert "lrp.zb" not in names and "lrp.contrastive" not in names
+
+
+def test_vgg_bn_epsilon_plus_with_target_input(tmp_path):
+    model = vgg_bn()
+    torch.manual_seed(3)
+    x = torch.rand(6, 3, 16, 16)
+    path = tmp_path / "vgg.onnx"
+    result = export_onnx(model, x[:4], path, explain="lrp.epsilon_plus", target_input=True)
+    assert result.input_names == ["input", "target"]
+    assert result.parity is not None and result.parity.passed
+    assert result.parity.explanation_max_rel is not None
+    assert_standard_and_valid(path)
+
+    session = OnnxSession(path)
+    held_back = torch.rand(5, 3, 16, 16)  # a batch size never traced or checked
+    target = torch.tensor([0, 3, 9, 3, 7])
+    logits, relevance = session.run(held_back, target)
+    reference = explain(model, held_back, "lrp.epsilon_plus", target)
+    assert np.abs(logits - reference.output.numpy()).max() <= 1e-4
+    assert relevance.shape == (5, 3, 16, 16)
+    assert_maps_close(relevance, reference.attribution)
+    # the target input matters: another class gives another map
+    _, other = session.run(held_back, (target + 1) % 10)
+    assert np.abs(other - relevance).max() > 1e-3 * np.abs(relevance).max()
+
+
+def test_small_cnn_zplus_predicted_class_signed_inputs(tmp_path):
+    """Inputs of both signs: the input layer takes z⁺'s signed form in the graph."""
+    model = small_cnn()
+    torch.manual_seed(4)
+    x = torch.randn(4, 1, 8, 8)
+    path = tmp_path / "cnn.onnx"
+    result = export_onnx(model, x, path, explain="lrp.zplus")
+    assert result.input_names == ["input"] and result.parity is not None and result.parity.passed
+    assert_standard_and_valid(path)
+
+    held_back = torch.randn(7, 1, 8, 8)
+    logits, relevance = OnnxSession(path).run(held_back)
+    reference = explain(model, held_back, "lrp.zplus")
+    assert np.abs(logits - reference.output.numpy()).max() <= 1e-4
+    assert_maps_close(relevance, reference.attribution)
+    # and non-negative inputs, where the eager rule takes its other branch
+    positive = held_back.abs()
+    _, relevance = OnnxSession(path).run(positive)
+    assert_maps_close(relevance, explain(model, positive, "lrp.zplus").attribution)
+
+
+def test_method_options_and_refusals(tmp_path):
+    model = small_cnn()
+    x = torch.rand(3, 1, 8, 8)
+    result = export_onnx(model, x, tmp_path / "e.onnx", explain="lrp.epsilon", epsilon=0.25)
+    assert result.parity is not None and result.parity.passed
+    with pytest.raises(InvalidInputError):
+        export_onnx(model, x, tmp_path / "bad.onnx", explain="lrp.epsilon", steps=3)
+    with pytest.raises(InvalidInputError, match="cannot be exported"):
+        export_onnx(model, x, tmp_path / "zb.onnx", explain="lrp.zb")
+    with pytest.raises(InvalidInputError, match=r"'1' \(Sigmoid\)"):  # the engine's own check
+        export_onnx(
+            nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 2)).eval(),
+            torch.rand(2, 8),
+            tmp_path / "s.onnx",
+            explain="lrp.epsilon_plus",
+        )
+    assert not (tmp_path / "bad.onnx").exists() and not (tmp_path / "s.onnx").exists()
