@@ -218,17 +218,9 @@ RESHAPE_OPS = frozenset(
         "type_as",
     ]
 )
-LINEAR_OPS = RESHAPE_OPS | frozenset(
+# Selection, combination and averaging: linear, and non-negative on non-negative inputs.
+_GATHER_OPS = frozenset(
     [
-        "add",
-        "add_",
-        "sub",
-        "sub_",
-        "neg",
-        "mul",
-        "mul_",
-        "div",
-        "div_",
         "cat",
         "concat",
         "concatenate",
@@ -243,7 +235,10 @@ LINEAR_OPS = RESHAPE_OPS | frozenset(
         "expand_as",
         "sum",
         "mean",
-        "pad",
+    ]
+)
+AVGPOOL_OPS = frozenset(
+    [
         "avg_pool1d",
         "avg_pool2d",
         "avg_pool3d",
@@ -251,6 +246,12 @@ LINEAR_OPS = RESHAPE_OPS | frozenset(
         "adaptive_avg_pool2d",
         "adaptive_avg_pool3d",
     ]
+)
+LINEAR_OPS = (
+    RESHAPE_OPS
+    | _GATHER_OPS
+    | AVGPOOL_OPS
+    | frozenset(["add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad"])
 )
 RELU_OPS = frozenset({"relu", "relu_"})
 MAXPOOL_OPS = frozenset(
@@ -282,31 +283,8 @@ DROPOUT_OPS = frozenset(
 ADD_OPS = frozenset({"add", "add_", "sub", "sub_"})
 _PRODUCT_OPS = frozenset({"mul", "mul_", "div", "div_"})
 # Operations whose output is non-negative when all their input-dependent inputs are.
-_SIGN_PRESERVING = (RESHAPE_OPS | MAXPOOL_OPS | DROPOUT_OPS) | frozenset(
-    [
-        "add",
-        "add_",
-        "cat",
-        "concat",
-        "concatenate",
-        "stack",
-        "getitem",
-        "narrow",
-        "select",
-        "chunk",
-        "split",
-        "unbind",
-        "expand",
-        "expand_as",
-        "sum",
-        "mean",
-        "avg_pool1d",
-        "avg_pool2d",
-        "avg_pool3d",
-        "adaptive_avg_pool1d",
-        "adaptive_avg_pool2d",
-        "adaptive_avg_pool3d",
-    ]
+_SIGN_PRESERVING = (
+    RESHAPE_OPS | MAXPOOL_OPS | DROPOUT_OPS | _GATHER_OPS | AVGPOOL_OPS | frozenset(["add", "add_"])
 )
 
 
