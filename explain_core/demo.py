@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from explain_core.errors import InvalidInputError
+from explain_core.files import temporary_beside
 
 REPORT_MARKER = "summary.json"
 CACHE_FORMAT = 1
@@ -194,14 +195,9 @@ def _store_cached(
     state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
     metadata = {"settings": json.dumps(settings, default=str), "info": json.dumps(info)}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-        os.close(descriptor)
-        try:
-            save_file(state, temporary, metadata=metadata)
+        with temporary_beside(path) as temporary:
+            save_file(state, str(temporary), metadata=metadata)
             os.replace(temporary, path)
-        finally:
-            Path(temporary).unlink(missing_ok=True)
     except OSError as error:  # a read-only cache only costs time
         warnings.warn(f"could not cache the trained model in {path.parent}: {error}", stacklevel=3)
 

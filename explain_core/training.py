@@ -1,8 +1,11 @@
-"""A small, readable training loop for classifiers on tensors (used by demos and tests)."""
+"""Small, readable training loops for classifiers on tensors (used by demos, tests, plugins)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -10,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+BatchLoss = Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
 
 
 def train_classifier(
@@ -60,6 +64,106 @@ def train_classifier(
                 bar.set_postfix(loss=f"{loss.item():.3f}")
                 bar.update()
     return model.eval()
+
+
+class EpochSettings(Protocol):
+    """What :func:`train_resumable` reads from a training configuration."""
+
+    epochs: int
+    batch_size: int
+    lr: float
+    seed: int
+
+
+@dataclass
+class EpochHistory:
+    """Per-epoch mean training loss and, when an evaluation was given, its accuracy."""
+
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+
+
+History = TypeVar("History", bound=EpochHistory)
+Settings = TypeVar("Settings", bound=EpochSettings)
+
+
+def train_resumable(
+    model: nn.Module,
+    images: torch.Tensor,
+    labels: torch.Tensor,
+    config: Settings,
+    history: History,
+    *,
+    learning_rate: Callable[[int], float],
+    batch_loss: BatchLoss,
+    description: str,
+    checkpoint: Path | None,
+    load_checkpoint: Callable[
+        [Path, nn.Module, torch.optim.Optimizer, Settings], tuple[int, History]
+    ],
+    save_checkpoint: Callable[
+        [Path, nn.Module, torch.optim.Optimizer, Settings, int, History], None
+    ],
+    evaluate: Callable[[nn.Module], float] | None = None,
+    stop_after_epoch: int | None = None,
+) -> History:
+    """Train with Adam for ``config.epochs``; resume from ``checkpoint`` if that file exists.
+
+    Every random choice of epoch ``e`` comes from one generator seeded with
+    ``config.seed * 100_003 + e``: the shuffling, then whatever ``batch_loss`` draws from it. The
+    learning rate of epoch ``e`` is set to ``learning_rate(e)`` (set, not decayed in place, so a
+    resumed run gets the same rate). A run resumed from the checkpoint of epoch ``k`` therefore
+    continues exactly as the uninterrupted one would.
+
+    Args:
+        model: The model; in train mode during an epoch, in eval mode after it.
+        images: Training inputs ``(N, ...)``.
+        labels: Labels ``(N,)``.
+        config: ``epochs``, ``batch_size``, ``lr`` (Adam's initial rate) and ``seed``.
+        history: An empty history, used unless the run resumes.
+        learning_rate: The learning rate of an epoch.
+        batch_loss: ``batch_loss(images, labels, generator)``, the loss of one batch.
+        description: Label of the progress bar, e.g. ``"CoDA"``.
+        checkpoint: The checkpoint file, written after every epoch (``None``: no checkpoints).
+        load_checkpoint: ``load_checkpoint(path, model, optimizer, config)`` restores a
+            checkpoint and returns the number of finished epochs and the history so far.
+        save_checkpoint: ``save_checkpoint(path, model, optimizer, config, epochs, history)``
+            writes one.
+        evaluate: Called after every epoch with the model in eval mode; returns an accuracy.
+        stop_after_epoch: Stop after this many epochs in total (to simulate an interruption).
+
+    Returns:
+        The history of all epochs, including those before a resume.
+    """
+    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
+    start = 0
+    if checkpoint is not None and checkpoint.exists():
+        start, history = load_checkpoint(checkpoint, model, optimizer, config)
+    epochs = config.epochs
+    last = epochs if stop_after_epoch is None else min(epochs, stop_after_epoch)
+    dataset = TensorDataset(images, labels)
+    for epoch in range(start, last):
+        generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(epoch)
+        loader = DataLoader(dataset, config.batch_size, shuffle=True, generator=generator)
+        model.train()
+        total = 0.0
+        for batch_images, batch_labels in tqdm(
+            loader, desc=f"{description} epoch {epoch + 1}/{epochs}", leave=False, disable=None
+        ):
+            optimizer.zero_grad()
+            loss = batch_loss(batch_images, batch_labels, generator)
+            loss.backward()
+            optimizer.step()
+            total += loss.item() * len(batch_labels)
+        model.eval()
+        history.loss.append(total / len(dataset))
+        if evaluate is not None:
+            history.accuracy.append(evaluate(model))
+        if checkpoint is not None:
+            save_checkpoint(checkpoint, model, optimizer, config, epoch + 1, history)
+    return history
 
 
 @torch.no_grad()

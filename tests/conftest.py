@@ -1,3 +1,12 @@
+"""Fixtures and helpers shared by the tests (import the helpers with ``from conftest import``)."""
+
+from __future__ import annotations
+
+import importlib
+import uuid
+import warnings
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -6,6 +15,52 @@ import torch
 def _deterministic_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def restore_showwarning(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Undo the one-line warning printer that the CLI's ``main()`` installs, after the test."""
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Run the whole test module with one torch thread, then restore the previous count."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run ``explain argv`` in this process: exit status (usage errors too), stdout, stderr."""
+    from explain_core.cli import main
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def write_user_module(
+    folder: Path, monkeypatch: pytest.MonkeyPatch, prefix: str, source: str
+) -> str:
+    """Write ``source`` as a uniquely named module in ``folder``, a user's model module.
+
+    ``folder`` becomes the working directory and importable for the test.
+
+    Returns:
+        The module's name (``prefix`` and a random suffix).
+    """
+    name = f"{prefix}_{uuid.uuid4().hex}"
+    (folder / f"{name}.py").write_text(source)
+    monkeypatch.chdir(folder)
+    monkeypatch.syspath_prepend(str(folder))
+    importlib.invalidate_caches()
+    return name
 
 
 def state_fingerprint(model: torch.nn.Module) -> dict:

@@ -6,7 +6,6 @@ import re
 import subprocess
 import sys
 import uuid
-import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli, write_user_module
 from PIL import Image
 from safetensors.torch import save_file
 from torch import nn
@@ -28,20 +28,7 @@ EXPLAIN = Path(sys.executable).parent / "explain"
 SUBCOMMANDS = ("plugins", "demo", "attribute")
 
 
-@pytest.fixture(autouse=True)
-def _restore_showwarning(monkeypatch: pytest.MonkeyPatch) -> None:
-    # main() installs a one-line warning printer; undo it after each test.
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
+pytestmark = pytest.mark.usefixtures("restore_showwarning")
 
 
 def assert_one_line_error(err: str, prefix: str = "explain: error:") -> str:
@@ -92,15 +79,14 @@ class Project:
 
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Project:
-    module = f"tinymodels_{uuid.uuid4().hex}"
-    (tmp_path / f"{module}.py").write_text(
+    module = write_user_module(
+        tmp_path,
+        monkeypatch,
+        "tinymodels",
         "from torch import nn\n\n\n"
         "def build():\n"
-        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))\n",
     )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
     generator = torch.Generator().manual_seed(7)
     weight = torch.randn(10, 64, generator=generator)
     bias = torch.randn(10, generator=generator) * 0.1

@@ -4,37 +4,30 @@ from __future__ import annotations
 
 import importlib
 import json
-import uuid
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli, write_user_module
 from safetensors.torch import save_file
 
-from explain_core.cli import main
-
-
-@pytest.fixture(autouse=True)
-def _restore_showwarning(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+pytestmark = pytest.mark.usefixtures("restore_showwarning")
 
 
 @pytest.fixture
 def project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """A user's model module, its weights and two 8×8 inputs, in the working folder."""
-    module = f"checkmodels_{uuid.uuid4().hex}"
-    (tmp_path / f"{module}.py").write_text(
+    module = write_user_module(
+        tmp_path,
+        monkeypatch,
+        "checkmodels",
         "from torch import nn\n\n\n"
         "def build():\n"
         "    return nn.Sequential(\n"
         "        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(256, 10)\n"
-        "    )\n"
+        "    )\n",
     )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
     torch.manual_seed(3)
     model = importlib.import_module(module).build()
     save_file(model.state_dict(), str(tmp_path / "w.safetensors"))
@@ -51,19 +44,9 @@ def _base(project: dict[str, str], method: str = "lrp.epsilon") -> list[str]:
     return ["check", *model, "--method", method, "--vectors", "2"]
 
 
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def test_card_on_bundled_digits(project, capsys) -> None:
     argv = [*_base(project), "--dataset", "digits", "--samples", "8", "--out", "cards/c.json"]
-    code, out, err = _run(argv, capsys)
+    code, out, err = run_cli(argv, capsys)
     assert code == 0, err
     assert "faithfulness card: lrp.epsilon on 8 samples (first layer: 0)" in out
     for label in ("completeness error", "CSC at the first layer", "random-logit SSIM"):
@@ -81,11 +64,11 @@ def test_card_on_bundled_digits(project, capsys) -> None:
 
 def test_card_on_files_with_target_and_undefined_entries(project, capsys) -> None:
     argv = [*_base(project, "integrated_gradients"), "a.npy", "b.npy", "--target", "3"]
-    code, out, err = _run([*argv, "--option", "steps=8"], capsys)
+    code, out, err = run_cli([*argv, "--option", "steps=8"], capsys)
     assert code == 0, err
     assert "not supported by the method" in out  # no CSC for integrated gradients
     assert "on 2 samples" in out
-    code, out, err = _run([*_base(project, "gradient"), "a.npy"], capsys)
+    code, out, err = run_cli([*_base(project, "gradient"), "a.npy"], capsys)
     assert code == 0, err
     assert "not defined" in out  # the gradient has no completeness delta
 
@@ -110,7 +93,7 @@ FAILURES = {
 def test_bad_input_is_one_line_and_writes_nothing(case: str, project, capsys) -> None:
     extra, keywords = FAILURES[case]
     before = sorted(p.name for p in Path.cwd().iterdir())
-    code, out, err = _run([*_base(project), *extra], capsys)
+    code, out, err = run_cli([*_base(project), *extra], capsys)
     assert code == 1, (out, err)
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("explain: error:"), err
@@ -121,7 +104,7 @@ def test_bad_input_is_one_line_and_writes_nothing(case: str, project, capsys) ->
 
 
 def test_help_lists_the_options(capsys) -> None:
-    code, out, _ = _run(["check", "--help"], capsys)
+    code, out, _ = run_cli(["check", "--help"], capsys)
     assert code == 0
     for option in ("--model", "--weights", "--method", "--dataset", "--out", "--option"):
         assert option in out

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import importlib
 import os
 import pickle
 import uuid
@@ -8,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import write_user_module
 from safetensors.torch import save_file
 from torch import nn
 
@@ -47,12 +47,7 @@ NOT_CALLABLE = 42
 @pytest.fixture
 def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """Write a uniquely named model module into tmp_path and make it importable."""
-    name = f"tinymodels_{uuid.uuid4().hex}"
-    (tmp_path / f"{name}.py").write_text(MODULE_SOURCE)
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
-    return name
+    return write_user_module(tmp_path, monkeypatch, "tinymodels", MODULE_SOURCE)
 
 
 def _reference_weights(seed: int = 1) -> dict[str, torch.Tensor]:
@@ -226,11 +221,8 @@ def test_malformed_reference(reference: str) -> None:
 
 
 def test_module_import_failure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    name = f"brokenmodels_{uuid.uuid4().hex}"
-    (tmp_path / f"{name}.py").write_text("import torch\nraise ImportError('needs foo')\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
+    source = "import torch\nraise ImportError('needs foo')\n"
+    name = write_user_module(tmp_path, monkeypatch, "brokenmodels", source)
     with pytest.raises(ModelLoadError) as info:
         load_model(f"{name}:build")
     message = str(info.value)
@@ -247,11 +239,7 @@ def test_module_not_found(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_module_with_syntax_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    name = f"syntaxmodels_{uuid.uuid4().hex}"
-    (tmp_path / f"{name}.py").write_text("def build(:\n")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
+    name = write_user_module(tmp_path, monkeypatch, "syntaxmodels", "def build(:\n")
     with pytest.raises(ModelLoadError, match="SyntaxError"):
         load_model(f"{name}:build")
 
@@ -311,14 +299,13 @@ def test_state_dict_only_unexpected_keys(models: str, tmp_path: Path) -> None:
 def test_state_dict_many_missing_keys_are_abbreviated(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    name = f"deepmodels_{uuid.uuid4().hex}"
-    (tmp_path / f"{name}.py").write_text(
+    name = write_user_module(
+        tmp_path,
+        monkeypatch,
+        "deepmodels",
         "from torch import nn\n\ndef build():\n"
-        "    return nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])\n"
+        "    return nn.Sequential(*[nn.Linear(2, 2) for _ in range(3)])\n",
     )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    importlib.invalidate_caches()
     save_file({"other": torch.zeros(1)}, str(tmp_path / "w.safetensors"))
     with pytest.raises(ModelLoadError) as info:
         load_model(f"{name}:build", tmp_path / "w.safetensors")

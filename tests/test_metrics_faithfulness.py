@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 import torch
+from modbp_nets import conv_net
 from torch import nn
 
 from explain_core import explain
@@ -19,13 +20,7 @@ from explain_core.metrics import (
     relevance_cosines,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def chain(weights, relu=True):
@@ -39,17 +34,7 @@ def chain(weights, relu=True):
 
 def small_cnn():
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(4, 6, 3, padding=1),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(6 * 4 * 4, 12),
-        nn.ReLU(),
-        nn.Linear(12, 5),
-    ).eval()
+    return conv_net((1, 4, 6), 4, (12, 5))
 
 
 # ------------------------------------------------------------------------------------ CSC

@@ -3,46 +3,37 @@
 import pytest
 import torch
 from conftest import assert_same_state, state_fingerprint
+from modbp_nets import conv_net
 from torch import nn
 
 from explain_core import explain
-from explain_modbp import engine
+from explain_modbp import engine, plan_cache
 from explain_modbp.composites import lrp_epsilon, lrp_epsilon_plus
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(autouse=True)
-def _one_thread_and_fresh_cache():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _fresh_cache():
     engine.clear_plan_cache()
     yield
     engine.clear_plan_cache()
-    torch.set_num_threads(previous)
 
 
 def cnn():
     torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(4, 4, 3, padding=1),
-        nn.BatchNorm2d(4),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(4 * 4 * 4, 5),
-    ).eval()
+    return conv_net((3, 4, 4), 4, (5,), batchnorm=True)
 
 
 def count_traces(monkeypatch):
     calls = []
-    original = engine.trace
+    original = plan_cache.trace
 
     def counting(*args, **kwargs):
         calls.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine, "trace", counting)
+    monkeypatch.setattr(plan_cache, "trace", counting)
     return calls
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
-from test_modbp_rules import reference
+from modbp_nets import randomise_batchnorm, reference, resnet, vgg_bn
 from torch import nn
 
 from explain_core import Rule, explain
@@ -22,44 +22,7 @@ from explain_modbp import (
 )
 from explain_modbp.composites import lrp_epsilon_plus
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def randomise_batchnorm(model):
-    for m in model.modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            m.running_mean.uniform_(-0.5, 0.5)
-            m.running_var.uniform_(0.5, 2)
-            nn.init.uniform_(m.weight, 0.5, 1.5)
-            nn.init.uniform_(m.bias, -0.3, 0.3)
-    return model
-
-
-def vgg_bn(bias=True):
-    model = nn.Sequential(
-        nn.Conv2d(3, 6, 3, padding=1, bias=bias),
-        nn.BatchNorm2d(6),
-        nn.ReLU(inplace=True),
-        nn.Conv2d(6, 6, 3, padding=1, bias=bias),
-        nn.BatchNorm2d(6),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(6, 8, 3, padding=1, bias=bias),
-        nn.ReLU(),
-        nn.AvgPool2d(2),
-        nn.Flatten(),
-        nn.Dropout(0.5),
-        nn.Linear(8 * 2 * 2, 16, bias=bias),
-        nn.ReLU(),
-        nn.Linear(16, 5, bias=bias),
-    )
-    return randomise_batchnorm(model).double().eval()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def sequential_reference(model, x, composite_rules, start):
@@ -122,56 +85,6 @@ def test_composites_on_vgg_with_batchnorm_match_layerwise_reference(seed, method
     start[range(3), [0, 2, 4]] = logits[range(3), [0, 2, 4]]
     expected = sequential_reference(model, x, rules, start)
     torch.testing.assert_close(result.attribution, expected, rtol=1e-8, atol=1e-10)
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin, cout, stride=1):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(
-                nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)
-            )
-
-    def forward(self, x):
-        identity = x
-        out = self.conv1(x)
-        out = self.bn1(out)
-        out = self.relu(out)
-        out = self.conv2(out)
-        out = self.bn2(out)
-        if self.downsample is not None:
-            identity = self.downsample(x)
-        out += identity
-        return self.relu(out)
-
-
-class TinyResNet(nn.Module):
-    def __init__(self, bias=True):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=bias)
-        self.bn1 = nn.BatchNorm2d(8)
-        self.layer1 = BasicBlock(8, 8)
-        self.layer2 = BasicBlock(8, 12, stride=2)
-        self.fc = nn.Linear(24, 4, bias=bias)
-
-    def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = F.max_pool2d(x, 2)
-        x = self.layer1(x)
-        x = self.layer2(x)
-        pooled = torch.cat([F.adaptive_avg_pool2d(x, 1), x.mean((2, 3), keepdim=True)], dim=1)
-        x = torch.flatten(pooled, 1)
-        return self.fc(x)
-
-
-def resnet(bias=True):
-    return randomise_batchnorm(TinyResNet(bias)).double().eval()
 
 
 @pytest.mark.parametrize("make", [vgg_bn, resnet], ids=["vgg_bn", "resnet"])

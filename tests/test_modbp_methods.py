@@ -6,37 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
-from test_modbp_engine import randomise_batchnorm, resnet
+from modbp_nets import conv_net, randomise_batchnorm, resnet
 from torch import nn
 
 from explain_core import explain
 from explain_core.errors import InvalidInputError
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def cnn():
-    return (
-        nn.Sequential(
-            nn.Conv2d(2, 4, 3, padding=1),
-            nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(4, 5, 3, padding=1),
-            nn.ReLU(),
-            nn.Flatten(),
-            nn.Linear(5 * 3 * 3, 6),
-            nn.ReLU(),
-            nn.Linear(6, 3),
-        )
-        .double()
-        .eval()
-    )
+    return conv_net((2, 4, 5), 3, (6, 3)).double()
 
 
 def layerwise_backward(model, x, start, relu_backward):

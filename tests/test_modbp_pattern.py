@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
-from test_modbp_engine import vgg_bn
+from modbp_nets import vgg_bn
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -13,13 +13,7 @@ from explain_core.errors import InvalidInputError
 from explain_modbp import PatternMismatchError
 from explain_modbp.pattern import Patterns, fit_patterns
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_linear_estimator_is_equation_9():

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from modbp_nets import reference
 from torch import nn
 
 from explain_core import Composite
@@ -20,75 +21,8 @@ from explain_modbp import (
     ZPlus,
 )
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny float64 layers: thread start-up dominates on the shared 2-core machine.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def dense(layer: nn.Module, shape: tuple[int, ...]):
-    """Weight matrix W (out × in) and bias vector b (out) of an affine layer, from its Jacobian."""
-    n = int(torch.tensor(shape).prod())
-    with torch.no_grad():
-        zero = layer(torch.zeros(1, *shape, dtype=torch.float64)).reshape(-1)
-        basis = torch.eye(n, dtype=torch.float64).reshape(n, *shape)
-        columns = layer(basis).reshape(n, -1) - zero
-    return columns.T.contiguous(), zero
-
-
-def reference(rule, layer, x, relevance_out):
-    """Matrix-form relevance R_i = Σ_j num_ij / den_j · R_j, per rule."""
-    w, b = dense(layer, tuple(x.shape[1:]))
-    flat_x = x.reshape(x.shape[0], -1)
-    r = relevance_out.reshape(x.shape[0], -1)
-    contributions = flat_x[:, None, :] * w[None]  # (batch, out, in): x_i W_ji
-    wp, wn = w.clamp(min=0), w.clamp(max=0)
-
-    def spread(num, den):
-        safe = torch.where(den == 0, torch.ones_like(den), den)
-        return (num * torch.where(den == 0, 0.0, r / safe)[:, :, None]).sum(1)
-
-    if isinstance(rule, Epsilon):
-        z = contributions.sum(2) + b
-        den = z + rule.epsilon * torch.where(z >= 0, 1.0, -1.0).double()
-        out = spread(contributions, den)
-    elif isinstance(rule, Gamma):
-        rho_w = w + rule.gamma * wp
-        # the bias of the dense reference is b itself (per output position)
-        rho_b = b + rule.gamma * b.clamp(min=0)
-        num = flat_x[:, None, :] * rho_w[None]
-        z = num.sum(2) + rho_b
-        out = spread(num, z + rule.epsilon * torch.where(z >= 0, 1.0, -1.0).double())
-    elif isinstance(rule, AlphaBeta):
-        pos, neg = contributions.clamp(min=0), contributions.clamp(max=0)
-        out = rule.alpha * spread(pos, pos.sum(2))
-        if rule.beta:
-            out = out - rule.beta * spread(neg, neg.sum(2))
-    elif isinstance(rule, WSquare):
-        num = (w**2)[None].expand_as(contributions)
-        out = spread(num, num.sum(2))
-    elif isinstance(rule, Flat):
-        num = (w != 0).double()[None].expand_as(contributions)
-        out = spread(num, num.sum(2))
-    elif isinstance(rule, ZBox):
-        low = torch.full_like(flat_x, rule.low)
-        high = torch.full_like(flat_x, rule.high)
-        num = contributions - low[:, None, :] * wp[None] - high[:, None, :] * wn[None]
-        out = spread(num, num.sum(2))
-    elif isinstance(rule, ContrastiveExcitation):
-        pos = flat_x[:, None, :] * wp[None]
-        neg = flat_x[:, None, :] * (-w).clamp(min=0)[None]
-        out = spread(pos, pos.sum(2)) - spread(neg, neg.sum(2))
-    elif isinstance(rule, Excitation):
-        pos = flat_x[:, None, :] * wp[None]
-        out = spread(pos, pos.sum(2))
-    else:  # pragma: no cover
-        raise AssertionError(rule)
-    return out.reshape(x.shape)
+# Tiny float64 layers: thread start-up dominates on the shared 2-core machine.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 LAYERS = [

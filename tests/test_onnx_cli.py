@@ -5,20 +5,18 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
-import uuid
-import warnings
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli, write_user_module
 from safetensors.torch import save_file
 
 for _module in ("onnx", "onnxscript", "onnxruntime"):
     pytest.importorskip(_module, reason="the onnx extra is not installed")
 
 from explain_coda import CoDANet, coda_contributions, encode_input  # noqa: E402
-from explain_core.cli import main  # noqa: E402
 from explain_core.data import load_digits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,41 +24,22 @@ EXPORT_SCRIPT = ROOT / "examples" / "onnx_coda_export" / "export_coda.py"
 RUN_WITHOUT_TORCH = EXPORT_SCRIPT.with_name("run_onnxruntime.py")
 
 
-@pytest.fixture(autouse=True)
-def _restore_showwarning(monkeypatch):
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def run_cli(argv, capsys):
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    return (code, *capsys.readouterr())
+pytestmark = pytest.mark.usefixtures("restore_showwarning", "one_torch_thread")
 
 
 @pytest.fixture
 def project(tmp_path, monkeypatch):
     """A user package with a CoDA-Net factory and trained-looking weights, as cwd."""
-    name = f"onnx_models_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(
+    name = write_user_module(
+        tmp_path,
+        monkeypatch,
+        "onnx_models",
         "from explain_coda import CoDANet\n\n"
-        "def build():\n    return CoDANet.from_preset('digits', temperature=8.0)\n"
+        "def build():\n    return CoDANet.from_preset('digits', temperature=8.0)\n",
     )
     torch.manual_seed(0)
     model = CoDANet.from_preset("digits", temperature=8.0)
     save_file(model.state_dict(), tmp_path / "coda.safetensors")
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
     yield tmp_path, name, model.eval()
     sys.modules.pop(name, None)
 
@@ -123,13 +102,13 @@ def test_failures_are_one_line(project, capsys, extra, message):
 
 
 def test_unknown_input_shape_is_explained(tmp_path, monkeypatch, capsys):
-    name = f"onnx_plain_{uuid.uuid4().hex[:8]}"
-    (tmp_path / f"{name}.py").write_text(
+    name = write_user_module(
+        tmp_path,
+        monkeypatch,
+        "onnx_plain",
         "import torch\n\ndef build():\n    return torch.nn.Sequential(torch.nn.Flatten(), "
-        "torch.nn.Linear(4, 2))\n"
+        "torch.nn.Linear(4, 2))\n",
     )
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.syspath_prepend(str(tmp_path))
     code, _, err = run_cli(["export", "--model", f"{name}:build", "--out", "m.onnx"], capsys)
     assert code == 1 and "give --input-shape C,H,W" in err
     code, out, err = run_cli(

@@ -32,13 +32,7 @@ from explain_onnx import (  # noqa: E402
     export_onnx,
 )
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny() -> nn.Module:

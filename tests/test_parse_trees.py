@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import uuid
-import warnings
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -16,9 +15,9 @@ import networkx as nx
 import numpy as np
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import save_file
 
-from explain_core.cli import main
 from explain_core.errors import GraphvizNotFoundError, InvalidInputError, MissingDependencyError
 from explain_core.parse_trees import (
     ParseTreeData,
@@ -51,10 +50,7 @@ needs_dot = pytest.mark.skipif(
 SVG = "{http://www.w3.org/2000/svg}"
 
 
-@pytest.fixture(autouse=True)
-def _restore_showwarning(monkeypatch: pytest.MonkeyPatch) -> None:
-    # main() installs a one-line warning printer; undo it after each test.
-    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)
+pytestmark = pytest.mark.usefixtures("restore_showwarning")
 
 
 # --- hand-made couplings -----------------------------------------------------------------------
@@ -434,16 +430,6 @@ def test_compare_two_recordings_side_by_side(trained, tmp_path: Path, monkeypatc
 
 
 # --- the command line --------------------------------------------------------------------------
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = main(argv)
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @needs_dot

@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command", metavar="COMMAND", parser_class=_SubcommandParser
     )
     for command in COMMANDS:
-        command.add_parser(subparsers)
+        subparser = subparsers.add_parser(
+            command.NAME, help=command.HELP, description=command.DESCRIPTION
+        )
+        command.add_arguments(subparser)
+        subparser.set_defaults(run=command.run)
     return parser
 
 

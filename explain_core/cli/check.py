@@ -30,25 +30,31 @@ from typing import Any
 import torch
 from torch import nn
 
+from explain_core.cli.common import (
+    add_model_arguments,
+    add_option_argument,
+    load_model,
+    method_options,
+)
 from explain_core.errors import InvalidInputError
 
 DATASETS = ("digits",)
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register the subcommand."""
-    parser = subparsers.add_parser(
-        "check",
-        help="faithfulness card of one method on your model and data",
-        description="Compute a faithfulness card (completeness, CSC at the first layer, "
-        "random-logit SSIM, randomisation SSIM) for one registered method on a model built from "
-        "package.module:factory with its weights, on image/.npy files or a bundled data set. "
-        "Prints a table; --out also writes it as JSON.",
-    )
+NAME = "check"
+HELP = "faithfulness card of one method on your model and data"
+DESCRIPTION = (
+    "Compute a faithfulness card (completeness, CSC at the first layer, random-logit SSIM, "
+    "randomisation SSIM) for one registered method on a model built from package.module:factory "
+    "with its weights, on image/.npy files or a bundled data set. Prints a table; --out also "
+    "writes it as JSON."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     parser.add_argument("inputs", nargs="*", type=Path, help="image files or .npy arrays")
-    parser.add_argument("--model", required=True, help="package.module:factory")
-    parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
-    parser.add_argument("--method", required=True, help="registered method (explain plugins)")
+    add_model_arguments(parser, method=True)
     parser.add_argument(
         "--dataset", choices=DATASETS, help="use the bundled test split instead of files"
     )
@@ -64,19 +70,12 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--channels", type=int, choices=(1, 3), help="convert images to 1 or 3 channels"
     )
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="method option, repeatable (e.g. --option epsilon=0.25)",
-    )
+    add_option_argument(parser, "method option, repeatable (e.g. --option epsilon=0.25)")
     parser.add_argument(
         "--vectors", type=int, default=5, help="random vectors per sample for CSC (default: 5)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of all random choices")
     parser.add_argument("--out", type=Path, help="also write the card as JSON to this file")
-    parser.set_defaults(run=run)
 
 
 def faithfulness_card(
@@ -181,12 +180,7 @@ def format_card(card: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Load model and data, compute the card, print it and write the JSON."""
-    from explain_core.cli.attribute import parse_options
-    from explain_core.loading import load_model
-    from explain_core.plugin_manager import get_registry
-
-    options = parse_options(args.option)
-    get_registry()[args.method].create(**options)  # check name and options before loading
+    options = method_options(args)
     if args.vectors < 2:
         raise InvalidInputError(f"--vectors must be at least 2; got {args.vectors}")
     if args.dataset and args.inputs:
@@ -195,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("give input files (images or .npy) or --dataset digits")
     if args.out is not None:
         _check_writable_file(args.out)
-    model = load_model(args.model, args.weights)
+    model = load_model(args)
     images, labels = _load_data(args)
     outputs = _forward(model, images)
     if args.dataset:
@@ -288,12 +282,7 @@ def _check_writable_file(path: Path) -> None:
 
 
 def _write_json(path: Path, card: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            json.dump(card, handle, indent=2)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    from explain_core.files import write_atomically
+
+    text = json.dumps(card, indent=2)
+    write_atomically(path, lambda handle: handle.write(text.encode("utf-8")))

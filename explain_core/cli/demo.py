@@ -8,17 +8,18 @@ from typing import Any
 
 from explain_core.errors import InvalidInputError
 
+NAME = "demo"
+HELP = "run every available section on bundled data and write a report folder"
+DESCRIPTION = (
+    "Run the demo on bundled digits: each installed plugin contributes sections. The folder "
+    "(report.html with its pictures, report.md, summary.json) is written only when everything "
+    "succeeded; sections not available are listed in the report. Trained models are cached, so "
+    "a second run is fast."
+)
 
-def add_parser(subparsers: Any) -> None:
-    """Register the subcommand."""
-    parser = subparsers.add_parser(
-        "demo",
-        help="run every available section on bundled data and write a report folder",
-        description="Run the demo on bundled digits: each installed plugin contributes "
-        "sections. The folder (report.html with its pictures, report.md, summary.json) is "
-        "written only when everything succeeded; sections not available are listed in the "
-        "report. Trained models are cached, so a second run is fast.",
-    )
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     parser.add_argument(
         "--out", type=Path, default=Path("demo-output"), help="output folder (default: %(default)s)"
     )
@@ -40,7 +41,6 @@ def add_parser(subparsers: Any) -> None:
         help="torch CPU threads (default: %(default)s; the demo's models are small, and more "
         "threads mostly add overhead on a busy machine)",
     )
-    parser.set_defaults(run=run)
 
 
 def collect_steps() -> list[Any]:

@@ -13,22 +13,30 @@ import os
 from pathlib import Path
 from typing import Any
 
+from explain_core.cli.common import (
+    add_model_arguments,
+    add_option_argument,
+    load_model,
+    parse_options,
+)
+
 JOB_NAMES = ("attributions", "localisation", "pixel-removal", "csc", "rem-dictionary")
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register the subcommand."""
-    parser = subparsers.add_parser(
-        "evaluate",
-        help="attribution and metric jobs over a data set (runs under torchrun)",
-        description="Build a model from package.module:factory, load its weights and run an "
-        "evaluation job over a bundled data set: attribution maps to resumable shards, "
-        "localisation, pixel removal, CSC or REM parse-tree dictionaries. Runs unchanged "
-        "under torchrun --nproc_per_node=N (gloo on CPU, NCCL with --device cuda); results "
-        "are merged exactly on rank 0, which writes them and prints the summary.",
-    )
-    parser.add_argument("--model", required=True, help="package.module:factory")
-    parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
+NAME = "evaluate"
+HELP = "attribution and metric jobs over a data set (runs under torchrun)"
+DESCRIPTION = (
+    "Build a model from package.module:factory, load its weights and run an evaluation job over "
+    "a bundled data set: attribution maps to resumable shards, localisation, pixel removal, CSC "
+    "or REM parse-tree dictionaries. Runs unchanged under torchrun --nproc_per_node=N (gloo on "
+    "CPU, NCCL with --device cuda); results are merged exactly on rank 0, which writes them and "
+    "prints the summary."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
+    add_model_arguments(parser)
     parser.add_argument(
         "--dataset",
         required=True,
@@ -57,13 +65,7 @@ def add_parser(subparsers: Any) -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--threads", type=int, help="torch threads per process")
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="method option, repeatable (e.g. --option steps=32)",
-    )
+    add_option_argument(parser, "method option, repeatable (e.g. --option steps=32)")
     group = parser.add_argument_group("job options")
     group.add_argument("--levels", type=int, default=11, help="rem-dictionary: K levels (11)")
     group.add_argument("--layer", help="rem-dictionary: routing layer (default: the last)")
@@ -79,7 +81,6 @@ def add_parser(subparsers: Any) -> None:
     group.add_argument("--vectors", type=int, default=5, help="csc: random vectors (5)")
     group.add_argument("--seed", type=int, default=0, help="csc: base seed (0)")
     group.add_argument("--start", help="csc: layer whose output is randomised (default: last)")
-    parser.set_defaults(run=run)
 
 
 _JOB_ARGUMENTS = {
@@ -104,7 +105,6 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     import torch
 
-    from explain_core.cli.attribute import parse_options
     from explain_core.distributed import evaluate, init_distributed
     from explain_core.distributed.context import shutdown_distributed
     from explain_core.distributed.gather import all_gather_objects
@@ -154,10 +154,9 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Exception | None]:
     """Model and data set, or the error that prevented loading them."""
     from explain_core.distributed import load_dataset
     from explain_core.errors import ExplainError
-    from explain_core.loading import load_model
 
     try:
-        model = load_model(args.model, args.weights)
+        model = load_model(args)
         if args.dataset == "digits":
             data = load_dataset("digits", image_size=args.image_size)
         else:

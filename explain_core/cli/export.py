@@ -6,22 +6,28 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from explain_core.cli.common import (
+    add_model_arguments,
+    add_option_argument,
+    load_model,
+    parse_options,
+)
 from explain_core.errors import InvalidInputError
 
+NAME = "export"
+HELP = "export a model (and its explanation) to ONNX, checked against PyTorch"
+DESCRIPTION = (
+    "Build a model from package.module:factory, load its weights, export it to ONNX with a "
+    "dynamic batch axis (with --explain: one graph returning the logits and the explanation), "
+    "run the full ONNX checker and compare onnxruntime with PyTorch on random and real inputs at "
+    "two batch sizes. Prints the parity and the execution provider. Needs the onnx extra: "
+    "pip install 'explain-torch[onnx]'."
+)
 
-def add_parser(subparsers: Any) -> None:
-    """Register the subcommand."""
-    parser = subparsers.add_parser(
-        "export",
-        help="export a model (and its explanation) to ONNX, checked against PyTorch",
-        description="Build a model from package.module:factory, load its weights, export it to "
-        "ONNX with a dynamic batch axis (with --explain: one graph returning the logits and the "
-        "explanation), run the full ONNX checker and compare onnxruntime with PyTorch on random "
-        "and real inputs at two batch sizes. Prints the parity and the execution provider. "
-        "Needs the onnx extra: pip install 'explain-torch[onnx]'.",
-    )
-    parser.add_argument("--model", required=True, help="package.module:factory")
-    parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
+    add_model_arguments(parser)
     parser.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
     parser.add_argument(
         "--explain",
@@ -49,20 +55,11 @@ def add_parser(subparsers: Any) -> None:
         help="shape of one input without the batch axis, when the model does not tell it and "
         "no --inputs are given",
     )
-    parser.add_argument(
-        "--option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="explanation option, repeatable (e.g. --option levels=11)",
-    )
-    parser.set_defaults(run=run)
+    add_option_argument(parser, "explanation option, repeatable (e.g. --option levels=11)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Export, check and report."""
-    from explain_core.cli.attribute import parse_options
-    from explain_core.loading import load_model
     from explain_onnx import export_onnx, get_explainer
 
     options = parse_options(args.option)
@@ -72,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--option and --target-input need --explain METHOD")
     if args.opset is not None and args.opset < 7:
         raise InvalidInputError(f"--opset must be 7 or higher; got {args.opset}")
-    model = load_model(args.model, args.weights)
+    model = load_model(args)
     example, real = _example_inputs(args, model)
     result = export_onnx(
         model,

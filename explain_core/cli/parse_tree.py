@@ -6,25 +6,27 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from explain_core.cli.common import add_model_arguments, load_model
 from explain_core.errors import InvalidInputError
 
 DATASETS = ("digits",)
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register the subcommand."""
-    parser = subparsers.add_parser(
-        "parse-tree",
-        help="draw the parse tree of a capsule network (graphviz)",
-        description="Build a capsule network from package.module:factory, load its weights, "
-        "record the couplings of its routing layers and draw the parse tree backtracked from "
-        "the predicted class: for one input file, for a class (the mean over the data set's "
-        "samples predicted as it) or for the whole data set. Nodes are capsules coloured by "
-        "activation; edges are couplings above the threshold (default 1/number of parent "
-        "capsules). Needs the graphs extra and the graphviz `dot` program.",
-    )
-    parser.add_argument("--model", required=True, help="package.module:factory")
-    parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
+NAME = "parse-tree"
+HELP = "draw the parse tree of a capsule network (graphviz)"
+DESCRIPTION = (
+    "Build a capsule network from package.module:factory, load its weights, record the couplings "
+    "of its routing layers and draw the parse tree backtracked from the predicted class: for one "
+    "input file, for a class (the mean over the data set's samples predicted as it) or for the "
+    "whole data set. Nodes are capsules coloured by activation; edges are couplings above the "
+    "threshold (default 1/number of parent capsules). Needs the graphs extra and the graphviz "
+    "`dot` program."
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
+    add_model_arguments(parser)
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--input", type=Path, help="one input (.npy or image): its parse tree")
     mode.add_argument(
@@ -72,12 +74,10 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument(
         "--text", action="store_true", help="also print the tree as text on the terminal"
     )
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Record the couplings, build the tree and draw it."""
-    from explain_core.loading import load_model
     from explain_core.parse_trees import (
         class_parse_tree,
         collect_parse_tree_data,
@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.levels is not None and args.levels < 2:
         raise InvalidInputError(f"--levels must be at least 2; got {args.levels}")
     require_networkx()  # fail before loading anything if the graphs extra is missing
-    model = load_model(args.model, args.weights)
+    model = load_model(args)
     inputs, labels, what = _inputs(args)
     data = collect_parse_tree_data(model, inputs, levels=args.levels)
     if args.input is not None:

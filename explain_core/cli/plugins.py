@@ -4,21 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+
+NAME = "plugins"
+HELP = "list plugins, versions and the methods they register"
+DESCRIPTION = (
+    "List the loaded plugins (built-in and installed through the 'explain.plugins' entry-point "
+    "group), their versions and methods. Set EXPLAIN_PLUGINS='' to load no third-party plugins, "
+    "or EXPLAIN_PLUGINS=a,b to load only those."
+)
 
 
-def add_parser(subparsers: Any) -> None:
-    """Register the subcommand."""
-    parser = subparsers.add_parser(
-        "plugins",
-        help="list plugins, versions and the methods they register",
-        description="List the loaded plugins (built-in and installed through the "
-        "'explain.plugins' entry-point group), their versions and methods. Set "
-        "EXPLAIN_PLUGINS='' to load no third-party plugins, or EXPLAIN_PLUGINS=a,b to load only "
-        "those.",
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments."""
     parser.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

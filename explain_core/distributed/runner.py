@@ -275,7 +275,8 @@ def _write_outputs(
     per_sample: dict[str, torch.Tensor],
     details: Any,
 ) -> tuple[Path, ...]:
-    from explain_core.distributed.store import FORMAT, VERSION, write_atomically, write_index
+    from explain_core.distributed.store import FORMAT, VERSION, write_index
+    from explain_core.files import write_atomically
 
     assert config.out_dir is not None
     out_dir = config.out_dir

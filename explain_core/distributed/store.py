@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import Any
 import torch
 
 from explain_core.errors import DistributedError
+from explain_core.files import write_atomically
 
 __all__ = [
     "FORMAT",
@@ -50,19 +49,6 @@ SHARD_FOLDER = "shards"
 def shard_path(out_dir: str | Path, piece: range) -> Path:
     """Where the shard of samples ``piece`` lives."""
     return Path(out_dir) / SHARD_FOLDER / f"shard-{piece.start:09d}-{piece.stop:09d}.safetensors"
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` beside ``path`` and rename it into place (a file that exists is whole)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def write_shard(

@@ -7,11 +7,10 @@ gives a graph equal to the one written.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from explain_core.files import write_atomically
 from explain_core.parse_trees._deps import require_networkx
 
 __all__ = [
@@ -26,7 +25,7 @@ __all__ = [
 def write_graphml(graph: Any, path: str | Path) -> Path:
     """Write ``graph`` as GraphML (atomically) and return the path."""
     nx = require_networkx()
-    return _write_atomically(Path(path), lambda handle: nx.write_graphml(graph, handle))
+    return write_atomically(Path(path), lambda handle: nx.write_graphml(graph, handle))
 
 
 def read_graphml(path: str | Path) -> Any:
@@ -52,7 +51,7 @@ def to_node_link(graph: Any) -> dict[str, Any]:
 def write_node_link_json(graph: Any, path: str | Path) -> Path:
     """Write the node-link form of ``graph`` as JSON (atomically) and return the path."""
     text = json.dumps(to_node_link(graph), indent=1, ensure_ascii=False)
-    return _write_atomically(Path(path), lambda handle: handle.write(text.encode()))
+    return write_atomically(Path(path), lambda handle: handle.write(text.encode()))
 
 
 def read_node_link_json(path: str | Path) -> Any:
@@ -63,16 +62,3 @@ def read_node_link_json(path: str | Path) -> Any:
         return nx.node_link_graph(data, edges="edges")
     except TypeError:  # networkx < 3.4
         return nx.node_link_graph(data, link="edges")
-
-
-def _write_atomically(path: Path, write: Any) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    try:
-        with os.fdopen(descriptor, "wb") as handle:
-            write(handle)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-    return path

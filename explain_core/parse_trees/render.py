@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from explain_core.errors import GraphvizNotFoundError, InvalidInputError
+from explain_core.files import write_atomically
 from explain_core.parse_trees._deps import require_graphviz
-from explain_core.parse_trees.export import _write_atomically
 
 __all__ = ["FORMATS", "RenderedTree", "render_parse_tree", "render_side_by_side", "to_dot"]
 
@@ -232,7 +232,7 @@ def _render(source: str, path: str | Path, format: str | None) -> RenderedTree:
     if suffix != format:
         path = path.with_name(path.name + "." + format)
     source_path = path.with_suffix(".gv")
-    _write_atomically(source_path, lambda handle: handle.write(source.encode()))
+    write_atomically(source_path, lambda handle: handle.write(source.encode()))
     graphviz = require_graphviz()
     try:
         picture = graphviz.Source(source, engine="dot").pipe(format=format)
@@ -243,5 +243,5 @@ def _render(source: str, path: str | Path, format: str | None) -> RenderedTree:
             "`text_tree(graph)` (or `explain parse-tree --text`) prints the tree in a terminal",
             source_path,
         ) from None
-    _write_atomically(path, lambda handle: handle.write(picture))
+    write_atomically(path, lambda handle: handle.write(picture))
     return RenderedTree(path, source_path)

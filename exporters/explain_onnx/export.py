@@ -15,7 +15,6 @@ import io
 import logging
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from explain_core.errors import (
     ModelStateError,
     UnsupportedOperatorError,
 )
+from explain_core.files import temporary_beside
 from explain_onnx._deps import require
 from explain_onnx.adapters import exportable
 from explain_onnx.explained import explained_module, get_explainer
@@ -159,7 +159,7 @@ def export_onnx(
     opset_used = _default_opset(onnx_program)
 
     report = None
-    with _temporary_beside(path) as temporary:
+    with temporary_beside(path, suffix=".onnx") as temporary:
         _save(onnx_program, temporary, model)
         check_graph(temporary)
         if parity:
@@ -378,17 +378,6 @@ def _save(onnx_program: Any, path: Path, model: nn.Module) -> None:
         )
     with _quiet():
         onnx_program.save(str(path), external_data=False)
-
-
-@contextlib.contextmanager
-def _temporary_beside(path: Path) -> Iterator[Path]:
-    descriptor, name = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".onnx", dir=path.parent)
-    os.close(descriptor)
-    temporary = Path(name)
-    try:
-        yield temporary
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager

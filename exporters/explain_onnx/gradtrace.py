@@ -155,24 +155,62 @@ def input_gradient_graph(
         target_input: Take the class to explain as a second input, int64 ``(batch,)``.
         multiply_by_input: Input×Gradient (``True``) or the plain gradient.
     """
+
+    def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
+        x = x.detach().requires_grad_(True)
+        with torch.enable_grad():
+            logits, selector = logits_and_selector(model, state, x, target)
+            (gradient,) = torch.autograd.grad((logits * selector).sum(), x)
+        explanation = gradient * x if multiply_by_input else gradient
+        return logits.detach(), explanation.detach()
+
+    return trace_explanation(model, explained, example, target_input=target_input)
+
+
+def logits_and_selector(
+    model: nn.Module, state: dict[str, torch.Tensor], x: torch.Tensor, target: Sequence[Any]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits at ``x`` and the one-hot of the class to explain, in a traced function.
+
+    Args:
+        model: The model, run through ``torch.func.functional_call`` with ``state``.
+        state: Parameter and buffer name → tensor (the traced graph's inputs).
+        x: The input batch.
+        target: ``()`` to explain the predicted class, or ``(target,)`` with int64 ``(batch,)``.
+
+    Returns:
+        The logits and a ``(batch, classes)`` selector of the logits' dtype.
+    """
+    logits = torch.func.functional_call(model, state, (x,))
+    chosen = target[0] if target else logits.argmax(dim=1)
+    classes = torch.arange(logits.shape[1], device=logits.device)
+    return logits, (classes[None] == chosen[:, None]).to(logits.dtype)
+
+
+def trace_explanation(
+    model: nn.Module,
+    explained: Callable[..., Any],
+    example: torch.Tensor,
+    *,
+    target_input: bool,
+) -> TracedGradientGraph:
+    """Trace ``explained(state, x[, target])`` over the model's parameters and buffers.
+
+    Args:
+        model: The model whose parameters and buffers become the graph's ``state`` input.
+        explained: The function to trace; ``state`` maps tensor names to tensors.
+        example: An example batch (values do not matter; shapes and dtype do).
+        target_input: Trace with the class to explain as a second input, int64 ``(batch,)``.
+
+    Returns:
+        The traced graph, with the model's tensors as buffers.
+    """
     from torch.fx.experimental.proxy_tensor import make_fx
 
     tensors = {
         name: tensor.detach()
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]
     }
-
-    def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
-        x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
-            logits = torch.func.functional_call(model, state, (x,))
-            chosen = target[0] if target else logits.argmax(dim=1)
-            classes = torch.arange(logits.shape[1], device=logits.device)
-            selector = (classes[None] == chosen[:, None]).to(logits.dtype)
-            (gradient,) = torch.autograd.grad((logits * selector).sum(), x)
-        explanation = gradient * x if multiply_by_input else gradient
-        return logits.detach(), explanation.detach()
-
     inputs = [example]
     if target_input:
         inputs.append(torch.zeros(example.shape[0], dtype=torch.long, device=example.device))

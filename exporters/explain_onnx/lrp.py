@@ -7,7 +7,7 @@ autograd function whose backward is the rule (``rule.prepare`` in the forward pa
 :class:`~explain_modbp.AffineLayer`'s convolution and transposed convolution). This module
 
 1. resolves the composite of the method (its options included) and traces the model once with
-   the engine's own checks (:func:`explain_modbp.engine.trace`: which layer gets which rule,
+   the engine's own checks (:func:`explain_modbp.tracing.trace`: which layer gets which rule,
    which BatchNorm is merged into which Linear/Conv, which layers read non-negative inputs);
 2. attaches the engine's hooks for that plan and traces *the whole attribution* — forward pass,
    the explained logit's one-hot signal (or ``1 / f_t(x)`` for Excitation BP), the backward pass
@@ -118,10 +118,10 @@ def lrp_graph(
         InvalidInputError: For a method without a composite, invalid options, or a model the
             engine does not support (``UnsupportedModelError``, naming the module).
     """
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    from explain_modbp.engine import _Attached, safe_divide, trace
-    from explain_onnx.gradtrace import TracedGradientGraph, _decompositions
+    from explain_modbp.attach import _Attached
+    from explain_modbp.base import safe_divide
+    from explain_modbp.tracing import trace
+    from explain_onnx.gradtrace import logits_and_selector, trace_explanation
 
     specs = composite_methods()
     if method not in specs:
@@ -143,21 +143,13 @@ def lrp_graph(
     plan = _graph_rules(plan)
     start_one = getattr(engine, "start", "logit") == "one"
 
-    tensors = {
-        name: tensor.detach()
-        for name, tensor in [*model.named_parameters(), *model.named_buffers()]
-    }
-
     def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
         attached = _Attached(model, plan, record=False)
         handles = attached.hooks()
         try:
             x = x.detach().requires_grad_(True)
             with torch.enable_grad():
-                logits = torch.func.functional_call(model, state, (x,))
-                chosen = target[0] if target else logits.argmax(dim=1)
-                classes = torch.arange(logits.shape[1], device=logits.device)
-                signal = (classes[None] == chosen[:, None]).to(logits.dtype)
+                logits, signal = logits_and_selector(model, state, x, target)
                 if start_one:  # relevance 1 at the explained output
                     signal = safe_divide(signal, logits.detach())
                 (input_signal,) = torch.autograd.grad(logits, x, signal)
@@ -167,10 +159,4 @@ def lrp_graph(
         relevance = input_signal if plan.input_relevance_form else x.detach() * input_signal
         return logits.detach(), relevance.detach()
 
-    inputs = [example]
-    if target_input:
-        inputs.append(torch.zeros(example.shape[0], dtype=torch.long, device=example.device))
-    graph = make_fx(explained, tracing_mode="symbolic", decomposition_table=_decompositions())(
-        tensors, *inputs
-    )
-    return TracedGradientGraph(graph, tensors)
+    return trace_explanation(model, explained, example, target_input=target_input)

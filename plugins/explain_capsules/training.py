@@ -10,17 +10,16 @@ one never unpickles anything.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-from tqdm.auto import tqdm
 
 from explain_capsules.models import margin_loss
 from explain_core.checkpoints import load_training_checkpoint, save_training_checkpoint
 from explain_core.errors import InvalidInputError
+from explain_core.training import EpochHistory, train_resumable
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -71,12 +70,8 @@ class CapsuleTrainConfig:
             )
 
 
-@dataclass
-class CapsuleTrainHistory:
+class CapsuleTrainHistory(EpochHistory):
     """Per-epoch mean training loss and, when evaluation was given, its accuracy."""
-
-    loss: list[float] = field(default_factory=list)
-    accuracy: list[float] = field(default_factory=list)
 
 
 def _check_data(images: torch.Tensor, labels: torch.Tensor) -> None:
@@ -132,35 +127,21 @@ def train_capsnet(
             configuration.
     """
     _check_data(images, labels)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    history, start = CapsuleTrainHistory(), 0
-    path = None if checkpoint_dir is None else Path(checkpoint_dir) / CHECKPOINT_NAME
-    if path is not None and path.exists():
-        start, history = load_capsule_checkpoint(path, model, optimizer, config)
-    dataset = TensorDataset(images, labels)
-    last = config.epochs if stop_after_epoch is None else min(config.epochs, stop_after_epoch)
-    for epoch in range(start, last):
-        generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
-        # Set from the epoch, not decayed in place, so a resumed run gets the same rate.
-        for group in optimizer.param_groups:
-            group["lr"] = config.lr * config.lr_decay**epoch
-        loader = DataLoader(dataset, config.batch_size, shuffle=True, generator=generator)
-        model.train()
-        total = 0.0
-        for batch_images, batch_labels in tqdm(
-            loader, desc=f"CapsNet epoch {epoch + 1}/{config.epochs}", leave=False, disable=None
-        ):
-            optimizer.zero_grad()
-            loss = _loss(model, batch_images, batch_labels, config.reconstruction_weight)
-            loss.backward()
-            optimizer.step()
-            total += loss.item() * len(batch_labels)
-        model.eval()
-        history.loss.append(total / len(dataset))
-        if evaluate is not None:
-            history.accuracy.append(evaluate(model))
-        if path is not None:
-            save_capsule_checkpoint(path, model, optimizer, config, epoch + 1, history)
+    history = train_resumable(
+        model,
+        images,
+        labels,
+        config,
+        CapsuleTrainHistory(),
+        learning_rate=lambda epoch: config.lr * config.lr_decay**epoch,
+        batch_loss=lambda x, y, _: _loss(model, x, y, config.reconstruction_weight),
+        description="CapsNet",
+        checkpoint=None if checkpoint_dir is None else Path(checkpoint_dir) / CHECKPOINT_NAME,
+        load_checkpoint=load_capsule_checkpoint,
+        save_checkpoint=save_capsule_checkpoint,
+        evaluate=evaluate,
+        stop_after_epoch=stop_after_epoch,
+    )
     model.eval()
     return history
 

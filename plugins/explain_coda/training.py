@@ -9,16 +9,15 @@ JSON header for the rest: loading one never unpickles anything.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
-from tqdm.auto import tqdm
 
 from explain_coda.model import CoDANet, bce_one_vs_all
 from explain_core.checkpoints import load_training_checkpoint, save_training_checkpoint
 from explain_core.interfaces.dynamic_linear import dynamic_linear_rows
+from explain_core.training import EpochHistory, train_resumable
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 
@@ -45,12 +44,8 @@ class TrainConfig:
     seed: int = 0
 
 
-@dataclass
-class TrainHistory:
+class TrainHistory(EpochHistory):
     """Per-epoch mean training loss and, when evaluation data was given, test accuracy."""
-
-    loss: list[float] = field(default_factory=list)
-    accuracy: list[float] = field(default_factory=list)
 
 
 def weight_regulariser(
@@ -95,43 +90,36 @@ def train_coda(
     Returns:
         The history of all epochs, including those before a resume.
     """
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    history, start = TrainHistory(), 0
-    if checkpoint_dir is not None and (checkpoint_dir / CHECKPOINT_NAME).exists():
-        start, history = load_checkpoint(checkpoint_dir / CHECKPOINT_NAME, model, optimizer, config)
-    dataset = TensorDataset(images, labels)
-    last = config.epochs if stop_after_epoch is None else min(config.epochs, stop_after_epoch)
-    for epoch in range(start, last):
-        generator = torch.Generator().manual_seed(config.seed * 100_003 + epoch)
-        _set_lr(optimizer, config, epoch)
-        loader = DataLoader(dataset, config.batch_size, shuffle=True, generator=generator)
-        model.train()
-        total = 0.0
-        for batch_images, batch_labels in tqdm(
-            loader, desc=f"CoDA epoch {epoch + 1}/{config.epochs}", leave=False, disable=None
-        ):
-            optimizer.zero_grad()
-            loss = bce_one_vs_all(model(batch_images), batch_labels)
-            if config.regularisation:
-                penalty = weight_regulariser(model, batch_images, batch_labels, generator)
-                loss = loss + config.regularisation * penalty
-            loss.backward()
-            optimizer.step()
-            total += loss.item() * len(batch_labels)
-        model.eval()
-        history.loss.append(total / len(dataset))
-        if evaluate is not None:
-            history.accuracy.append(evaluate(model))
-        if checkpoint_dir is not None:
-            save_checkpoint(checkpoint_dir / CHECKPOINT_NAME, model, optimizer, config, epoch + 1,
-                            history)  # fmt: skip
-    return history
+
+    def batch_loss(
+        batch_images: torch.Tensor, batch_labels: torch.Tensor, generator: torch.Generator
+    ) -> torch.Tensor:
+        loss = bce_one_vs_all(model(batch_images), batch_labels)
+        if config.regularisation:
+            penalty = weight_regulariser(model, batch_images, batch_labels, generator)
+            loss = loss + config.regularisation * penalty
+        return loss
+
+    return train_resumable(
+        model,
+        images,
+        labels,
+        config,
+        TrainHistory(),
+        learning_rate=lambda epoch: _lr(config, epoch),
+        batch_loss=batch_loss,
+        description="CoDA",
+        checkpoint=None if checkpoint_dir is None else checkpoint_dir / CHECKPOINT_NAME,
+        load_checkpoint=load_checkpoint,
+        save_checkpoint=save_checkpoint,
+        evaluate=evaluate,
+        stop_after_epoch=stop_after_epoch,
+    )
 
 
-def _set_lr(optimizer: torch.optim.Optimizer, config: TrainConfig, epoch: int) -> None:
+def _lr(config: TrainConfig, epoch: int) -> float:
     halvings = epoch // config.lr_halving_epochs if config.lr_halving_epochs else 0
-    for group in optimizer.param_groups:
-        group["lr"] = config.lr * 0.5**halvings
+    return config.lr * 0.5**halvings
 
 
 def save_checkpoint(

@@ -10,17 +10,11 @@ from __future__ import annotations
 
 from explain_core.hookspecs import hookimpl
 from explain_core.registry import MethodSpec
-from explain_modbp.engine import (
-    BackwardResult,
-    ForwardPass,
-    Gradient,
-    LayerComposite,
-    LayerRule,
-    ModifiedBackprop,
-    OpHandler,
-)
+from explain_modbp.base import Gradient, LayerComposite, LayerRule
+from explain_modbp.engine import BackwardResult, ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError, UnsupportedModelError
 from explain_modbp.layers import AffineLayer
+from explain_modbp.ops import OpHandler
 from explain_modbp.rules import (
     AlphaBeta,
     ContrastiveExcitation,

@@ -26,20 +26,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from explain_modbp.engine import Gradient, LayerComposite, LayerRule
+from explain_modbp import rules
+from explain_modbp.base import Gradient, LayerComposite, LayerRule
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
-from explain_modbp.rules import (
-    AlphaBeta,
-    ContrastiveExcitation,
-    Epsilon,
-    Excitation,
-    Flat,
-    Gamma,
-    WSquare,
-    ZBox,
-    Zero,
-    ZPlus,
-)
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 DENSE_TYPES = (nn.Linear,)
@@ -67,63 +56,63 @@ def gradient_composite(name: str = "gradient") -> LayerComposite:
 
 def lrp_z() -> LayerComposite:
     """LRP-0 everywhere."""
-    return uniform(Zero(), "lrp.z")
+    return uniform(rules.Zero(), "lrp.z")
 
 
 def lrp_epsilon(epsilon: float = 1e-6) -> LayerComposite:
     """LRP-ε everywhere."""
-    return uniform(Epsilon(epsilon), "lrp.epsilon")
+    return uniform(rules.Epsilon(epsilon), "lrp.epsilon")
 
 
 def lrp_zplus() -> LayerComposite:
     """z⁺ (LRP-α1β0) everywhere."""
-    return uniform(ZPlus(), "lrp.zplus")
+    return uniform(rules.ZPlus(), "lrp.zplus")
 
 
 def lrp_alpha_beta(alpha: float = 2.0, beta: float = 1.0) -> LayerComposite:
     """LRP-αβ everywhere."""
-    return uniform(AlphaBeta(alpha, beta), f"lrp.alpha{alpha:g}beta{beta:g}")
+    return uniform(rules.AlphaBeta(alpha, beta), f"lrp.alpha{alpha:g}beta{beta:g}")
 
 
 def lrp_gamma(gamma: float = 0.25) -> LayerComposite:
     """LRP-γ everywhere."""
-    return uniform(Gamma(gamma), "lrp.gamma")
+    return uniform(rules.Gamma(gamma), "lrp.gamma")
 
 
 def lrp_w2() -> LayerComposite:
     """Deep Taylor for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
-    return uniform(ZPlus(), "lrp.w2", first=WSquare())
+    return uniform(rules.ZPlus(), "lrp.w2", first=rules.WSquare())
 
 
 def lrp_zb(low: object = None, high: object = None) -> LayerComposite:
     """Deep Taylor for bounded inputs: z^B on the input layer, z⁺ elsewhere."""
-    return uniform(ZPlus(), "lrp.zb", first=ZBox(low, high))  # type: ignore[arg-type]
+    return uniform(rules.ZPlus(), "lrp.zb", first=rules.ZBox(low, high))  # type: ignore[arg-type]
 
 
 def lrp_flat(epsilon: float = 1e-6) -> LayerComposite:
     """Flat on the input layer, z⁺ on convolutions, ε on dense layers."""
-    return conv_dense(ZPlus(), Epsilon(epsilon), "lrp.flat", first=Flat())
+    return conv_dense(rules.ZPlus(), rules.Epsilon(epsilon), "lrp.flat", first=rules.Flat())
 
 
 def lrp_epsilon_plus(epsilon: float = 1e-6) -> LayerComposite:
     """z⁺ on convolutions, ε on dense layers (the common "ε+z⁺" composite)."""
-    return conv_dense(ZPlus(), Epsilon(epsilon), "lrp.epsilon_plus")
+    return conv_dense(rules.ZPlus(), rules.Epsilon(epsilon), "lrp.epsilon_plus")
 
 
 def lrp_cmp(alpha: float = 1.0) -> LayerComposite:
     """LRP-CMP: LRP-αβ (``β = α − 1``) on convolutions, LRP-0 on dense layers."""
-    return conv_dense(AlphaBeta(alpha, alpha - 1), Zero(), f"lrp.cmp(alpha={alpha:g})")
+    return conv_dense(rules.AlphaBeta(alpha, alpha - 1), rules.Zero(), f"lrp.cmp(alpha={alpha:g})")
 
 
 def excitation() -> LayerComposite:
     """Excitation backprop: the W⁺ rule everywhere."""
-    return uniform(Excitation(), "excitation_bp")
+    return uniform(rules.Excitation(), "excitation_bp")
 
 
 def contrastive_excitation() -> LayerComposite:
     """Contrastive excitation backprop: ``Z⁺ − N⁺`` on the output layer, W⁺ elsewhere."""
     return LayerComposite(
-        [(LINEAR_TYPES, Excitation())],
-        last=ContrastiveExcitation(),
+        [(LINEAR_TYPES, rules.Excitation())],
+        last=rules.ContrastiveExcitation(),
         name="excitation_bp.contrastive",
     )

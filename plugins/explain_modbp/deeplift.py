@@ -29,17 +29,12 @@ import torch.nn.functional as F
 from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
+from explain_modbp.base import LayerComposite, LayerRule
 from explain_modbp.composites import gradient_composite
-from explain_modbp.engine import (
-    ADD_OPS,
-    RELU_OPS,
-    LayerComposite,
-    LayerRule,
-    ModifiedBackprop,
-    OpHandler,
-)
+from explain_modbp.engine import ModifiedBackprop
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
 from explain_modbp.methods import one_hot, per_sample_sum
+from explain_modbp.ops import ADD_OPS, RELU_OPS, OpHandler
 
 EPS = 1e-10
 _POOLS = {"max_pool1d": F.max_pool1d, "max_pool2d": F.max_pool2d, "max_pool3d": F.max_pool3d}

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from explain_modbp import composites
-from explain_modbp.engine import LayerComposite
 from explain_modbp.methods import _CompositeMethod
 
 
@@ -18,17 +17,13 @@ from explain_modbp.methods import _CompositeMethod
 class ExcitationBP(_CompositeMethod):
     """Excitation backprop: marginal winning probabilities (sum to 1 on bias-free models)."""
 
+    preset = staticmethod(composites.excitation)
     start = "one"
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.excitation()
 
 
 @dataclass
 class ContrastiveExcitationBP(_CompositeMethod):
     """Contrastive excitation backprop: ``(Z⁺ − N⁺) m_k`` at the output layer, W⁺ below."""
 
+    preset = staticmethod(composites.contrastive_excitation)
     start = "one"
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.contrastive_excitation()

@@ -22,8 +22,9 @@ import torch
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_modbp.composites import gradient_composite
-from explain_modbp.engine import RELU_OPS, ModifiedBackprop, OpHandler
+from explain_modbp.engine import ModifiedBackprop
 from explain_modbp.methods import one_hot
+from explain_modbp.ops import RELU_OPS, OpHandler
 
 Mode = Literal["guided", "deconv", "rectgrad"]
 
@@ -107,44 +108,52 @@ def rectified_propagator(model, inputs, handler: RectifiedReLUHandler):
     return EnginePropagator(forward, "signal", method=handler.mode)
 
 
+class _RectifiedMethod(Method):
+    """A method running the gradient with one :class:`RectifiedReLUHandler` mode.
+
+    Subclasses are dataclasses with a ``times_input`` option.
+    """
+
+    mode: ClassVar[Mode]
+    times_input: bool
+
+    def handler(self) -> RectifiedReLUHandler:
+        """The handler with this method's options."""
+        return RectifiedReLUHandler(self.mode)
+
+    def attribute(self, model, inputs, target, baselines) -> MethodResult:
+        return rectified_signal(model, inputs, target, self.handler(), self.times_input)
+
+    def layer_propagator(self, model, inputs, baselines):
+        return rectified_propagator(model, inputs, self.handler())
+
+
 @dataclass
-class GuidedBackprop(Method):
+class GuidedBackprop(_RectifiedMethod):
     """Guided backpropagation: ``[g]⁺ ⊙ 1[h > 0]`` at every ReLU.
 
     Attributes:
         times_input: Multiply the signal by the input.
     """
 
+    mode: ClassVar[Mode] = "guided"
     times_input: bool = False
-
-    def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        handler = RectifiedReLUHandler("guided")
-        return rectified_signal(model, inputs, target, handler, self.times_input)
-
-    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
-        return rectified_propagator(model, inputs, RectifiedReLUHandler("guided"))
 
 
 @dataclass
-class Deconvolution(Method):
+class Deconvolution(_RectifiedMethod):
     """Deconvolution: ``[g]⁺`` at every ReLU (no forward mask).
 
     Attributes:
         times_input: Multiply the signal by the input.
     """
 
+    mode: ClassVar[Mode] = "deconv"
     times_input: bool = False
-
-    def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        handler = RectifiedReLUHandler("deconv")
-        return rectified_signal(model, inputs, target, handler, self.times_input)
-
-    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
-        return rectified_propagator(model, inputs, RectifiedReLUHandler("deconv"))
 
 
 @dataclass
-class RectGrad(Method):
+class RectGrad(_RectifiedMethod):
     """RectGrad: keep the gradient only where ``h ⊙ g`` exceeds its ``q``-th percentile.
 
     Attributes:
@@ -152,18 +161,15 @@ class RectGrad(Method):
         times_input: Multiply the signal by the input.
     """
 
+    mode: ClassVar[Mode] = "rectgrad"
     q: float = 98.0
     times_input: bool = False
 
     def __post_init__(self) -> None:
-        RectifiedReLUHandler("rectgrad", self.q)
+        self.handler()  # an invalid q fails when the method is created
 
-    def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        handler = RectifiedReLUHandler("rectgrad", self.q)
-        return rectified_signal(model, inputs, target, handler, self.times_input)
-
-    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
-        return rectified_propagator(model, inputs, RectifiedReLUHandler("rectgrad", self.q))
+    def handler(self) -> RectifiedReLUHandler:  # noqa: D102
+        return RectifiedReLUHandler(self.mode, self.q)
 
 
 def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:

@@ -20,6 +20,7 @@ from explain_modbp.errors import UnsupportedModelError
 
 LINEAR_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+AFFINE_TYPES = LINEAR_TYPES + BATCHNORM_TYPES
 
 _CONV_FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -129,19 +130,7 @@ class AffineLayer:
             return signal * weight.reshape((1, -1) + (1,) * (signal.dim() - 2))
         if not isinstance(like, torch.Tensor):  # the backend only reads the shape; a real
             like = signal.new_empty(1).expand(like)  # input can pick a faster kernel
-        return torch.ops.aten.convolution_backward(
-            signal,
-            like,
-            weight,
-            None,
-            self.stride,
-            self.padding,
-            self.dilation,
-            False,
-            [0] * self.dims,
-            self.groups,
-            (True, False, False),
-        )[0]
+        return self._convolution_backward(signal, like, weight, wrt_input=True)
 
     def correlate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``Σ y_j ⊗ x_patch`` over batch and positions, shaped like the weight.
@@ -154,10 +143,16 @@ class AffineLayer:
         if self.kind == "scale":
             dims = [d for d in range(x.dim()) if d != 1]
             return (x * y).sum(dims)
-        return torch.ops.aten.convolution_backward(
-            y,
+        return self._convolution_backward(y, x, self.weight, wrt_input=False)
+
+    def _convolution_backward(
+        self, signal: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, *, wrt_input: bool
+    ) -> torch.Tensor:
+        """This convolution's vector-Jacobian product w.r.t. its input or (else) its weight."""
+        grads = torch.ops.aten.convolution_backward(
+            signal,
             x,
-            self.weight,
+            weight,
             None,
             self.stride,
             self.padding,
@@ -165,8 +160,9 @@ class AffineLayer:
             False,
             [0] * self.dims,
             self.groups,
-            (False, True, False),
-        )[1]
+            (wrt_input, not wrt_input, False),
+        )
+        return grads[0] if wrt_input else grads[1]
 
     def ones_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``weight ∗ 1`` over the input's shape (zero padding counts as absent inputs)."""

@@ -8,7 +8,9 @@ rounding) for conserving rules on bias-free models, what biases and ε absorb ot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -16,7 +18,8 @@ from torch import nn
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_modbp import composites
-from explain_modbp.engine import ForwardPass, LayerComposite, ModifiedBackprop, safe_divide
+from explain_modbp.base import LayerComposite, safe_divide
+from explain_modbp.engine import ForwardPass, ModifiedBackprop
 
 
 def one_hot(output: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -66,16 +69,22 @@ def run_composite(
 
 
 class _CompositeMethod(Method):
-    """A method defined by one preset composite."""
+    """A method defined by one preset composite.
+
+    Attributes:
+        preset: Builds the composite from the method's options (its dataclass fields, passed by
+            name).
+    """
 
     start = "logit"
+    preset: ClassVar[Callable[..., LayerComposite]]
 
     def __post_init__(self) -> None:
         self.composite()  # invalid options fail when the method is created
 
     def composite(self) -> LayerComposite:
         """The composite with this method's options."""
-        raise NotImplementedError
+        return self.preset(**{option.name: getattr(self, option.name) for option in fields(self)})
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:
         return run_composite(self.composite(), model, inputs, target, start=self.start)
@@ -91,8 +100,7 @@ class _CompositeMethod(Method):
 class LRPZ(_CompositeMethod):
     """LRP-0 on every layer (equals Input×Gradient on ReLU networks)."""
 
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_z()
+    preset = staticmethod(composites.lrp_z)
 
 
 @dataclass
@@ -103,18 +111,15 @@ class LRPEpsilon(_CompositeMethod):
         epsilon: Stabiliser of the denominators.
     """
 
+    preset = staticmethod(composites.lrp_epsilon)
     epsilon: float = 1e-6
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_epsilon(self.epsilon)
 
 
 @dataclass
 class LRPZPlus(_CompositeMethod):
     """z⁺ (LRP-α1β0) on every layer."""
 
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_zplus()
+    preset = staticmethod(composites.lrp_zplus)
 
 
 @dataclass
@@ -126,11 +131,9 @@ class LRPAlphaBeta(_CompositeMethod):
         beta: Weight of negative contributions.
     """
 
+    preset = staticmethod(composites.lrp_alpha_beta)
     alpha: float = 2.0
     beta: float = 1.0
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_alpha_beta(self.alpha, self.beta)
 
 
 @dataclass
@@ -141,18 +144,15 @@ class LRPGamma(_CompositeMethod):
         gamma: Amplification of positive weights.
     """
 
+    preset = staticmethod(composites.lrp_gamma)
     gamma: float = 0.25
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_gamma(self.gamma)
 
 
 @dataclass
 class LRPW2(_CompositeMethod):
     """Deep Taylor decomposition for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
 
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_w2()
+    preset = staticmethod(composites.lrp_w2)
 
 
 @dataclass
@@ -164,41 +164,33 @@ class LRPZB(_CompositeMethod):
         high: Upper input bound.
     """
 
+    preset = staticmethod(composites.lrp_zb)
     low: float | torch.Tensor | None = None
     high: float | torch.Tensor | None = None
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_zb(self.low, self.high)
 
 
 @dataclass
 class LRPFlat(_CompositeMethod):
     """Flat rule on the input layer, z⁺ on convolutions, ε on dense layers."""
 
+    preset = staticmethod(composites.lrp_flat)
     epsilon: float = 1e-6
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_flat(self.epsilon)
 
 
 @dataclass
 class LRPEpsilonPlus(_CompositeMethod):
     """The ε+z⁺ composite: z⁺ on convolutions, ε on dense layers."""
 
+    preset = staticmethod(composites.lrp_epsilon_plus)
     epsilon: float = 1e-6
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_epsilon_plus(self.epsilon)
 
 
 @dataclass
 class LRPCMP(_CompositeMethod):
     """LRP-CMP: αβ (``β = α − 1``; α = 1 or 2 in the paper) on convolutions, LRP-0 on dense."""
 
+    preset = staticmethod(composites.lrp_cmp)
     alpha: float = 1.0
-
-    def composite(self) -> LayerComposite:  # noqa: D102
-        return composites.lrp_cmp(self.alpha)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
@@ -32,13 +32,8 @@ from explain_core.errors import InvalidInputError
 from explain_core.model_guard import require_eval_mode
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
-from explain_modbp.engine import (
-    ForwardPass,
-    LayerComposite,
-    LayerRule,
-    ModifiedBackprop,
-    safe_divide,
-)
+from explain_modbp.base import LayerComposite, LayerRule, safe_divide
+from explain_modbp.engine import ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.methods import one_hot
@@ -278,6 +273,10 @@ class PatternRule(LayerRule):
         return layer.transpose(relevance, x, state)
 
 
+def _method_name(attribution: bool) -> str:
+    return "pattern_attribution" if attribution else "patternnet"
+
+
 def _resolve(patterns: Patterns | str | Path | None, method: str) -> Patterns:
     if patterns is None:
         raise InvalidInputError(
@@ -299,7 +298,7 @@ def pattern_forward(
     """The forward pass with pattern rules attached, after checking the patterns fit."""
     composite = LayerComposite(
         [(LINEAR_TYPES + BATCHNORM_TYPES, PatternRule(patterns, attribution))],
-        name="pattern_attribution" if attribution else "patternnet",
+        name=_method_name(attribution),
     )
     forward = ModifiedBackprop(composite, record=record).forward(model, inputs)
     extra = sorted(set(patterns.patterns) - set(forward.records))
@@ -322,8 +321,7 @@ def pattern_propagator(model, inputs, patterns: Patterns, attribution: bool):
     from explain_modbp.propagation import EnginePropagator
 
     forward = pattern_forward(model, inputs, patterns, attribution, record=True)
-    name = "pattern_attribution" if attribution else "patternnet"
-    return EnginePropagator(forward, "signal", method=name)
+    return EnginePropagator(forward, "signal", method=_method_name(attribution))
 
 
 def pattern_signal(
@@ -342,43 +340,46 @@ def pattern_signal(
 
 
 @dataclass
-class PatternNet(Method):
+class _PatternMethod(Method):
+    """Shared body of PatternNet and PatternAttribution.
+
+    Attributes:
+        patterns: Fitted :class:`Patterns`, or the path of a saved patterns file.
+    """
+
+    patterns: Patterns | str | Path | None = None
+    attribution: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        self.patterns = _resolve(self.patterns, _method_name(self.attribution))
+
+    def attribute(self, model, inputs, target, baselines) -> MethodResult:
+        return pattern_signal(model, inputs, target, self.patterns, self.attribution)  # type: ignore[arg-type]
+
+    def layer_propagator(self, model, inputs, baselines):
+        return pattern_propagator(model, inputs, self.patterns, self.attribution)  # type: ignore[arg-type]
+
+
+@dataclass
+class PatternNet(_PatternMethod):
     """PatternNet: the signal ``A_lᵀ r_{l+1}`` backwards (with the ReLU masks).
 
     Attributes:
         patterns: Fitted :class:`Patterns`, or the path of a saved patterns file.
     """
 
-    patterns: Patterns | str | Path | None = None
-
-    def __post_init__(self) -> None:
-        self.patterns = _resolve(self.patterns, "patternnet")
-
-    def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        return pattern_signal(model, inputs, target, self.patterns, attribution=False)  # type: ignore[arg-type]
-
-    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
-        return pattern_propagator(model, inputs, self.patterns, attribution=False)  # type: ignore[arg-type]
+    attribution: ClassVar[bool] = False
 
 
 @dataclass
-class PatternAttribution(Method):
+class PatternAttribution(_PatternMethod):
     """PatternAttribution: ``(W_l ⊙ A_l)ᵀ r_{l+1}`` backwards (with the ReLU masks).
 
     Attributes:
         patterns: Fitted :class:`Patterns`, or the path of a saved patterns file.
     """
 
-    patterns: Patterns | str | Path | None = None
-
-    def __post_init__(self) -> None:
-        self.patterns = _resolve(self.patterns, "pattern_attribution")
-
-    def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        return pattern_signal(model, inputs, target, self.patterns, attribution=True)  # type: ignore[arg-type]
-
-    def layer_propagator(self, model, inputs, baselines):  # noqa: D102
-        return pattern_propagator(model, inputs, self.patterns, attribution=True)  # type: ignore[arg-type]
+    attribution: ClassVar[bool] = True
 
 
 def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:

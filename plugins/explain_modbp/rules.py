@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from explain_core.errors import InvalidInputError
-from explain_modbp.engine import LayerRule, safe_divide
+from explain_modbp.base import LayerRule, safe_divide
 from explain_modbp.layers import AffineLayer
 
 
@@ -39,6 +39,25 @@ def _ratio(z: torch.Tensor, denominator: torch.Tensor, scale: float = 1.0) -> to
     if scale != 1.0:
         ratio.mul_(scale)
     return ratio.nan_to_num_(0.0, 0.0, 0.0)
+
+
+class _ModifiedWeights(LayerRule):
+    """A rule whose state starts with a modified weight ``ρ(W)`` and the denominators ``d``.
+
+    ``R_i = Σ_j x_i ρ(w)_ji / d_j · R_j`` (or without ``x_i`` for input-layer rules).
+    """
+
+    def relevance_backward(self, layer, state, x, relevance):
+        weight, denominator = state[0], state[1]
+        return layer.transpose(safe_divide(relevance, denominator), x, weight)
+
+
+class _ModifiedWeightsWithRatio(_ModifiedWeights):
+    """A :class:`_ModifiedWeights` rule with state ``(ρ(W), d, z / d)`` (ratio from the forward)."""
+
+    def signal_backward(self, layer, state, x, z, signal):
+        weight, _, ratio = state
+        return layer.transpose(signal * ratio, x, weight)
 
 
 class Epsilon(LayerRule):
@@ -76,7 +95,7 @@ class Zero(Epsilon):
         return "Zero()"
 
 
-class Gamma(LayerRule):
+class Gamma(_ModifiedWeightsWithRatio):
     """LRP-γ: positive weights (and biases) amplified by ``1 + γ``.
 
     Args:
@@ -95,14 +114,6 @@ class Gamma(LayerRule):
         bias = None if layer.bias is None else layer.bias + self.gamma * layer.bias.clamp(min=0)
         denominator = _stabilise(layer.forward(x, weight, bias), self.epsilon)
         return weight, denominator, _ratio(z, denominator)
-
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        weight, denominator, _ = state
-        return layer.transpose(safe_divide(relevance, denominator), x, weight)
-
-    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
-        weight, _, ratio = state
-        return layer.transpose(signal * ratio, x, weight)
 
 
 class AlphaBeta(LayerRule):
@@ -177,7 +188,7 @@ class ZPlus(AlphaBeta):
         return "ZPlus()"
 
 
-class WSquare(LayerRule):
+class WSquare(_ModifiedWeights):
     """Deep Taylor's w² rule for unbounded real inputs (input layer only)."""
 
     relevance_output = True
@@ -186,12 +197,8 @@ class WSquare(LayerRule):
         squared = layer.weight.square()
         return squared, layer.ones_forward(x, squared)
 
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        squared, denominator = state
-        return layer.transpose(safe_divide(relevance, denominator), x, squared)
 
-
-class Flat(LayerRule):
+class Flat(_ModifiedWeights):
     """The flat rule: each output's relevance spread uniformly over its inputs (input layer)."""
 
     relevance_output = True
@@ -199,10 +206,6 @@ class Flat(LayerRule):
     def prepare(self, layer, x, z):  # noqa: D102
         ones = torch.ones_like(layer.weight)
         return ones, layer.ones_forward(x, ones)
-
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        ones, denominator = state
-        return layer.transpose(safe_divide(relevance, denominator), x, ones)
 
 
 class ZBox(LayerRule):
@@ -269,7 +272,7 @@ class ZBox(LayerRule):
         )
 
 
-class Excitation(LayerRule):
+class Excitation(_ModifiedWeightsWithRatio):
     """Excitation backprop's marginal winning probability: only positive weights (``W⁺``).
 
     ``R_i = Σ_j x_i w⁺_ji / Σ_i' x_i' w⁺_ji' · R_j`` (equals z⁺ for non-negative inputs).
@@ -279,14 +282,6 @@ class Excitation(LayerRule):
         positive = layer.weight.clamp(min=0)
         denominator = layer.forward(x, positive)
         return positive, denominator, _ratio(z, denominator)
-
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        positive, denominator, _ = state
-        return layer.transpose(safe_divide(relevance, denominator), x, positive)
-
-    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
-        positive, _, ratio = state
-        return layer.transpose(signal * ratio, x, positive)
 
 
 class ContrastiveExcitation(LayerRule):

@@ -1,0 +1,180 @@
+"""Attaching the rules during one attribution pass: forward hooks and autograd functions.
+
+Each ruled layer's forward hook returns the layer's output values through :class:`_RuleFunction`,
+whose backward is the rule computed from tensors saved in the forward pass; an operation handler
+runs as a :class:`~torch.overrides.TorchFunctionMode` around the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+from torch.overrides import TorchFunctionMode
+
+from explain_modbp.base import LayerRule
+from explain_modbp.layers import AFFINE_TYPES, AffineLayer
+from explain_modbp.ops import OpHandler, op_name
+from explain_modbp.tracing import Plan
+
+
+@dataclass
+class RuleState:
+    """What a rule's backward needs (held by the autograd graph only)."""
+
+    rule: LayerRule
+    layer: AffineLayer
+    state: Any
+    z: torch.Tensor
+
+
+@dataclass
+class LayerRecord:
+    """One ruled layer in a :class:`ForwardPass`.
+
+    Attributes:
+        name: Qualified name (of the Linear/Conv for a merged pair).
+        input: The tensor the layer read (part of the graph).
+        output: The layer's output as the rest of the model saw it (part of the graph).
+        core: Rule, layer view and forward-time state.
+    """
+
+    name: str
+    input: torch.Tensor
+    output: torch.Tensor
+    core: RuleState
+
+
+class _RuleFunction(torch.autograd.Function):
+    """Identity on a layer's output values whose backward is the layer's rule."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, z: torch.Tensor, core: RuleState) -> torch.Tensor:
+        ctx.core = core
+        ctx.save_for_backward(x)  # raises at backward if x was changed in place meanwhile
+        return z.clone()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        (x,) = ctx.saved_tensors
+        core: RuleState = ctx.core
+        return core.rule.signal_backward(core.layer, core.state, x, core.z, signal), None, None
+
+
+class _HandlerMode(TorchFunctionMode):
+    def __init__(self, handler: OpHandler, attached: _Attached) -> None:
+        super().__init__()
+        self.handler = handler
+        self.attached = attached
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.attached.internal:
+            return func(*args, **kwargs)
+        name = op_name(func)
+        if name in self.handler.ops:
+            return self.handler.handle(name, func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _Attached:
+    """Hooks of one attribution pass."""
+
+    def __init__(self, model: nn.Module, plan: Plan, record: bool) -> None:
+        self.model = model
+        self.plan = plan
+        self.record = record
+        self.records: dict[str, LayerRecord] = {}
+        self.stash: dict[str, torch.Tensor] = {}
+        self.internal = False
+
+    @contextlib.contextmanager
+    def internal_ops(self) -> Iterator[None]:
+        previous, self.internal = self.internal, True
+        try:
+            yield
+        finally:
+            self.internal = previous
+
+    def apply_rule(
+        self, rule: LayerRule, layer: AffineLayer, x: torch.Tensor, output: torch.Tensor
+    ) -> torch.Tensor:
+        """Replace ``output`` by the same values with ``rule`` as backward."""
+        z = output.detach()
+        with torch.no_grad():
+            state = rule.prepare(layer, x.detach(), z)
+        core = RuleState(rule, layer, state, z)
+        out = _RuleFunction.apply(x, z, core)
+        self.records[layer.name] = LayerRecord(layer.name, x, out, core)
+        return out
+
+    def call_counter(self) -> tuple[dict[str, int], list[Any]]:
+        """Count the calls of every affine module (to validate a cached plan)."""
+        calls: dict[str, int] = {}
+        skip = tuple(f"{name}." for name in self.plan.custom)
+        handles = []
+        for name, module in self.model.named_modules():
+            if isinstance(module, AFFINE_TYPES) or name in self.plan.custom:
+                if name and name.startswith(skip):
+                    continue
+
+                def count(module: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
+                    calls[name] = calls.get(name, 0) + 1
+
+                handles.append(module.register_forward_pre_hook(count))
+        return calls, handles
+
+    def hooks(self) -> list[Any]:
+        handles = []
+        for name in self.plan.order:
+            rule = self.plan.rules[name]
+            if rule.passes_gradient and not self.record:
+                continue
+            module = self.model.get_submodule(name)
+            if name in self.plan.merged:
+                handles.append(module.register_forward_hook(self._stash_hook(name)))
+                bn_name = self.plan.merged[name]
+                bn = self.model.get_submodule(bn_name)
+                handles.append(bn.register_forward_hook(self._rule_hook(name, bn_name)))
+            else:
+                handles.append(module.register_forward_hook(self._rule_hook(name, None)))
+        return handles
+
+    def _stash_hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            self.stash[name] = args[0]
+
+        return hook
+
+    def _rule_hook(self, name: str, bn_name: str | None) -> Callable[..., Any]:
+        rule = self.plan.rules[name]
+
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            with self.internal_ops():
+                if bn_name is None:
+                    x = args[0]
+                    layer = AffineLayer.from_module(name, module)
+                else:
+                    x = self.stash.pop(name)
+                    linear = self.model.get_submodule(name)
+                    layer = AffineLayer.from_module(name, linear).merge_batchnorm(bn_name, module)
+                if name in self.plan.nonnegative_inputs:
+                    layer = replace(layer, nonnegative_input=True)
+                if rule.passes_gradient:
+                    z = output.detach()
+                    core = RuleState(rule, layer, None, z)
+                    self.records[name] = LayerRecord(name, x, output, core)
+                    return None
+                replaced = rule.attach(self, layer, x, output)
+                if replaced is None and self.record:
+                    core = RuleState(rule, layer, None, output.detach())
+                    self.records[name] = LayerRecord(name, x, output, core)
+                return replaced
+
+        return hook

@@ -1,0 +1,141 @@
+"""The operations the engine understands, and handlers that change their backward pass.
+
+The operation sets name what the trace lets through outside ruled modules (linear operations,
+ReLU, max pooling, dropout in eval mode); an :class:`OpHandler` replaces the backward pass of some
+of them (ReLU, max pooling, additions) for methods such as Guided BP and DeepLIFT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+
+class OpHandler:
+    """Changes the backward pass of parameter-free operations seen in the forward pass.
+
+    Attributes:
+        ops: Normalised operation names the handler intercepts (e.g. ``"relu"``).
+    """
+
+    ops: ClassVar[frozenset[str]] = frozenset()
+
+    def prepare_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The tensor actually fed to the model (DeepLIFT appends the reference)."""
+        return inputs
+
+    def handle(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Compute ``func(*args, **kwargs)`` with a modified backward."""
+        return func(*args, **kwargs)
+
+
+RESHAPE_OPS = frozenset(
+    [
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "squeeze_",
+        "unsqueeze",
+        "unsqueeze_",
+        "permute",
+        "transpose",
+        "t",
+        "contiguous",
+        "clone",
+        "movedim",
+        "to",
+        "float",
+        "double",
+        "type_as",
+    ]
+)
+# Selection, combination and averaging: linear, and non-negative on non-negative inputs.
+_GATHER_OPS = frozenset(
+    [
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "getitem",
+        "narrow",
+        "select",
+        "chunk",
+        "split",
+        "unbind",
+        "expand",
+        "expand_as",
+        "sum",
+        "mean",
+    ]
+)
+AVGPOOL_OPS = frozenset(
+    [
+        "avg_pool1d",
+        "avg_pool2d",
+        "avg_pool3d",
+        "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d",
+    ]
+)
+LINEAR_OPS = (
+    RESHAPE_OPS
+    | _GATHER_OPS
+    | AVGPOOL_OPS
+    | frozenset(["add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad"])
+)
+RELU_OPS = frozenset({"relu", "relu_"})
+MAXPOOL_OPS = frozenset(
+    [
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "max_pool1d_with_indices",
+        "max_pool2d_with_indices",
+        "max_pool3d_with_indices",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "adaptive_max_pool3d",
+        "adaptive_max_pool1d_with_indices",
+        "adaptive_max_pool2d_with_indices",
+        "adaptive_max_pool3d_with_indices",
+    ]
+)
+DROPOUT_OPS = frozenset(
+    [
+        "dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+    ]
+)
+ADD_OPS = frozenset({"add", "add_", "sub", "sub_"})
+_PRODUCT_OPS = frozenset({"mul", "mul_", "div", "div_"})
+# Operations whose output is non-negative when all their input-dependent inputs are.
+_SIGN_PRESERVING = (
+    RESHAPE_OPS | MAXPOOL_OPS | DROPOUT_OPS | _GATHER_OPS | AVGPOOL_OPS | frozenset(["add", "add_"])
+)
+
+
+def op_name(func: Callable[..., Any]) -> str:
+    """``Tensor.__iadd__`` → ``add_``, ``Tensor.__radd__`` → ``add``, ``F.relu`` → ``relu``."""
+    name = getattr(func, "__name__", repr(func))
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+        if name == "truediv":
+            return "div"
+        if name in ("iadd", "isub", "imul", "itruediv", "idiv"):
+            return {"itruediv": "div", "idiv": "div"}.get(name[1:], name[1:]) + "_"
+        if name in ("radd", "rsub", "rmul", "rtruediv"):
+            return {"rtruediv": "rdiv"}.get(name, name[1:])
+    return name

@@ -1,0 +1,144 @@
+"""The plan cache: a model's trace is reused while the model keeps its traced structure.
+
+The trace (a one-sample run with checks) is cached per model, keyed by the composite's shape and
+the input's per-sample shape, and validated on every call; the rules are resolved again from the
+caller's composite each time.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from explain_core.interfaces.relevance import Composite
+from explain_modbp.tracing import Plan, move_custom_rules, resolve_rule, trace
+
+# Key: the composite's *shape* (matchers that are types, type tuples or name globs, and the type
+# of every rule), the handler's extra operations and the input's per-sample shape, dtype and
+# device. A composite with other matchers (callables) or with canonizers is never cached.
+# Validity, checked on every call: every submodule, parameter and buffer is the same object as
+# when traced (compared through weak references), modules are in the same train/eval mode, and
+# no hook or instance-level ``forward`` was added or removed. And after the real forward pass the
+# affine modules actually called must be exactly the planned ones, each once; otherwise the plan
+# is dropped and the pass re-runs with a fresh trace, so a stale plan can never skip a rule.
+# The rules themselves are resolved again from the caller's composite on every call.
+
+_PLAN_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[Any, Plan]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached trace (the next call of each model traces again)."""
+    _PLAN_CACHE.clear()
+
+
+def _composite_key(composite: Composite, extra_ops: frozenset[str]) -> Any:
+    if composite.canonizers:
+        return None
+    entries = []
+    for entry in composite.mapping:
+        matcher = entry.matcher
+        if not (
+            isinstance(matcher, (str, type))
+            or (isinstance(matcher, tuple) and all(isinstance(t, type) for t in matcher))
+        ):
+            return None
+        entries.append((matcher, type(entry.rule)))
+    first = getattr(composite, "first", None)
+    last = getattr(composite, "last", None)
+    return (type(composite), tuple(entries), type(first), type(last), extra_ops)
+
+
+def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
+    from torch.nn.modules import module as module_globals
+
+    parts: list[tuple[Any, ...]] = [
+        (
+            len(module_globals._global_forward_hooks),
+            len(module_globals._global_forward_pre_hooks),
+        )
+    ]
+    for name, module in model.named_modules():
+        parts.append(
+            (
+                name,
+                weakref.ref(module),
+                module.training,
+                tuple(module._forward_hooks),
+                tuple(module._forward_pre_hooks),
+                module.__dict__.get("forward"),
+                tuple((k, weakref.ref(v)) for k, v in module._parameters.items() if v is not None),
+                tuple((k, weakref.ref(v)) for k, v in module._buffers.items() if v is not None),
+            )
+        )
+    return parts
+
+
+def _same_fingerprint(old: list[tuple[Any, ...]], new: list[tuple[Any, ...]]) -> bool:
+    if len(old) != len(new) or old[0] != new[0]:
+        return False
+    for a, b in zip(old[1:], new[1:], strict=True):
+        if a[0] != b[0] or a[1]() is not b[1]() or a[2:6] != b[2:6]:
+            return False
+        for refs_a, refs_b in ((a[6], b[6]), (a[7], b[7])):
+            if len(refs_a) != len(refs_b) or any(
+                ka != kb or ra() is not rb()
+                for (ka, ra), (kb, rb) in zip(refs_a, refs_b, strict=True)
+            ):
+                return False
+    return True
+
+
+def _resolve_rules(model: nn.Module, composite: Composite, structure: Plan) -> Plan:
+    """A copy of a cached plan with the rules of ``composite`` (raises like the trace)."""
+    plan = replace(structure, order=list(structure.trace_order), rules={}, custom={})
+    for name in structure.opaque_custom:
+        rule = composite.rule_for(name, model.get_submodule(name))
+        if rule is not None:
+            plan.custom[name] = rule
+    for name in plan.order:
+        plan.rules[name] = resolve_rule(model, composite, name, plan)
+    move_custom_rules(plan)
+    return plan
+
+
+def planned(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    composite: Composite,
+    extra_ops: frozenset[str],
+    *,
+    cache: bool,
+) -> tuple[Plan, bool]:
+    """The plan for this call, from the cache when valid; also whether it came from the cache."""
+    key = _composite_key(composite, extra_ops) if cache else None
+    fingerprint: list[tuple[Any, ...]] = []
+    if key is not None:
+        key = (key, tuple(inputs.shape[1:]), inputs.dtype, inputs.device)
+        entry = _PLAN_CACHE.get(model, {}).get(key)
+        fingerprint = _fingerprint(model)
+        if entry is not None and _same_fingerprint(entry[0], fingerprint):
+            return _resolve_rules(model, composite, entry[1]), True
+    plan = trace(model, inputs, composite, extra_ops)
+    if key is not None:
+        structure = replace(plan, order=[], rules={}, custom={})
+        _PLAN_CACHE.setdefault(model, {})[key] = (fingerprint, structure)
+    return plan, False
+
+
+def forget_plan(model: nn.Module) -> None:
+    """Drop the cached plans of ``model``."""
+    _PLAN_CACHE.pop(model, None)
+
+
+def expected_calls(plan: Plan) -> dict[str, int]:
+    """Affine (and custom-ruled) module name → calls a pass following ``plan`` makes (1 each)."""
+    calls = dict.fromkeys(plan.order, 1)
+    calls.update(dict.fromkeys(plan.merged.values(), 1))
+    calls.update(dict.fromkeys(plan.custom, 1))
+    return calls
