@@ -292,8 +292,9 @@ def test_png_pdf_and_side_by_side(tmp_path: Path):
 
 def test_dot_source_keeps_index_order_in_each_rank():
     source = to_dot(hand_tree(keep_all_nodes=True))
-    assert 'rank=same\n\t\t"layer:2" -> "L2:C0" [style=invis]' in source
-    assert '"L2:C2" -> "L2:C3" [style=invis]' in source
+    assert 'rank=same\n\t\t"layer:2" -> "L2:C0" [style=invis, weight=8]' in source
+    assert '"L2:C2" -> "L2:C3" [style=invis, weight=8]' in source
+    assert '"layer:1" -> "layer:2" [style=invis, weight=50]' in source  # labels in a column
     assert "rankdir=BT" in source
 
 

@@ -96,6 +96,7 @@ def to_dot(
         for node, data in graph.nodes(data=True):
             by_layer.setdefault(int(data["layer"]), []).append((int(data["index"]), node, data))
         top = max(by_layer, default=0)
+        previous_label = None
         for layer in sorted(by_layer):
             label = "classes" if layer == top else "primary" if layer == 1 else f"layer {layer}"
             label_node = f"{prefix}layer:{layer}"
@@ -103,6 +104,11 @@ def to_dot(
                 f"{_quote(label_node)} [shape=plaintext, style=solid, fixedsize=false, "
                 f"label={_quote(label)}, fontsize=10, fontcolor=gray35]"
             )
+            if previous_label:  # heavy and straight: the row labels stand in one column
+                statements.append(
+                    f"{_quote(previous_label)} -> {_quote(label_node)} [style=invis, weight=50]"
+                )
+            previous_label = label_node
             row = rows.setdefault(layer, [])
             row.append(label_node)
             for _, node, data in sorted(by_layer[layer]):
@@ -131,7 +137,8 @@ def to_dot(
         lines.append(f"\tsubgraph {_quote(f'row {layer}' if layer else 'titles')} {{")
         lines.append("\t\trank=same")
         for a, b in itertools.pairwise(row):
-            lines.append(f"\t\t{_quote(a)} -> {_quote(b)} [style=invis]")
+            # weight keeps a row compact where couplings would pull its nodes apart
+            lines.append(f"\t\t{_quote(a)} -> {_quote(b)} [style=invis, weight=8]")
         lines.append("\t}")
     lines.append("}")
     return "\n".join(lines) + "\n"
