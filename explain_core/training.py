@@ -163,6 +163,7 @@ def train_resumable(
             history.accuracy.append(evaluate(model))
         if checkpoint is not None:
             save_checkpoint(checkpoint, model, optimizer, config, epoch + 1, history)
+    model.eval()  # also when a resumed run had no epoch left
     return history
 
 

@@ -15,9 +15,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(autouse=True)
 def _fresh_cache():
-    engine.clear_plan_cache()
+    plan_cache.clear_plan_cache()
     yield
-    engine.clear_plan_cache()
+    plan_cache.clear_plan_cache()
 
 
 def cnn():
@@ -104,7 +104,7 @@ def test_a_module_the_plan_did_not_see_is_never_left_without_its_rule(monkeypatc
     explain(model, positive, "lrp.zplus", 0)
     cached = explain(model, negative, "lrp.zplus", 0).attribution
     assert len(traces) == 2  # cached plan ran b instead of a: dropped and traced again
-    engine.clear_plan_cache()
+    plan_cache.clear_plan_cache()
     fresh = explain(model, negative, "lrp.zplus", 0).attribution
     torch.testing.assert_close(cached, fresh, rtol=0, atol=0)
     gradient_like = explain(model, negative, "lrp.z", 0).attribution

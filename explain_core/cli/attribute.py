@@ -13,7 +13,6 @@ from explain_core.cli.common import (
     load_model,
     method_options,
 )
-from explain_core.cli.common import parse_options as parse_options  # importable from here, too
 from explain_core.errors import InvalidInputError
 
 NAME = "attribute"

@@ -127,7 +127,7 @@ def train_capsnet(
             configuration.
     """
     _check_data(images, labels)
-    history = train_resumable(
+    return train_resumable(
         model,
         images,
         labels,
@@ -142,8 +142,6 @@ def train_capsnet(
         evaluate=evaluate,
         stop_after_epoch=stop_after_epoch,
     )
-    model.eval()
-    return history
 
 
 def save_capsule_checkpoint(

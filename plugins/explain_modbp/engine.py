@@ -27,7 +27,7 @@ needs).
 **Modules.** The parts live in their own modules: the rule base classes and
 :class:`LayerComposite` in :mod:`.base`, the operation sets and :class:`OpHandler` in :mod:`.ops`,
 the trace in :mod:`.tracing`, the plan cache in :mod:`.plan_cache` and the hooks of one pass in
-:mod:`.attach`; their names are re-exported here.
+:mod:`.attach`.
 """
 
 from __future__ import annotations
@@ -41,50 +41,12 @@ from torch import nn
 
 from explain_core.interfaces.relevance import Composite
 from explain_core.model_guard import ModelGuard
-from explain_modbp.attach import LayerRecord, RuleState, _Attached, _HandlerMode
-from explain_modbp.base import Gradient, LayerComposite, LayerRule, safe_divide
-from explain_modbp.layers import AFFINE_TYPES
-from explain_modbp.ops import (
-    ADD_OPS,
-    AVGPOOL_OPS,
-    DROPOUT_OPS,
-    LINEAR_OPS,
-    MAXPOOL_OPS,
-    RELU_OPS,
-    RESHAPE_OPS,
-    OpHandler,
-    op_name,
-)
-from explain_modbp.plan_cache import clear_plan_cache, expected_calls, forget_plan, planned
-from explain_modbp.tracing import Plan, trace
+from explain_modbp.attach import LayerRecord, _Attached, _HandlerMode
+from explain_modbp.ops import OpHandler
+from explain_modbp.plan_cache import expected_calls, forget_plan, planned
+from explain_modbp.tracing import Plan
 
-__all__ = [
-    "ADD_OPS",
-    "AFFINE_TYPES",
-    "AVGPOOL_OPS",
-    "DROPOUT_OPS",
-    "LINEAR_OPS",
-    "MAXPOOL_OPS",
-    "RELU_OPS",
-    "RESHAPE_OPS",
-    "BackwardResult",
-    "ForwardPass",
-    "Gradient",
-    "LayerComposite",
-    "LayerRecord",
-    "LayerRule",
-    "ModifiedBackprop",
-    "OpHandler",
-    "Plan",
-    "RuleState",
-    "_Attached",
-    "clear_plan_cache",
-    "forget_plan",
-    "op_name",
-    "planned",
-    "safe_divide",
-    "trace",
-]
+__all__ = ["BackwardResult", "ForwardPass", "ModifiedBackprop"]
 
 
 @dataclass
