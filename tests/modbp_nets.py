@@ -140,17 +140,26 @@ def reference(rule, layer, x, relevance_out):
         den = z + rule.epsilon * torch.where(z >= 0, 1.0, -1.0).double()
         out = spread(contributions, den)
     elif isinstance(rule, rules.Gamma):
-        rho_w = w + rule.gamma * wp
-        # the bias of the dense reference is b itself (per output position)
-        rho_b = b + rule.gamma * b.clamp(min=0)
-        num = flat_x[:, None, :] * rho_w[None]
-        z = num.sum(2) + rho_b
-        out = spread(num, z + rule.epsilon * torch.where(z >= 0, 1.0, -1.0).double())
+        stabilise = lambda d: d + rule.epsilon * torch.where(d >= 0, 1.0, -1.0).double()  # noqa: E731
+        # ρ⁺ amplifies positive parts, ρ⁻ negative ones; the dense reference's bias is b itself
+        up_w, up_b = w + rule.gamma * wp, b + rule.gamma * b.clamp(min=0)
+        down_w, down_b = w + rule.gamma * wn, b + rule.gamma * b.clamp(max=0)
+        if not rule.generalised:  # w + γw⁺ for every sign
+            num = flat_x[:, None, :] * up_w[None]
+            out = spread(num, stabilise(num.sum(2) + up_b))
+        else:  # z ≥ 0: x⁺ρ⁺(w) + x⁻ρ⁻(w) + ρ⁺(b); z < 0: x⁺ρ⁻(w) + x⁻ρ⁺(w) + ρ⁻(b)
+            xp, xn = flat_x.clamp(min=0)[:, None, :], flat_x.clamp(max=0)[:, None, :]
+            num_up, num_down = xp * up_w + xn * down_w, xp * down_w + xn * up_w
+            rising = contributions.sum(2) + b >= 0
+            num = torch.where(rising[:, :, None], num_up, num_down)
+            den = torch.where(rising, num_up.sum(2) + up_b, num_down.sum(2) + down_b)
+            out = spread(num, stabilise(den))
     elif isinstance(rule, rules.AlphaBeta):
         pos, neg = contributions.clamp(min=0), contributions.clamp(max=0)
-        out = rule.alpha * spread(pos, pos.sum(2))
+        pos_b, neg_b = (b.clamp(min=0), b.clamp(max=0)) if rule.bias else (0.0, 0.0)
+        out = rule.alpha * spread(pos, pos.sum(2) + pos_b)
         if rule.beta:
-            out = out - rule.beta * spread(neg, neg.sum(2))
+            out = out - rule.beta * spread(neg, neg.sum(2) + neg_b)
     elif isinstance(rule, rules.WSquare):
         num = (w**2)[None].expand_as(contributions)
         out = spread(num, num.sum(2))

@@ -1,5 +1,8 @@
 """The engine on real user models: composites, BatchNorm merging, residual code, checks, state."""
 
+import copy
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +15,7 @@ from explain_core.errors import InvalidInputError
 from explain_modbp import (
     AlphaBeta,
     Epsilon,
+    Gamma,
     Gradient,
     LayerComposite,
     ModifiedBackprop,
@@ -73,6 +77,12 @@ def rules_cmp(layer):
         ("lrp.cmp", {"alpha": 2.0}, rules_cmp),
         ("lrp.alpha2beta1", {}, lambda layer: AlphaBeta(2.0, 1.0)),
         ("lrp.epsilon", {"epsilon": 0.1}, lambda layer: Epsilon(0.1)),
+        ("lrp.gamma", {}, lambda layer: Gamma(0.25)),
+        (
+            "lrp.epsilon_plus",
+            {"bias": True},
+            lambda layer: ZPlus(bias=True) if isinstance(layer, nn.Conv2d) else Epsilon(1e-6),
+        ),
     ],
 )
 def test_composites_on_vgg_with_batchnorm_match_layerwise_reference(seed, method, options, rules):
@@ -330,12 +340,21 @@ class ResidualBlockNet(nn.Module):
         return self.fc(out.flatten(1))
 
 
-@pytest.mark.parametrize("method, rule", [("lrp.zplus", ZPlus()), ("lrp.alpha2beta1", AlphaBeta())])
-def test_residual_block_matches_hand_written_reference(method, rule):
+@pytest.mark.parametrize(
+    "method, options, rule",
+    [
+        ("lrp.zplus", {}, ZPlus()),
+        ("lrp.zplus", {"bias": True}, ZPlus(bias=True)),
+        ("lrp.alpha2beta1", {}, AlphaBeta()),
+        # the branch's second conv has outputs of both signs: the generalised rule's z < 0 case
+        ("lrp.gamma", {}, Gamma(0.25)),
+    ],
+)
+def test_residual_block_matches_hand_written_reference(method, options, rule):
     torch.manual_seed(4)
     model = randomise_batchnorm(ResidualBlockNet()).double().eval()
     x = torch.rand(2, 3, 5, 5, dtype=torch.float64)
-    result = explain(model, x, method, target=[1, 3])
+    result = explain(model, x, method, target=[1, 3], **options)
     with torch.no_grad():
         h = F.relu(model.bn1(model.conv1(x)))
         a = model.bn2(model.conv2(h))
@@ -350,3 +369,42 @@ def test_residual_block_matches_hand_written_reference(method, rule):
     r_h = reference(rule, nn.Sequential(model.conv2, model.bn2), h, r_a)
     r_x = reference(rule, nn.Sequential(model.conv1, model.bn1), x, r_h) + r_x_skip
     torch.testing.assert_close(result.attribution, r_x, rtol=1e-8, atol=1e-10)
+
+
+class CaptumCNN(nn.Module):
+    """Modules Captum's LRP has rules for (it has none for nn.Flatten: flattened in forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 8, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AvgPool2d(2),
+        )  # fmt: skip
+        self.head = nn.Sequential(nn.Linear(8 * 2 * 2, 16), nn.ReLU(), nn.Linear(16, 5))
+
+    def forward(self, x):
+        return self.head(torch.flatten(self.features(x), 1))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_epsilon_plus_equals_captum_lrp(seed):
+    """Captum's LRP with z⁺ on convolutions (bias left out, the paper's Eq. 5) and ε on dense."""
+    captum = pytest.importorskip("captum.attr")
+    from captum.attr._utils.lrp_rules import Alpha1_Beta0_Rule, EpsilonRule
+
+    torch.manual_seed(seed)
+    model = CaptumCNN().double().eval()
+    x = torch.rand(3, 3, 12, 12, dtype=torch.float64)  # non-negative: Captum's z⁺ has no x⁻ form
+    target = [0, 4, 2]
+    ours = explain(model, x, "lrp.epsilon_plus", target=target).attribution
+    theirs_model = copy.deepcopy(model)  # Captum's rules are attributes set on the modules
+    for module in theirs_model.modules():
+        if isinstance(module, nn.Conv2d):
+            module.rule = Alpha1_Beta0_Rule(set_bias_to_zero=True)
+        elif isinstance(module, nn.Linear):
+            module.rule = EpsilonRule(epsilon=1e-6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = captum.LRP(theirs_model).attribute(x, target=target).detach()
+    # Captum adds 1e-9·sign(z) to every denominator: compare against the map's scale
+    assert (ours - theirs).abs().max() <= 1e-7 * theirs.abs().max()

@@ -37,8 +37,11 @@ RULES = [
     Zero(),
     Epsilon(0.1),
     Gamma(0.25),
+    Gamma(0.5, generalised=False),
     ZPlus(),
+    ZPlus(bias=True),
     AlphaBeta(2.0, 1.0),
+    AlphaBeta(2.0, 1.0, bias=True),
     AlphaBeta(5.0, 4.0),
     Excitation(),
     ContrastiveExcitation(),
@@ -88,7 +91,8 @@ def test_merged_batchnorm_matches_reference_of_the_affine_pair(seed):
     pair.eval()
     x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
     relevance_out = torch.randn_like(pair(x))
-    for rule in (Epsilon(0.01), ZPlus(), AlphaBeta(2.0, 1.0), Gamma(0.5)):
+    rules = (Epsilon(0.01), ZPlus(), ZPlus(bias=True), AlphaBeta(2.0, 1.0, bias=True), Gamma(0.5))
+    for rule in rules:
         got = engine_relevance(pair, rule, x, relevance_out)
         torch.testing.assert_close(got, reference(rule, pair, x, relevance_out), msg=repr(rule))
 
@@ -122,3 +126,27 @@ def test_alpha_beta_requires_alpha_minus_beta_one():
         AlphaBeta(2.0, 2.0)
     with pytest.raises(ValueError, match="epsilon"):
         Epsilon(-1.0)
+
+
+def test_gamma_on_a_negative_output_matches_hand_computed_values():
+    """w = (2, −2.5), x = (1, 1), z = −0.5, γ = 0.25: the paper's ρ(w) = w + γw⁺ = (2.5, −2.5)
+    gives a zero denominator; the generalised rule amplifies the negative part instead,
+    ρ⁻(w) = (2, −3.125), d = −1.125, R = x ρ⁻(w) / d · z."""
+    layer = nn.Linear(2, 1, bias=False).double()
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[2.0, -2.5]]))
+    x = torch.ones(1, 2, dtype=torch.float64)
+    z = layer(x).detach()
+    got = engine_relevance(layer, Gamma(0.25, epsilon=0.0), x, z)
+    expected = torch.tensor([[2.0, -3.125]], dtype=torch.float64) / -1.125 * -0.5
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got.sum(), z.sum())  # conserved
+    original = engine_relevance(layer, Gamma(0.25, epsilon=0.0, generalised=False), x, z)
+    assert original.abs().max() == 0  # 0/0 → 0: the relevance of z is lost
+
+
+def test_rule_flags_must_be_booleans():
+    with pytest.raises(TypeError, match="bias must be True or False"):
+        ZPlus(bias="no")
+    with pytest.raises(TypeError, match="generalised must be True or False"):
+        Gamma(generalised=1)

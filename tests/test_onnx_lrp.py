@@ -117,25 +117,30 @@ def test_vgg_bn_epsilon_plus_with_target_input(tmp_path):
     assert np.abs(other - relevance).max() > 1e-3 * np.abs(relevance).max()
 
 
-def test_small_cnn_zplus_predicted_class_signed_inputs(tmp_path):
-    """Inputs of both signs: the input layer takes z⁺'s signed form in the graph."""
+@pytest.mark.parametrize(
+    "method, options",
+    [("lrp.zplus", {}), ("lrp.alpha_beta", {"bias": True}), ("lrp.gamma", {})],
+    ids=["zplus", "alpha_beta_bias", "gamma"],
+)
+def test_small_cnn_predicted_class_signed_inputs(tmp_path, method, options):
+    """Inputs of both signs: the input layer takes the rule's signed form in the graph."""
     model = small_cnn()
     torch.manual_seed(4)
     x = torch.randn(4, 1, 8, 8)
     path = tmp_path / "cnn.onnx"
-    result = export_onnx(model, x, path, explain="lrp.zplus")
+    result = export_onnx(model, x, path, explain=method, **options)
     assert result.input_names == ["input"] and result.parity is not None and result.parity.passed
     assert_standard_and_valid(path)
 
     held_back = torch.randn(7, 1, 8, 8)
     logits, relevance = OnnxSession(path).run(held_back)
-    reference = explain(model, held_back, "lrp.zplus")
+    reference = explain(model, held_back, method, **options)
     assert np.abs(logits - reference.output.numpy()).max() <= 1e-4
     assert_maps_close(relevance, reference.attribution)
     # and non-negative inputs, where the eager rule takes its other branch
     positive = held_back.abs()
     _, relevance = OnnxSession(path).run(positive)
-    assert_maps_close(relevance, explain(model, positive, "lrp.zplus").attribution)
+    assert_maps_close(relevance, explain(model, positive, method, **options).attribution)
 
 
 def test_method_options_and_refusals(tmp_path):

@@ -16,11 +16,11 @@ autograd function whose backward is the rule (``rule.prepare`` in the forward pa
    dynamic and the rules' backward operators (transposed convolutions, max-pool index scatters)
    are decomposed into standard ONNX operators.
 
-One adjustment is needed for a graph: LRP-αβ / z⁺ decides per call whether a layer's input is
+One adjustment is needed for a graph: LRP-αβ / z⁺ / γ decides per call whether a layer's input is
 non-negative (``bool((x >= 0).all())``, a branch on tensor values) unless the engine proved it
 (input after a ReLU). For the other layers (the input layer, typically) the exported graph always
-takes the rule's signed-input form (``x = x⁺ + x⁻``), built from the rule's own weights and
-propagated by the rule's own backward; for non-negative inputs both forms give the same
+takes the rule's signed-input form (``x = x⁺ + x⁻``: the rule's own ``prepare_for(...,
+nonnegative=False)`` and backward); for non-negative inputs both forms give the same
 relevance (the ``x⁻`` terms are zero), which the parity check confirms on every export.
 
 Exportable: every method of the plugin defined by one composite (``lrp.z``, ``lrp.epsilon``,
@@ -60,10 +60,10 @@ def composite_methods() -> dict[str, Any]:
 
 
 class _SignedInputs:
-    """An αβ/z⁺ rule for a layer whose inputs may have either sign, without a value branch.
+    """A rule with a value branch on its input's sign (αβ, z⁺, γ), always in its signed form.
 
-    ``prepare`` builds the state of :meth:`explain_modbp.AlphaBeta.prepare`'s signed branch from
-    the wrapped rule's parameters; the backward is the wrapped rule's own.
+    ``prepare`` is the wrapped rule's :meth:`~explain_modbp.AlphaBeta.prepare_for` with
+    ``nonnegative=False`` (exact for inputs of any sign); the backward is the rule's own.
     """
 
     relevance_output = False
@@ -73,15 +73,7 @@ class _SignedInputs:
         self.rule = rule
 
     def prepare(self, layer: Any, x: torch.Tensor, z: torch.Tensor) -> Any:
-        from explain_modbp.rules import _ratio
-
-        rule = self.rule
-        positive, negative = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
-        xp, xn = x.clamp(min=0), x.clamp(max=0)
-        pos = layer.forward(xp, positive) + layer.forward(xn, negative)
-        neg = (layer.forward(xp, negative) + layer.forward(xn, positive)) if rule.beta else None
-        ratios = _ratio(z, pos, rule.alpha), (_ratio(z, neg, rule.beta) if rule.beta else None)
-        return positive, negative, False, pos, neg, ratios
+        return self.rule.prepare_for(layer, x, z, nonnegative=False)
 
     def signal_backward(self, layer: Any, state: Any, x: Any, z: Any, signal: Any) -> Any:
         return self.rule.signal_backward(layer, state, x, z, signal)
@@ -95,11 +87,11 @@ class _SignedInputs:
 
 def _graph_rules(plan: Any) -> Any:
     """The plan with value-branching rules replaced by their branch-free forms."""
-    from explain_modbp.rules import AlphaBeta
+    from explain_modbp.rules import AlphaBeta, Gamma
 
     rules = dict(plan.rules)
     for name, rule in plan.rules.items():
-        if isinstance(rule, AlphaBeta) and name not in plan.nonnegative_inputs:
+        if isinstance(rule, AlphaBeta | Gamma) and name not in plan.nonnegative_inputs:
             rules[name] = _SignedInputs(rule)
     return replace(plan, rules=rules)
 

@@ -64,44 +64,46 @@ def lrp_epsilon(epsilon: float = 1e-6) -> LayerComposite:
     return uniform(rules.Epsilon(epsilon), "lrp.epsilon")
 
 
-def lrp_zplus() -> LayerComposite:
+def lrp_zplus(bias: bool = False) -> LayerComposite:
     """z⁺ (LRP-α1β0) everywhere."""
-    return uniform(rules.ZPlus(), "lrp.zplus")
+    return uniform(rules.ZPlus(bias), "lrp.zplus")
 
 
-def lrp_alpha_beta(alpha: float = 2.0, beta: float = 1.0) -> LayerComposite:
+def lrp_alpha_beta(alpha: float = 2.0, beta: float = 1.0, bias: bool = False) -> LayerComposite:
     """LRP-αβ everywhere."""
-    return uniform(rules.AlphaBeta(alpha, beta), f"lrp.alpha{alpha:g}beta{beta:g}")
+    return uniform(rules.AlphaBeta(alpha, beta, bias), f"lrp.alpha{alpha:g}beta{beta:g}")
 
 
-def lrp_gamma(gamma: float = 0.25) -> LayerComposite:
+def lrp_gamma(gamma: float = 0.25, generalised: bool = True) -> LayerComposite:
     """LRP-γ everywhere."""
-    return uniform(rules.Gamma(gamma), "lrp.gamma")
+    return uniform(rules.Gamma(gamma, generalised=generalised), "lrp.gamma")
 
 
-def lrp_w2() -> LayerComposite:
+def lrp_w2(bias: bool = False) -> LayerComposite:
     """Deep Taylor for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
-    return uniform(rules.ZPlus(), "lrp.w2", first=rules.WSquare())
+    return uniform(rules.ZPlus(bias), "lrp.w2", first=rules.WSquare())
 
 
-def lrp_zb(low: object = None, high: object = None) -> LayerComposite:
+def lrp_zb(low: object = None, high: object = None, bias: bool = False) -> LayerComposite:
     """Deep Taylor for bounded inputs: z^B on the input layer, z⁺ elsewhere."""
-    return uniform(rules.ZPlus(), "lrp.zb", first=rules.ZBox(low, high))  # type: ignore[arg-type]
+    first = rules.ZBox(low, high)  # type: ignore[arg-type]
+    return uniform(rules.ZPlus(bias), "lrp.zb", first=first)
 
 
-def lrp_flat(epsilon: float = 1e-6) -> LayerComposite:
+def lrp_flat(epsilon: float = 1e-6, bias: bool = False) -> LayerComposite:
     """Flat on the input layer, z⁺ on convolutions, ε on dense layers."""
-    return conv_dense(rules.ZPlus(), rules.Epsilon(epsilon), "lrp.flat", first=rules.Flat())
+    return conv_dense(rules.ZPlus(bias), rules.Epsilon(epsilon), "lrp.flat", first=rules.Flat())
 
 
-def lrp_epsilon_plus(epsilon: float = 1e-6) -> LayerComposite:
+def lrp_epsilon_plus(epsilon: float = 1e-6, bias: bool = False) -> LayerComposite:
     """z⁺ on convolutions, ε on dense layers (the common "ε+z⁺" composite)."""
-    return conv_dense(rules.ZPlus(), rules.Epsilon(epsilon), "lrp.epsilon_plus")
+    return conv_dense(rules.ZPlus(bias), rules.Epsilon(epsilon), "lrp.epsilon_plus")
 
 
-def lrp_cmp(alpha: float = 1.0) -> LayerComposite:
+def lrp_cmp(alpha: float = 1.0, bias: bool = False) -> LayerComposite:
     """LRP-CMP: LRP-αβ (``β = α − 1``) on convolutions, LRP-0 on dense layers."""
-    return conv_dense(rules.AlphaBeta(alpha, alpha - 1), rules.Zero(), f"lrp.cmp(alpha={alpha:g})")
+    conv = rules.AlphaBeta(alpha, alpha - 1, bias)
+    return conv_dense(conv, rules.Zero(), f"lrp.cmp(alpha={alpha:g})")
 
 
 def excitation() -> LayerComposite:

@@ -117,9 +117,15 @@ class LRPEpsilon(_CompositeMethod):
 
 @dataclass
 class LRPZPlus(_CompositeMethod):
-    """z⁺ (LRP-α1β0) on every layer."""
+    """z⁺ (LRP-α1β0) on every layer.
+
+    Attributes:
+        bias: Count the biases in the z⁺ denominators (``b⁺``), as zennit does;
+            default: ignored, as in the paper's Eq. 5.
+    """
 
     preset = staticmethod(composites.lrp_zplus)
+    bias: bool = False
 
 
 @dataclass
@@ -129,11 +135,14 @@ class LRPAlphaBeta(_CompositeMethod):
     Attributes:
         alpha: Weight of positive contributions.
         beta: Weight of negative contributions.
+        bias: Count the biases in the denominators (``b⁺`` with the positive, ``b⁻`` with the
+            negative contributions), as zennit does; default: ignored (Eq. 5).
     """
 
     preset = staticmethod(composites.lrp_alpha_beta)
     alpha: float = 2.0
     beta: float = 1.0
+    bias: bool = False
 
 
 @dataclass
@@ -141,18 +150,27 @@ class LRPGamma(_CompositeMethod):
     """LRP-γ on every layer.
 
     Attributes:
-        gamma: Amplification of positive weights.
+        gamma: Amplification of the contributions that agree in sign with each output.
+        generalised: The sign-aware rule (default; the paper's ``w + γw⁺`` for non-negative
+            inputs and outputs, stable for any sign) or ``w + γw⁺`` for every sign (``False``).
     """
 
     preset = staticmethod(composites.lrp_gamma)
     gamma: float = 0.25
+    generalised: bool = True
 
 
 @dataclass
 class LRPW2(_CompositeMethod):
-    """Deep Taylor decomposition for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
+    """Deep Taylor decomposition for real-valued inputs: w² on the input layer, z⁺ elsewhere.
+
+    Attributes:
+        bias: Count the biases in the z⁺ denominators (``b⁺``), as zennit does;
+            default: ignored, as in the paper's Eq. 5.
+    """
 
     preset = staticmethod(composites.lrp_w2)
+    bias: bool = False
 
 
 @dataclass
@@ -162,35 +180,59 @@ class LRPZB(_CompositeMethod):
     Attributes:
         low: Lower input bound (number or tensor shaped like the inputs or one sample).
         high: Upper input bound.
+        bias: Count the biases in the z⁺ denominators (``b⁺``), as zennit does;
+            default: ignored, as in the paper's Eq. 5.
     """
 
     preset = staticmethod(composites.lrp_zb)
     low: float | torch.Tensor | None = None
     high: float | torch.Tensor | None = None
+    bias: bool = False
 
 
 @dataclass
 class LRPFlat(_CompositeMethod):
-    """Flat rule on the input layer, z⁺ on convolutions, ε on dense layers."""
+    """Flat rule on the input layer, z⁺ on convolutions, ε on dense layers.
+
+    Attributes:
+        epsilon: Stabiliser of the dense layers' denominators.
+        bias: Count the biases in the z⁺ denominators (``b⁺``), as zennit does;
+            default: ignored, as in the paper's Eq. 5.
+    """
 
     preset = staticmethod(composites.lrp_flat)
     epsilon: float = 1e-6
+    bias: bool = False
 
 
 @dataclass
 class LRPEpsilonPlus(_CompositeMethod):
-    """The ε+z⁺ composite: z⁺ on convolutions, ε on dense layers."""
+    """The ε+z⁺ composite: z⁺ on convolutions, ε on dense layers.
+
+    Attributes:
+        epsilon: Stabiliser of the dense layers' denominators.
+        bias: Count the biases in the z⁺ denominators (``b⁺``), as zennit does;
+            default: ignored, as in the paper's Eq. 5.
+    """
 
     preset = staticmethod(composites.lrp_epsilon_plus)
     epsilon: float = 1e-6
+    bias: bool = False
 
 
 @dataclass
 class LRPCMP(_CompositeMethod):
-    """LRP-CMP: αβ (``β = α − 1``; α = 1 or 2 in the paper) on convolutions, LRP-0 on dense."""
+    """LRP-CMP: αβ (``β = α − 1``; α = 1 or 2 in the paper) on convolutions, LRP-0 on dense.
+
+    Attributes:
+        alpha: Weight of positive contributions on convolutions.
+        bias: Count the convolutions' biases in the αβ denominators, as zennit does;
+            default: ignored (Eq. 5).
+    """
 
     preset = staticmethod(composites.lrp_cmp)
     alpha: float = 1.0
+    bias: bool = False
 
 
 @dataclass

@@ -12,8 +12,10 @@ rule               ``R_i``
 LRP-0 (``z``)      ``Σ_j x_i w_ji / z_j · R_j`` (bias in ``z``); = Input×Gradient on ReLU nets
 ε                  ``Σ_j x_i w_ji / (z_j + ε·sign z_j) · R_j``
 γ                  ``Σ_j x_i ρ(w)_ji / (Σ_i' x_i' ρ(w)_ji' + ρ(b)_j) · R_j``, ``ρ(w) = w + γw⁺``
+                   for ``x, z >= 0``; generalised to any sign (see :class:`Gamma`)
 αβ                 ``Σ_j (α [x_i w_ji]⁺/Σ_i'[x_i' w_ji']⁺ − β [x_i w_ji]⁻/Σ_i'[x_i' w_ji']⁻) R_j``
-z⁺                 αβ with α=1, β=0 (bias ignored, as in the paper's Eq. 5)
+                   (bias ignored, as in the paper's Eq. 5, or counted with ``bias=True``)
+z⁺                 αβ with α=1, β=0
 w² (input)         ``Σ_j w_ji² / Σ_i' w_ji'² · R_j``
 flat (input)       ``Σ_j 1 / Σ_i' 1 · R_j`` over each output's receptive field
 z^B (input)        ``Σ_j (x_i w_ji − l_i w⁺_ji − h_i w⁻_ji) / Σ_i'(…) · R_j`` for ``l ≤ x ≤ h``
@@ -31,6 +33,13 @@ from explain_modbp.layers import AffineLayer
 
 def _stabilise(z: torch.Tensor, epsilon: float) -> torch.Tensor:
     return torch.where(z >= 0, z + epsilon, z - epsilon)
+
+
+def _flag(name: str, value: object) -> bool:
+    """``value`` if it is a bool (a string such as ``"no"`` would silently be true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False; got {value!r}")
+    return value
 
 
 def _ratio(z: torch.Tensor, denominator: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -95,29 +104,90 @@ class Zero(Epsilon):
         return "Zero()"
 
 
-class Gamma(_ModifiedWeightsWithRatio):
-    """LRP-γ: positive weights (and biases) amplified by ``1 + γ``.
+def _amplified(tensor: torch.Tensor | None, gamma: float, sign: int) -> torch.Tensor | None:
+    """``t + γ t⁺`` (``sign=1``) or ``t + γ t⁻`` (``sign=-1``); ``None`` stays ``None``."""
+    if tensor is None:
+        return None
+    part = tensor.clamp(min=0) if sign > 0 else tensor.clamp(max=0)
+    return tensor + gamma * part
+
+
+class Gamma(LayerRule):
+    """LRP-γ: the contributions that agree in sign with the output amplified by ``1 + γ``.
+
+    The generalised rule (Andéol et al. 2021; zennit's ``Gamma``): for an output ``z_j >= 0`` the
+    positive contributions ``x⁺w⁺``, ``x⁻w⁻`` and ``b⁺`` are amplified, for ``z_j < 0`` the negative
+    ones ``x⁺w⁻``, ``x⁻w⁺`` and ``b⁻``. The denominator then has the sign of ``z_j`` and
+    ``|d_j| >= |z_j|``, so it never crosses zero. For non-negative inputs and outputs (a ReLU
+    network's hidden layers) this is the paper's ``ρ(w) = w + γw⁺``. With ``generalised=False``
+    ``ρ(w) = w + γw⁺`` (and ``b + γb⁺``) is used for every input and output sign, as written in the
+    paper: its denominator can cross zero where inputs or outputs are negative (the input layer, a
+    negative logit, a residual branch without a ReLU), which makes maps unstable there.
 
     Args:
-        gamma: Amplification of the positive parts, ``>= 0``.
+        gamma: Amplification, ``>= 0``.
         epsilon: Small stabiliser of the denominator.
+        generalised: Amplify by the sign of each output (default) or always the positive parts.
     """
 
-    def __init__(self, gamma: float = 0.25, epsilon: float = 1e-6) -> None:
+    def __init__(
+        self, gamma: float = 0.25, epsilon: float = 1e-6, generalised: bool = True
+    ) -> None:
         if gamma < 0 or epsilon < 0:
             raise ValueError(f"gamma and epsilon must be >= 0; got {gamma}, {epsilon}")
         self.gamma = float(gamma)
         self.epsilon = float(epsilon)
+        self.generalised = _flag("generalised", generalised)
 
     def prepare(self, layer, x, z):  # noqa: D102
-        weight = layer.weight + self.gamma * layer.weight.clamp(min=0)
-        bias = None if layer.bias is None else layer.bias + self.gamma * layer.bias.clamp(min=0)
-        denominator = _stabilise(layer.forward(x, weight, bias), self.epsilon)
-        return weight, denominator, _ratio(z, denominator)
+        nonnegative = layer.nonnegative_input or bool((x >= 0).all())
+        return self.prepare_for(layer, x, z, nonnegative=nonnegative)
+
+    def prepare_for(
+        self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
+    ) -> tuple:
+        """The rule's state, for inputs known to be non-negative or of either sign.
+
+        ``nonnegative=False`` is exact for any input (the ONNX export uses it, as it cannot
+        branch on values); ``True`` saves the ``x⁻`` convolutions.
+        """
+        weight, bias = layer.weight, layer.bias
+        up, bias_up = _amplified(weight, self.gamma, 1), _amplified(bias, self.gamma, 1)
+        if not self.generalised:
+            denominator = _stabilise(layer.forward(x, up, bias_up), self.epsilon)
+            return up, None, False, None, denominator, _ratio(z, denominator)
+        down, bias_down = _amplified(weight, self.gamma, -1), _amplified(bias, self.gamma, -1)
+        if nonnegative:
+            d_up, d_down = layer.forward(x, up, bias_up), layer.forward(x, down, bias_down)
+        else:
+            xp, xn = x.clamp(min=0), x.clamp(max=0)
+            d_up = layer.forward(xp, up, bias_up) + layer.forward(xn, down)
+            d_down = layer.forward(xp, down, bias_down) + layer.forward(xn, up)
+        rising = z >= 0
+        denominator = _stabilise(torch.where(rising, d_up, d_down), self.epsilon)
+        return up, down, not nonnegative, rising, denominator, _ratio(z, denominator)
+
+    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
+        return self._propagate(layer, state, x, safe_divide(relevance, state[4]))
+
+    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
+        return self._propagate(layer, state, x, signal * state[5])
+
+    def _propagate(self, layer, state, x, s):
+        up, down, signed, rising = state[:4]
+        if down is None:
+            return layer.transpose(s, x, up)
+        s_up = torch.where(rising, s, 0.0)
+        s_down = s - s_up
+        for_positive_x = layer.transpose(s_up, x, up) + layer.transpose(s_down, x, down)
+        if not signed:
+            return for_positive_x
+        for_negative_x = layer.transpose(s_up, x, down) + layer.transpose(s_down, x, up)
+        return torch.where(x > 0, for_positive_x, for_negative_x)
 
 
 class AlphaBeta(LayerRule):
-    """LRP-αβ: positive and negative contributions normalised separately (bias ignored).
+    """LRP-αβ: positive and negative contributions normalised separately.
 
     Inputs of either sign are handled by splitting ``x`` into ``x⁺`` and ``x⁻``; for
     non-negative inputs (after a ReLU) that costs one convolution per weight sign.
@@ -125,28 +195,49 @@ class AlphaBeta(LayerRule):
     Args:
         alpha: Weight of the positive part; ``alpha - beta`` must be 1.
         beta: Weight of the negative part, ``>= 0``.
+        bias: Count the bias in the denominators (``b⁺`` with the positive, ``b⁻`` with the
+            negative contributions), as zennit does. Default: ignored, as in the
+            paper's Eq. 5.
     """
 
-    def __init__(self, alpha: float = 2.0, beta: float = 1.0) -> None:
+    def __init__(self, alpha: float = 2.0, beta: float = 1.0, bias: bool = False) -> None:
         if beta < 0 or abs(alpha - beta - 1) > 1e-9:
             raise ValueError(
                 f"alpha - beta must be 1 with beta >= 0; got alpha={alpha}, beta={beta}"
             )
         self.alpha = float(alpha)
         self.beta = float(beta)
+        self.bias = _flag("bias", bias)
 
     def prepare(self, layer, x, z):  # noqa: D102
         nonnegative = layer.nonnegative_input or bool((x >= 0).all())
+        return self.prepare_for(layer, x, z, nonnegative=nonnegative)
+
+    def prepare_for(
+        self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
+    ) -> tuple:
+        """The rule's state, for inputs known to be non-negative or of either sign.
+
+        ``nonnegative=False`` is exact for any input (the ONNX export uses it, as it cannot
+        branch on values); ``True`` saves the ``x⁻`` convolutions.
+        """
         positive = layer.weight.clamp(min=0)
         # z⁺ on non-negative inputs never needs W⁻ (one clamp of the weight less)
         negative = layer.weight.clamp(max=0) if self.beta or not nonnegative else None
+        has_bias = self.bias and layer.bias is not None
+        bias_pos = layer.bias.clamp(min=0) if has_bias else None
+        bias_neg = layer.bias.clamp(max=0) if has_bias and self.beta else None
         if nonnegative:
-            pos = layer.forward(x, positive)
-            neg = layer.forward(x, negative) if self.beta else None
+            pos = layer.forward(x, positive, bias_pos)
+            neg = layer.forward(x, negative, bias_neg) if self.beta else None
         else:
             xp, xn = x.clamp(min=0), x.clamp(max=0)
-            pos = layer.forward(xp, positive) + layer.forward(xn, negative)
-            neg = (layer.forward(xp, negative) + layer.forward(xn, positive)) if self.beta else None
+            pos = layer.forward(xp, positive, bias_pos) + layer.forward(xn, negative)
+            neg = (
+                (layer.forward(xp, negative, bias_neg) + layer.forward(xn, positive))
+                if self.beta
+                else None
+            )
         ratios = _ratio(z, pos, self.alpha), (_ratio(z, neg, self.beta) if self.beta else None)
         return positive, negative, nonnegative, pos, neg, ratios
 
@@ -179,13 +270,18 @@ class AlphaBeta(LayerRule):
 
 
 class ZPlus(AlphaBeta):
-    """The z⁺ rule: LRP-α1β0 (Deep Taylor's rule for ReLU inputs)."""
+    """The z⁺ rule: LRP-α1β0 (Deep Taylor's rule for ReLU inputs).
 
-    def __init__(self) -> None:
-        super().__init__(1.0, 0.0)
+    Args:
+        bias: Count ``b⁺`` in the denominator (zennit's convention); default: ignored,
+            as in the paper's Eq. 5.
+    """
+
+    def __init__(self, bias: bool = False) -> None:
+        super().__init__(1.0, 0.0, bias)
 
     def __repr__(self) -> str:
-        return "ZPlus()"
+        return "ZPlus(bias=True)" if self.bias else "ZPlus()"
 
 
 class WSquare(_ModifiedWeights):
