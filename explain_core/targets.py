@@ -21,13 +21,16 @@ def normalize_target(target: TargetLike, batch: int, device: torch.device) -> to
         device: Device of the returned tensor.
 
     Raises:
-        InvalidInputError: If the target is not integral or has the wrong length.
+        InvalidInputError: If the target is not integral (a string, say) or has the wrong length.
     """
     if target is None:
         return None
-    if isinstance(target, (bool, float)):
-        raise InvalidInputError(f"target must be an int or one int per sample; got {target!r}")
-    tensor = torch.as_tensor(np.asarray(target) if not isinstance(target, torch.Tensor) else target)
+    if isinstance(target, (bool, float, str, bytes)):
+        raise _target_form_error(target)
+    try:
+        tensor = torch.as_tensor(target if isinstance(target, torch.Tensor) else np.asarray(target))
+    except (TypeError, ValueError, RuntimeError) as error:  # strings, ragged lists, objects
+        raise _target_form_error(target) from error
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
         raise InvalidInputError(f"target must hold integers; got dtype {tensor.dtype}")
     tensor = tensor.to(device=device, dtype=torch.long).reshape(-1)
@@ -37,15 +40,33 @@ def normalize_target(target: TargetLike, batch: int, device: torch.device) -> to
         raise InvalidInputError(
             f"target must be one int or one int per sample ({batch}); got {tensor.numel()} values"
         )
-    return tensor
+    return tensor.clone()  # never the caller's tensor (or an inference tensor) itself
+
+
+def _target_form_error(target: object) -> InvalidInputError:
+    text = repr(target)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return InvalidInputError(
+        f"target must be None (the predicted class), an int, or one int per sample (a list, NumPy "
+        f"array or integer tensor); got {text} ({type(target).__name__}), so convert it, e.g. "
+        "target=int(label)"
+    )
 
 
 def select_target(output: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     """The explained index per sample: ``target``, or the arg-max of ``output`` if ``None``.
 
     Raises:
-        InvalidInputError: If ``output`` is not ``(batch, n_outputs)`` or a target is out of range.
+        InvalidInputError: If ``output`` is not one ``(batch, n_outputs)`` tensor or a target is
+            out of range.
     """
+    if not isinstance(output, torch.Tensor):
+        raise InvalidInputError(
+            "the model must return one tensor of scores of shape (batch, n_outputs); it returned "
+            f"a {type(output).__name__}; wrap it in an nn.Module whose forward returns one tensor, "
+            "e.g. model(x)[0] or model(x)['logits']"
+        )
     if output.dim() != 2:
         raise InvalidInputError(
             f"the model must return scores of shape (batch, n_outputs); got {tuple(output.shape)}. "

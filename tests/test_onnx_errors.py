@@ -178,3 +178,105 @@ def test_parity_failure_reports_the_differences(tiny_onnx):
         path, off_by_a_bit, torch.rand(2, 2, 4), num_classes=3, raise_on_failure=False
     )
     assert not report.passed and report.logits_max_abs == pytest.approx(1e-3, rel=1e-2)
+
+
+# --- bad inputs: example tensors, models, opsets, batch sizes and paths ------------------------
+
+
+def conv() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(1, 2, 3, padding=1), nn.Flatten(), nn.Linear(32, 3)).eval()
+
+
+class ReturnsPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny()
+
+    def forward(self, x):
+        return self.net(x), x
+
+
+@pytest.mark.parametrize(
+    ("model", "example", "message"),
+    [
+        (conv, lambda: torch.rand(2, 1, 4, 4).half(), r"float16 but the model's parameters are "),
+        (conv, lambda: torch.rand(2, 3, 4, 4), r"cannot run on example_inputs of shape \(2, 3, "),
+        (
+            conv,
+            lambda: torch.rand(2, 1, 1, 4, 4),
+            r"cannot run on example_inputs of shape \(2, 1, 1",
+        ),
+        (lambda: ReturnsPair().eval(), lambda: torch.rand(2, 8), r"one tensor of scores.*tuple"),
+    ],
+    ids=["float16", "wrong-channels", "rank-5", "tuple-output"],
+)
+def test_inputs_the_model_cannot_take_are_clear_errors(tmp_path, model, example, message):
+    network = model()
+    before = {k: v.clone() for k, v in network.state_dict().items()}
+    with pytest.raises(InvalidInputError, match=message):
+        export_onnx(network, example(), tmp_path / "m.onnx")
+    assert all(torch.equal(before[k], v) for k, v in network.state_dict().items())
+    assert not list(tmp_path.iterdir())
+
+
+def test_non_finite_weights_are_refused(tmp_path):
+    model = tiny()
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    with pytest.raises(InvalidInputError, match="NaN or infinite values; check its weights"):
+        export_onnx(model, torch.rand(2, 8), tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize("opset", [3, 6, 10_000, "18", 18.0, True])
+def test_opset_outside_the_supported_range_is_refused(tmp_path, opset):
+    with pytest.raises(InvalidInputError, match=r"opset must be an int from 7 to \d+"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", opset=opset)
+
+
+@pytest.mark.parametrize("sizes", [(0,), (), (1, -3), (1.5,), 3])
+def test_bad_batch_sizes_are_refused(tmp_path, sizes):
+    with pytest.raises(InvalidInputError, match=r"batch_sizes must be one or more positive ints"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", batch_sizes=sizes)
+
+
+def test_unwritable_folder_names_the_users_path(tmp_path, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):  # as /proc does, which root cannot write either
+        raise FileNotFoundError(2, "No such file or directory", kwargs.get("dir"))
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.raises(InvalidInputError) as raised:
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx")
+    message = str(raised.value)
+    assert f"cannot write {tmp_path / 'm.onnx'}" in message and ".m.onnx-" not in message
+    assert "exists (or can be created) and is writable" in message
+
+
+def test_requested_opset_is_honoured_in_the_file(tmp_path):
+    import onnx
+
+    result = export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", opset=17)
+    written = {e.domain: e.version for e in onnx.load(str(result.path)).opset_import}
+    assert result.opset == 17 and written.get("", written.get("ai.onnx")) == 17
+
+
+def test_opset_the_exporter_cannot_convert_to_is_an_error(tmp_path):
+    # torch.onnx builds opset 18 and converts down; Linear's Gemm has no adapter to opset 12,
+    # and torch.onnx then keeps 18 and only logs it.
+    with pytest.raises(ExportError, match=r"could not convert Sequential to opset 12"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", opset=12)
+    assert not list(tmp_path.iterdir())
+
+
+def test_graph_onnxruntime_cannot_load_is_an_export_error(tmp_path, monkeypatch):
+    import explain_onnx.export as export_module
+
+    class Refusing:
+        def __init__(self, path):
+            raise RuntimeError("[ONNXRuntimeError] : 1 : FAIL : opset 99 is not supported")
+
+    monkeypatch.setattr(export_module, "OnnxSession", Refusing)
+    with pytest.raises(ExportError, match=r"onnxruntime .* cannot load the exported graph"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx")
+    assert not list(tmp_path.iterdir())

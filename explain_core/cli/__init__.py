@@ -85,9 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _describe(error: BaseException) -> str:
-    if isinstance(error, OSError) and error.filename:
-        return f"{error.strerror or error} ({error.filename})"
-    return " ".join(str(error).split())
+    if isinstance(error, OSError) and not isinstance(error, ExplainError) and error.filename:
+        # The file system's own error: name the file(s) and say where to look.
+        files = " -> ".join(str(f) for f in (error.filename, error.filename2) if f)
+        return f"{error.strerror or error} ({files}); check the path and its permissions"
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def _one_line_warning(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +11,7 @@ from explain_core.cli.common import (
     add_option_argument,
     load_model,
     method_options,
+    run_model,
 )
 from explain_core.errors import InvalidInputError
 
@@ -38,16 +38,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Explain every input and write its outputs."""
+    import torch
+
     from explain_core.api import explain
-    from explain_core.files import write_atomically
+    from explain_core.files import check_output_folder, write_atomically
     from explain_core.inputs import load_input, stack_inputs
 
     options = method_options(args)
+    check_output_folder(args.out)  # creates nothing: the folder appears with the first output
     model = load_model(args)
     names = [str(path) for path in args.inputs]
     batch = stack_inputs([load_input(path, args.channels) for path in args.inputs], names)
+    run_model(
+        model,
+        batch,
+        hint="give inputs of the size the model was built for (--channels converts images to "
+        "1 or 3 channels)",
+    )
     result = explain(model, batch, args.method, args.target, **options)
-    _check_writable(args.out)
+    if not torch.isfinite(result.attribution).all():
+        raise InvalidInputError(
+            f"{args.method} produced NaN or infinite attributions although the model's outputs "
+            "are finite; try another method, or options that avoid divisions by zero (e.g. a "
+            "larger epsilon)"
+        )
     stems = _unique_stems(args.inputs)
     for index, (path, stem) in enumerate(zip(args.inputs, stems, strict=False)):
         attribution = result.attribution[index].detach().cpu().numpy()
@@ -59,15 +73,6 @@ def run(args: argparse.Namespace) -> int:
         score = float(result.output[index, target])
         print(f"{path}: {args.method} for class {target} (score {score:.4g}) -> {png}, {npy}")
     return 0
-
-
-def _check_writable(folder: Path) -> None:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise InvalidInputError(f"cannot create output folder {folder}: {error.strerror}") from None
-    if not os.access(folder, os.W_OK):
-        raise InvalidInputError(f"output folder {folder} is not writable")
 
 
 def _unique_stems(paths: list[Path]) -> list[str]:

@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +33,10 @@ from explain_core.cli.common import (
     add_option_argument,
     load_model,
     method_options,
+    run_model,
 )
 from explain_core.errors import InvalidInputError
+from explain_core.files import check_output_path
 
 DATASETS = ("digits",)
 
@@ -188,10 +188,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.dataset and not args.inputs:
         raise InvalidInputError("give input files (images or .npy) or --dataset digits")
     if args.out is not None:
-        _check_writable_file(args.out)
+        check_output_path(args.out)  # creates nothing: the card is written only when complete
     model = load_model(args)
     images, labels = _load_data(args)
-    outputs = _forward(model, images)
+    outputs = run_model(model, images, min_outputs=2, hint=_size_hint(args))
     if args.dataset:
         targets = labels
         if args.target is not None:
@@ -245,40 +245,10 @@ def _load_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | N
     return batch, None
 
 
-def _forward(model: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    try:
-        with torch.no_grad():
-            outputs = model(images)
-    except (RuntimeError, ValueError, TypeError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise InvalidInputError(
-            f"the model cannot run on inputs of shape {tuple(images.shape)}: {first}"
-        ) from error
-    if not isinstance(outputs, torch.Tensor) or outputs.dim() != 2 or outputs.shape[1] < 2:
-        shape = tuple(outputs.shape) if isinstance(outputs, torch.Tensor) else type(outputs)
-        raise InvalidInputError(
-            f"the model must return (batch, classes) scores with at least two classes; got {shape}"
-        )
-    return outputs
-
-
-def _check_writable_file(path: Path) -> None:
-    # Check now, create nothing: the folder is made only when the card is written.
-    if path.is_dir():
-        raise InvalidInputError(f"--out {path} is a folder; give a file name such as card.json")
-    ancestor = path.absolute().parent
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not ancestor.is_dir():
-        raise InvalidInputError(f"cannot create output folder {path.parent}: {ancestor} is a file")
-    try:  # a real write: os.access says yes to root even where the file system says no
-        descriptor, probe = tempfile.mkstemp(prefix=".explain-check-", dir=ancestor)
-    except OSError as error:
-        raise InvalidInputError(
-            f"cannot write the card into {path.parent}: {error.strerror or error}"
-        ) from None
-    os.close(descriptor)
-    Path(probe).unlink()
+def _size_hint(args: argparse.Namespace) -> str:
+    if args.dataset:
+        return "set --image-size to the side the model was built for"
+    return "give inputs of the size the model was built for (--channels converts images)"
 
 
 def _write_json(path: Path, card: dict[str, Any]) -> None:

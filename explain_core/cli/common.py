@@ -1,4 +1,4 @@
-"""What several subcommands share: the model arguments, ``--option`` and loading the model.
+"""What several subcommands share: model arguments, options, devices, loading and a first run.
 
 Only the standard library is imported here, so ``explain --help`` stays fast; the model, the
 registry and torch are imported by the functions that need them.
@@ -60,7 +60,120 @@ def method_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def load_model(args: argparse.Namespace) -> Any:
-    """The model built from ``--model`` with the ``--weights`` loaded."""
+    """The model built from ``--model`` with the ``--weights`` loaded.
+
+    Raises:
+        ModelLoadError: If loading fails, or a parameter holds NaN or infinite values (every
+            output would be NaN; better said now than by a blank heatmap).
+    """
+    import torch
+
+    from explain_core.errors import ModelLoadError
     from explain_core.loading import load_model as load
 
-    return load(args.model, args.weights)
+    model = load(args.model, args.weights)
+    for name, parameter in model.named_parameters():
+        if parameter.is_floating_point() and not torch.isfinite(parameter).all():
+            where, fix = (
+                (f"with the weights in {args.weights}", "load weights that are all finite")
+                if args.weights
+                else ("as its factory builds it", "initialise it with finite values")
+            )
+            raise ModelLoadError(
+                f"parameter {name!r} of {args.model} holds NaN or infinite values {where}; {fix}"
+            )
+    return model
+
+
+def run_model(
+    model: Any,
+    inputs: Any,
+    *,
+    min_outputs: int = 1,
+    hint: str = "give inputs of the shape and channels the model was built for",
+) -> Any:
+    """Run ``model`` once on ``inputs`` and return its ``(batch, outputs)`` scores.
+
+    Subcommands call this before their real work so that inputs the model cannot take, or a
+    model that does not return one tensor of finite scores, end in one clear line instead of a
+    traceback from deep inside torch or a method.
+
+    Args:
+        model: The loaded model.
+        inputs: The batch the subcommand will use (or a part of it with every sample's shape).
+        min_outputs: Fewest scores per sample the subcommand can work with.
+        hint: What the user should do when the model cannot run on the inputs.
+
+    Raises:
+        InvalidInputError: For empty inputs, inputs the model raises on, outputs that are not a
+            ``(batch, outputs)`` tensor with at least ``min_outputs`` scores, or non-finite
+            outputs.
+    """
+    import torch
+
+    from explain_core.errors import ExplainError
+
+    shape = tuple(inputs.shape)
+    if inputs.numel() == 0:
+        raise InvalidInputError(f"the inputs are empty (shape {shape}); {hint}")
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+    except ExplainError:
+        raise  # the model's own clear message
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InvalidInputError(
+            f"the model cannot run on inputs of shape {shape}: {first}; {hint}"
+        ) from error
+    if not isinstance(outputs, torch.Tensor):
+        raise InvalidInputError(
+            f"the model must return one tensor of scores (batch, outputs); it returned "
+            f"{type(outputs).__name__}; wrap it in a module whose forward returns only the scores"
+        )
+    if outputs.dim() != 2 or outputs.shape[1] < min_outputs:
+        raise InvalidInputError(
+            f"the model must return (batch, outputs) scores with at least {min_outputs} "
+            f"output{'s' if min_outputs > 1 else ''}; got shape {tuple(outputs.shape)}"
+        )
+    if outputs.is_floating_point() and not torch.isfinite(outputs).all():
+        raise InvalidInputError(
+            f"the model's outputs on inputs of shape {shape} contain NaN or infinite values; "
+            "check its weights and the inputs' value range"
+        )
+    return outputs
+
+
+def parse_device(text: str) -> str:
+    """``--device``: ``cpu``, ``cuda`` or ``cuda:N`` (a present GPU), or ``mps`` where available.
+
+    An ``argparse`` type, so that a bad device is a usage error before anything is loaded.
+
+    Raises:
+        argparse.ArgumentTypeError: For anything else, saying what is accepted.
+    """
+    import torch
+
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N; got {text!r}") from None
+    if device.type == "cpu":
+        return text
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} was asked for but CUDA is not available here; use --device cpu"
+            )
+        if device.index is not None and device.index >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} does not exist: this machine has {count} GPU(s), cuda:0 to "
+                f"cuda:{count - 1}"
+            )
+        return text
+    if device.type == "mps" and torch.backends.mps.is_available():
+        return text
+    raise argparse.ArgumentTypeError(
+        f"device {text!r} cannot run the computation here; use cpu or cuda"
+    )

@@ -17,7 +17,9 @@ from explain_core.cli.common import (
     add_model_arguments,
     add_option_argument,
     load_model,
+    parse_device,
     parse_options,
+    run_model,
 )
 
 JOB_NAMES = ("attributions", "localisation", "pixel-removal", "csc", "rem-dictionary")
@@ -63,14 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="label",
         help="class to explain (default: the label)",
     )
-    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--device", type=parse_device, default="cpu", help="cpu (default), cuda or cuda:N"
+    )
     parser.add_argument("--threads", type=int, help="torch threads per process")
     add_option_argument(parser, "method option, repeatable (e.g. --option steps=32)")
     group = parser.add_argument_group("job options")
     group.add_argument("--levels", type=int, default=11, help="rem-dictionary: K levels (11)")
     group.add_argument("--layer", help="rem-dictionary: routing layer (default: the last)")
     group.add_argument(
-        "--fraction", type=float, default=0.25, help="pixel-removal: pixels removed (0.25)"
+        "--fraction",
+        type=_fraction,
+        default=0.25,
+        help="pixel-removal: fraction of the pixels removed, in (0, 1] (0.25)",
     )
     group.add_argument(
         "--removal-steps", type=int, help="pixel-removal: steps (default: one pixel per step)"
@@ -81,6 +88,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vectors", type=int, default=5, help="csc: random vectors (5)")
     group.add_argument("--seed", type=int, default=0, help="csc: base seed (0)")
     group.add_argument("--start", help="csc: layer whose output is randomised (default: last)")
+
+
+def _fraction(text: str) -> float:
+    """``--fraction``: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], e.g. 0.25; got {text!r}")
+    return value
 
 
 _JOB_ARGUMENTS = {
@@ -109,6 +127,7 @@ def _run(args: argparse.Namespace) -> int:
     from explain_core.distributed.context import shutdown_distributed
     from explain_core.distributed.gather import all_gather_objects
     from explain_core.errors import DistributedError, InvalidInputError
+    from explain_core.files import check_output_folder
 
     if args.threads is not None:
         if args.threads < 1:
@@ -119,6 +138,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.limit is not None and args.limit < 1:
         raise InvalidInputError(f"--limit must be >= 1; got {args.limit}")
     options = parse_options(args.option)
+    check_output_folder(args.out)
     context = init_distributed(args.device)
     try:
         model, data, problem = _load(args)
@@ -163,6 +183,31 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any, Exception | None]:
             data = load_dataset("cluttered", canvas_size=args.canvas_size, count=args.count)
         if args.limit is not None:
             data = data.slice(0, min(args.limit, len(data)))
+        _check_fit(args, model, data)
     except (ExplainError, OSError, ValueError) as error:
         return None, None, error
     return model, data, None
+
+
+def _check_fit(args: argparse.Namespace, model: Any, data: Any) -> None:
+    """Refuse a job the model cannot do, or data it cannot run on, before any work.
+
+    Raises:
+        InvalidInputError: Saying which option to change.
+    """
+    from explain_core.errors import InvalidInputError
+    from explain_core.interfaces.routing import RoutingLayer
+
+    if args.job == "rem-dictionary" and not any(
+        isinstance(module, RoutingLayer) for module in model.modules()
+    ):
+        raise InvalidInputError(
+            f"--job rem-dictionary needs a capsule network, but {type(model).__name__} has no "
+            "routing layers (modules deriving from explain_core.RoutingLayer); choose another "
+            "--job for this model"
+        )
+    if len(data) == 0:
+        return  # the job reports an empty data set itself
+    size = "--image-size" if args.dataset == "digits" else "--canvas-size"
+    hint = f"set {size} to the input size the model was built for"
+    run_model(model, data.slice(0, min(2, len(data))).inputs, hint=hint)

@@ -11,6 +11,7 @@ from explain_core.cli.common import (
     add_option_argument,
     load_model,
     parse_options,
+    run_model,
 )
 from explain_core.errors import InvalidInputError
 
@@ -60,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Export, check and report."""
+    from explain_core.files import check_output_path
     from explain_onnx import export_onnx, get_explainer
 
     options = parse_options(args.option)
@@ -69,8 +71,15 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--option and --target-input need --explain METHOD")
     if args.opset is not None and args.opset < 7:
         raise InvalidInputError(f"--opset must be 7 or higher; got {args.opset}")
+    check_output_path(args.out)
     model = load_model(args)
     example, real = _example_inputs(args, model)
+    hint = (
+        "give real samples the model was built for"
+        if real
+        else "give --input-shape as the shape of one input the model takes, without the batch axis"
+    )
+    run_model(model, example, hint=hint)
     result = export_onnx(
         model,
         example,

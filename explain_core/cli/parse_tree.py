@@ -78,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Record the couplings, build the tree and draw it."""
+    from explain_core.files import check_output_path
     from explain_core.parse_trees import (
         class_parse_tree,
         collect_parse_tree_data,
@@ -94,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     if args.levels is not None and args.levels < 2:
         raise InvalidInputError(f"--levels must be at least 2; got {args.levels}")
     require_networkx()  # fail before loading anything if the graphs extra is missing
+    check_output_path(args.out)  # the picture and its .gv source share this folder
     model = load_model(args)
     inputs, labels, what = _inputs(args)
     data = collect_parse_tree_data(model, inputs, levels=args.levels)

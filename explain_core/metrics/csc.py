@@ -19,7 +19,8 @@ generic :class:`AutogradPropagator`. Any other method raises :class:`Unsupported
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from explain_core.errors import ExplainError, InvalidInputError
+from explain_core.metrics._checks import check_inputs, check_int
 
 __all__ = [
     "AutogradPropagator",
@@ -268,12 +270,17 @@ def cosine_similarity_convergence(
 
     Raises:
         UnsupportedMethodError: If the method cannot propagate from an intermediate layer.
-        InvalidInputError: For ``n_vectors < 2`` or an unknown ``start``.
+        InvalidInputError: For inputs that are not a finite floating-point batch fitting the
+            model, ``n_vectors < 2``, an unknown ``start`` or ``layouts`` that do not fit.
+        ModelStateError: If the model is in training mode.
     """
     from explain_core.model_guard import ModelGuard, require_eval_mode
 
-    if n_vectors < 2:
-        raise InvalidInputError(f"n_vectors must be >= 2; got {n_vectors}")
+    n_vectors = check_int(n_vectors, "n_vectors", 2)
+    seed = check_int(seed, "seed", 0)
+    # Non-finite inputs would give NaN relevance, counted as "undefined" cosines: refuse them.
+    inputs = check_inputs(inputs, model)
+    layouts = _check_layouts(layouts)
     require_eval_mode(model)
     with ModelGuard(model):
         if propagator is None:
@@ -290,8 +297,9 @@ def cosine_similarity_convergence(
             vector = vector.to(dtype=inputs.dtype, device=inputs.device)
             results.append(propagator.propagate(start, vector))
     compared = tuple(reversed(layers[: layers.index(start) + 1]))
+    for name, layout in layouts.items():
+        _check_layout_fits(name, layout, compared, results[0])
     cosines, undefined = {}, {}
-    layouts = layouts or {}
     for name in compared:
         per_vector = [r[name] for r in results]
         if name in layouts:
@@ -309,3 +317,46 @@ def cosine_similarity_convergence(
         cosines[name] = defined
         undefined[name] = 1.0 - defined.size / max(values.size, 1)
     return CSCResult(start, compared, cosines, undefined)
+
+
+def _check_layouts(layouts: Any) -> dict[str, tuple[int, ...]]:
+    """``layouts`` as layer name → shape of positive ints (empty for ``None``)."""
+    if layouts is None:
+        return {}
+    if not isinstance(layouts, Mapping):
+        raise InvalidInputError(
+            "layouts must map layer names to per-sample shapes, e.g. {'fc': (128, 4, 4)}; "
+            f"got {type(layouts).__name__}"
+        )
+    checked = {}
+    for name, shape in layouts.items():
+        if (
+            isinstance(shape, (str, bytes))
+            or not isinstance(shape, Sequence)
+            or not shape
+            or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape)
+        ):
+            raise InvalidInputError(
+                f"layouts[{name!r}] must be a per-sample shape of positive ints such as "
+                f"(128, 4, 4); got {shape!r}"
+            )
+        checked[name] = tuple(shape)
+    return checked
+
+
+def _check_layout_fits(
+    name: str, layout: tuple[int, ...], compared: Sequence[str], relevance: dict[str, Any]
+) -> None:
+    """Refuse a layout for a layer that is not compared or whose size differs."""
+    if name not in compared:
+        raise InvalidInputError(
+            f"layouts names layer {name!r}, which is not compared; give layouts for "
+            f"{', '.join(compared)}"
+        )
+    shape = tuple(relevance[name].shape[1:])
+    if math.prod(layout) != math.prod(shape):
+        raise InvalidInputError(
+            f"layouts[{name!r}] = {layout} holds {math.prod(layout)} values per sample, but the "
+            f"relevance at layer {name!r}'s input has shape {shape} ({math.prod(shape)} values); "
+            "give a shape with as many values"
+        )

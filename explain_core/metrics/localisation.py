@@ -11,37 +11,45 @@ import numpy as np
 import torch
 
 from explain_core.data.grids import MultiImageGrids, check_images_and_labels
+from explain_core.errors import InvalidInputError
+from explain_core.metrics._checks import as_tensor, check_int, check_maps
 
 __all__ = ["grid_class_pairs", "localisation_score", "pointing_game_grids"]
 
 
-def localisation_score(attribution_maps: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+def localisation_score(
+    attribution_maps: torch.Tensor | np.ndarray, masks: torch.Tensor | np.ndarray
+) -> torch.Tensor:
     """Fraction of positive attribution inside a mask, per map.
 
     ``score = Σ relu(a)·mask / Σ relu(a)``. Negative values are ignored. A map without any
     positive value scores 0 (it points nowhere), so the result is never NaN.
 
     Args:
-        attribution_maps: Spatial maps, shape (N, H, W).
-        masks: Bool tensor of shape (N, H, W); True inside the correct region.
+        attribution_maps: Spatial maps, shape (N, H, W); a tensor or NumPy array.
+        masks: Bool tensor or array of shape (N, H, W); True inside the correct region.
 
     Returns:
-        Float tensor of shape (N,) with values in [0, 1].
+        Float tensor of shape (N,) with values in [0, 1] (float64 for NumPy float64 maps).
 
     Raises:
-        ValueError: If the shapes differ or are not 3-d, the masks are not bool, or a map holds
-            NaN or inf values.
+        InvalidInputError: If the shapes differ or are not 3-d, the masks are not bool, or a map
+            holds NaN or inf values.
     """
+    attribution_maps = as_tensor(attribution_maps, "attribution_maps")
+    masks = as_tensor(masks, "masks")
     if attribution_maps.dim() != 3 or masks.shape != attribution_maps.shape:
-        raise ValueError(
+        raise InvalidInputError(
             "attribution_maps and masks must both have shape (N, H, W); got "
             f"{tuple(attribution_maps.shape)} and {tuple(masks.shape)}. Sum maps over channels "
             "first."
         )
     if masks.dtype != torch.bool:
-        raise ValueError(f"masks must be a bool tensor; got {masks.dtype}. Use masks.bool().")
-    if not bool(torch.isfinite(attribution_maps).all()):
-        raise ValueError("attribution_maps must be finite; got NaN or inf values.")
+        raise InvalidInputError(
+            f"masks must be a bool tensor; got {masks.dtype}. Use masks.bool()."
+        )
+    attribution_maps = check_maps(attribution_maps, "attribution_maps")
+    masks = masks.to(attribution_maps.device)
     positive = attribution_maps.detach().clamp(min=0).flatten(1)
     inside = (positive * masks.flatten(1)).sum(1)
     total = positive.sum(1)
@@ -79,23 +87,23 @@ def pointing_game_grids(
         The grids, on the device of ``images``; ``cell_labels`` holds each cell's class.
 
     Raises:
-        ValueError: On malformed inputs or too few classes.
+        ValueError: On malformed images or labels.
+        InvalidInputError: On malformed ``n``, ``count`` or confidences, or too few classes.
     """
     label_array = check_images_and_labels(images, labels)
-    for name, value in (("n", n), ("count", count)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {name}={value!r}.")
+    n = check_int(n, "n", 1)
+    count = check_int(count, "count", 1)
     scores = torch.as_tensor(confidences).detach().cpu().double()
     if scores.dim() == 2 and scores.shape[0] == len(label_array):
         scores = scores[torch.arange(len(label_array)), torch.from_numpy(label_array)]
     if scores.shape != (len(label_array),) or not bool(torch.isfinite(scores).all()):
-        raise ValueError(
+        raise InvalidInputError(
             f"confidences must be finite with shape ({len(label_array)},) or "
             f"({len(label_array)}, num_classes); got shape {tuple(scores.shape)}."
         )
     classes = np.unique(label_array)
     if n * n > classes.size:
-        raise ValueError(
+        raise InvalidInputError(
             f"n*n = {n * n} cells need as many distinct classes; only {classes.size} present."
         )
     score_array = scores.numpy()

@@ -9,15 +9,20 @@ small enough β.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
+
+from explain_core.errors import InvalidInputError
+from explain_core.metrics._checks import check_int, check_number
 
 __all__ = ["MatrixChainCurve", "matrix_chain_convergence"]
 
 Kind = Literal["vanilla", "relu", "nonnegative", "positive", "stochastic", "alpha_beta"]
+KINDS: tuple[str, ...] = get_args(Kind)
 
 # VGG-16's convolution widths from the output side, its kernels taken as 1×1 (as in the paper).
 VGG16_WIDTHS = (512, 512, 512, 512, 512, 512, 256, 256, 256, 128, 128, 64, 64)
@@ -51,11 +56,8 @@ def _matrix(
     if kind == "stochastic":
         w = np.abs(w)
         return w / w.sum(axis=0, keepdims=True)
-    if kind == "alpha_beta":
-        return alpha * np.maximum(w, 0.0) + beta * np.minimum(w, 0.0)
-    raise ValueError(
-        f"kind must be vanilla, relu, nonnegative, positive, stochastic or alpha_beta; got {kind!r}"
-    )
+    # kind was checked by matrix_chain_convergence: the rest is "alpha_beta".
+    return alpha * np.maximum(w, 0.0) + beta * np.minimum(w, 0.0)
 
 
 def _median_column_cosine(m: np.ndarray) -> float:
@@ -93,11 +95,26 @@ def matrix_chain_convergence(
         seed: Seed.
 
     Returns:
-        The curve over chain lengths ``1 … len(widths) − 1``.
+        The curve over chain lengths ``1 … len(widths) − 1``. Where every repeat's product had
+        fewer than two non-zero columns (possible for ``"relu"`` and ``"nonnegative"`` with
+        narrow widths) the cosine is undefined: that entry is NaN and a warning says so.
+
+    Raises:
+        InvalidInputError: For an unknown ``kind``, fewer than two widths, a width below 2 (a
+            product needs two columns to compare, and in one dimension every cosine is ±1),
+            ``repeats < 1`` or non-finite ``alpha``/``beta``.
     """
-    if len(widths) < 2:
-        raise ValueError("widths needs at least two entries (one matrix)")
-    alpha = 1.0 + beta if alpha is None else alpha
+    if kind not in KINDS:
+        raise InvalidInputError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
+    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or len(widths) < 2:
+        raise InvalidInputError(
+            f"widths must be a sequence of at least two ints (one matrix); got {widths!r}"
+        )
+    widths = [check_int(width, f"widths[{i}]", 2) for i, width in enumerate(widths)]
+    beta = check_number(beta, "beta")
+    alpha = 1.0 + beta if alpha is None else check_number(alpha, "alpha")
+    repeats = check_int(repeats, "repeats", 1)
+    seed = check_int(seed, "seed", 0)
     rng = np.random.default_rng(seed)
     values = np.empty((repeats, len(widths) - 1))
     for r in range(repeats):
@@ -109,4 +126,16 @@ def matrix_chain_convergence(
                 product = np.maximum(product, 0.0)
             product = product / max(float(np.abs(product).max()), 1e-300)  # no overflow
             values[r, i - 1] = _median_column_cosine(product)
-    return MatrixChainCurve(kind, np.arange(1, len(widths)), np.nanmedian(values, axis=0))
+    undefined = np.isnan(values).all(axis=0)
+    if undefined.any():
+        warnings.warn(
+            f"matrix chain ({kind}): the cosine is undefined at lengths "
+            f"{(np.flatnonzero(undefined) + 1).tolist()} (fewer than two non-zero columns in "
+            "every repeat), so they are NaN; use wider layers or more repeats",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's all-NaN warning: said above
+        median = np.nanmedian(values, axis=0)
+    return MatrixChainCurve(kind, np.arange(1, len(widths)), median)

@@ -15,7 +15,17 @@ import numpy as np
 import torch
 from torch import nn
 
+from explain_core.errors import InvalidInputError
+from explain_core.metrics._checks import (
+    as_tensor,
+    check_inputs,
+    check_int,
+    check_maps_result,
+    check_scores,
+    check_target_range,
+)
 from explain_core.metrics.randomisation import map_ssim
+from explain_core.targets import TargetLike, normalize_target
 
 __all__ = ["RandomLogitResult", "method_maps", "random_logit_ssim", "to_maps"]
 
@@ -23,13 +33,19 @@ MapFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def to_maps(attribution: torch.Tensor) -> torch.Tensor:
-    """``(N, H, W)`` maps: channels of ``(N, C, H, W)`` summed, ``(N, H, W)`` kept."""
+    """``(N, H, W)`` maps: channels of ``(N, C, H, W)`` summed, ``(N, H, W)`` kept.
+
+    Raises:
+        InvalidInputError: If ``attribution`` is not a 3-d or 4-d tensor (or NumPy array).
+    """
+    attribution = as_tensor(attribution, "attribution")
     if attribution.dim() == 4:
         return attribution.sum(dim=1)
     if attribution.dim() == 3:
         return attribution
-    raise ValueError(
-        f"attribution maps need shape (N, C, H, W) or (N, H, W); got {tuple(attribution.shape)}"
+    raise InvalidInputError(
+        f"attribution maps need shape (N, C, H, W) or (N, H, W); got {tuple(attribution.shape)}. "
+        "The map metrics compare 2-d maps: use them with image-like inputs."
     )
 
 
@@ -67,7 +83,7 @@ def random_logit_ssim(
     model: nn.Module,
     maps: MapFunction | str,
     inputs: torch.Tensor,
-    targets: torch.Tensor,
+    targets: TargetLike,
     *,
     n_classes: int | None = None,
     seed: int = 0,
@@ -77,29 +93,55 @@ def random_logit_ssim(
     """Per-sample SSIM between the map of ``targets`` and that of a random other class.
 
     Args:
-        model: The model in eval mode.
+        model: The model in eval mode (left unchanged).
         maps: ``maps(model, inputs, targets) -> (N, H, W)``, or a registered method name
             (``options`` go to the method).
-        inputs: Samples.
-        targets: True (or explained) class per sample, int64 ``(N,)``.
+        inputs: Samples ``(N, ...)``, finite floating point.
+        targets: True (or explained) class per sample: one int for all, or one int per sample.
         n_classes: Number of outputs (default: read from one forward pass).
         seed: Seed of the random classes.
         absolute_sign: ``max(SSIM(s), SSIM(−s))`` (see :func:`map_ssim`).
         **options: Options of the method when ``maps`` is a name.
+
+    Raises:
+        InvalidInputError: For inputs, targets, ``n_classes`` or maps that do not fit (e.g. a
+            maps function returning other than finite ``(N, H, W)`` maps).
+        ModelStateError: If the model is in training mode.
     """
+    from explain_core.model_guard import ModelGuard, require_eval_mode
+
     if isinstance(maps, str):
         maps = method_maps(maps, **options)
+    elif not callable(maps):
+        raise InvalidInputError(
+            "maps must be a method name or a function maps(model, inputs, targets) -> (N, H, W); "
+            f"got {type(maps).__name__}"
+        )
     elif options:
-        raise ValueError("options only apply to a method given by name")
-    targets = torch.as_tensor(targets, dtype=torch.long, device=inputs.device)
+        raise InvalidInputError("options only apply to a method given by name")
+    inputs = check_inputs(inputs, model)
+    if targets is None:
+        raise InvalidInputError(
+            "targets must be given: one int for all samples or one int per sample"
+        )
+    targets = normalize_target(targets, inputs.shape[0], inputs.device)
+    seed = check_int(seed, "seed", 0)
+    # Check the mode before any forward pass: in training mode it would update BatchNorm's
+    # running statistics of the user's model.
+    require_eval_mode(model)
     if n_classes is None:
-        with torch.no_grad():
-            n_classes = int(model(inputs[:1]).shape[1])
-    if n_classes < 2:
-        raise ValueError("the random-logit test needs at least two outputs")
+        with ModelGuard(model), torch.no_grad():
+            n_classes = check_scores(model(inputs[:1]), 1).shape[1]
+        if n_classes < 2:
+            raise InvalidInputError(
+                f"the random-logit test needs a model with at least two outputs (the explained "
+                f"class and another); this one has {n_classes}"
+            )
+    n_classes = check_int(n_classes, "n_classes", 2)  # the other class needs a second output
+    check_target_range(targets, n_classes)
     generator = torch.Generator().manual_seed(seed)
     shift = torch.randint(1, n_classes, (len(targets),), generator=generator).to(targets.device)
     others = (targets + shift) % n_classes  # uniform over the other classes
-    original = maps(model, inputs, targets)
-    randomised = maps(model, inputs, others)
+    original = check_maps_result(maps(model, inputs, targets), len(targets))
+    randomised = check_maps_result(maps(model, inputs, others), len(targets))
     return RandomLogitResult(map_ssim(original, randomised, absolute_sign=absolute_sign), others)

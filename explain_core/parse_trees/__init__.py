@@ -11,6 +11,7 @@ importing this package needs neither.
 
 from explain_core.parse_trees.build import (
     build_parse_tree,
+    check_parse_tree,
     class_parse_tree,
     dataset_parse_tree,
     default_thresholds,
@@ -48,6 +49,7 @@ __all__ = [
     "ParseTreeData",
     "RenderedTree",
     "build_parse_tree",
+    "check_parse_tree",
     "class_parse_tree",
     "collect_parse_tree_data",
     "compare_parse_trees",

@@ -45,6 +45,7 @@ from explain_core.parse_trees.data import LayerStack, ParseTreeData
 
 __all__ = [
     "build_parse_tree",
+    "check_parse_tree",
     "class_parse_tree",
     "dataset_parse_tree",
     "default_thresholds",
@@ -78,7 +79,12 @@ def resolve_thresholds(threshold: Threshold, sizes: Sequence[int]) -> list[float
     if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
         values = [float(threshold)] * routing_layers
     else:
-        values = [float(t) for t in threshold]
+        values = _as_floats(threshold)
+        if values is None:
+            raise InvalidInputError(
+                f"threshold must be a number, one number per routing layer ({routing_layers}) "
+                f"or None for the default; got {threshold!r}"
+            )
         if len(values) != routing_layers:
             raise InvalidInputError(
                 f"threshold needs one value per routing layer ({routing_layers}); got {len(values)}"
@@ -86,6 +92,47 @@ def resolve_thresholds(threshold: Threshold, sizes: Sequence[int]) -> list[float
     if not all(torch.isfinite(torch.tensor(values))):
         raise InvalidInputError(f"thresholds must be finite numbers; got {values}")
     return values
+
+
+def _as_floats(values: Any) -> list[float] | None:
+    """``values`` as floats, or ``None`` if it is text or not a sequence of numbers."""
+    if isinstance(values, (str, bytes)):  # iterable, but "0.5" is not one value per layer
+        return None
+    try:
+        return [float(v) for v in values]
+    except (TypeError, ValueError):
+        return None
+
+
+_NODE_ATTRIBUTES = ("layer", "index", "activation")
+
+
+def check_parse_tree(graph: Any) -> Any:
+    """Check that ``graph`` is a parse tree as built here, before drawing or writing it.
+
+    Returns:
+        ``graph``.
+
+    Raises:
+        InvalidInputError: If it is not a directed graph, or its capsules lack ``layer``,
+            ``index`` or ``activation``, or its couplings lack ``weight``.
+    """
+    expected = "expected a parse-tree graph from parse_tree() or build_parse_tree()"
+    if not all(hasattr(graph, name) for name in ("graph", "nodes", "edges", "predecessors")):
+        raise InvalidInputError(f"{expected} (a networkx.DiGraph); got {type(graph).__name__}")
+    for node, data in graph.nodes(data=True):
+        missing = [name for name in _NODE_ATTRIBUTES if name not in data]
+        if missing:
+            raise InvalidInputError(
+                f"{expected}, whose capsules carry {', '.join(_NODE_ATTRIBUTES)}; node {node!r} "
+                f"lacks {', '.join(missing)}"
+            )
+    for child, parent, data in graph.edges(data=True):
+        if "weight" not in data:
+            raise InvalidInputError(
+                f"{expected}, whose couplings carry a weight; edge {child!r} -> {parent!r} has none"
+            )
+    return graph
 
 
 def build_parse_tree(

@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from explain_core.files import write_atomically
+from explain_core.files import check_output_path, write_atomically
 from explain_core.parse_trees._deps import require_networkx
+from explain_core.parse_trees.build import check_parse_tree
 
 __all__ = [
     "read_graphml",
@@ -23,8 +24,13 @@ __all__ = [
 
 
 def write_graphml(graph: Any, path: str | Path) -> Path:
-    """Write ``graph`` as GraphML (atomically) and return the path."""
+    """Write ``graph`` as GraphML (atomically) and return the path.
+
+    Raises:
+        InvalidInputError: If ``graph`` is not a parse tree or ``path`` cannot be written.
+    """
     nx = require_networkx()
+    check_parse_tree(graph)
     return write_atomically(Path(path), lambda handle: nx.write_graphml(graph, handle))
 
 
@@ -40,8 +46,13 @@ def read_graphml(path: str | Path) -> Any:
 
 
 def to_node_link(graph: Any) -> dict[str, Any]:
-    """The node-link form of ``graph`` (``{"nodes": [...], "edges": [...], "graph": {...}}``)."""
+    """The node-link form of ``graph`` (``{"nodes": [...], "edges": [...], "graph": {...}}``).
+
+    Raises:
+        InvalidInputError: If ``graph`` is not a parse tree.
+    """
     nx = require_networkx()
+    check_parse_tree(graph)
     try:
         return nx.node_link_data(graph, edges="edges")
     except TypeError:  # networkx < 3.4 names the keyword `link`
@@ -49,9 +60,14 @@ def to_node_link(graph: Any) -> dict[str, Any]:
 
 
 def write_node_link_json(graph: Any, path: str | Path) -> Path:
-    """Write the node-link form of ``graph`` as JSON (atomically) and return the path."""
+    """Write the node-link form of ``graph`` as JSON (atomically) and return the path.
+
+    Raises:
+        InvalidInputError: If ``graph`` is not a parse tree or ``path`` cannot be written.
+    """
+    path = check_output_path(path)  # before the conversion, which may take a while
     text = json.dumps(to_node_link(graph), indent=1, ensure_ascii=False)
-    return write_atomically(Path(path), lambda handle: handle.write(text.encode()))
+    return write_atomically(path, lambda handle: handle.write(text.encode()))
 
 
 def read_node_link_json(path: str | Path) -> Any:

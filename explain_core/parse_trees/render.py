@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from explain_core.errors import GraphvizNotFoundError, InvalidInputError
-from explain_core.files import write_atomically
+from explain_core.files import check_output_path, write_atomically
 from explain_core.parse_trees._deps import require_graphviz
+from explain_core.parse_trees.build import check_parse_tree
 
 __all__ = ["FORMATS", "RenderedTree", "render_parse_tree", "render_side_by_side", "to_dot"]
 
@@ -67,7 +68,7 @@ def to_dot(
         side, tree ``k`` (from 1) prefixes them with ``t{k}/``.
 
     Raises:
-        InvalidInputError: If no tree is given.
+        InvalidInputError: If no tree is given, or a tree is not a parse tree.
     """
     import matplotlib
 
@@ -76,6 +77,12 @@ def to_dot(
     pairs = [(None, trees)] if single else list(trees)
     if not pairs:
         raise InvalidInputError("nothing to draw: no parse trees given")
+    for pair in pairs:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise InvalidInputError(
+                f"side by side, give (title, graph) pairs; got {type(pair).__name__}"
+            )
+        check_parse_tree(pair[1])
     if single and title is None:
         title = pairs[0][1].graph.get("title")
     legend = f"fill: ‖u‖ ({colormap}, 0 → 1)   edges: coupling c (width, opacity)"
@@ -206,7 +213,8 @@ def render_parse_tree(
         GraphvizNotFoundError: If the ``dot`` program is missing (the ``.gv`` is written).
         MissingDependencyError: If the graphviz Python package is missing (the ``.gv`` is
             written).
-        InvalidInputError: On an unknown format.
+        InvalidInputError: On an unknown format, a graph that is not a parse tree, or a path
+            that cannot be written.
     """
     return _render(to_dot(graph, title=title, colormap=colormap), path, format)
 
@@ -239,6 +247,8 @@ def _render(source: str, path: str | Path, format: str | None) -> RenderedTree:
     if suffix != format:
         path = path.with_name(path.name + "." + format)
     source_path = path.with_suffix(".gv")
+    for target in (path, source_path):  # fail before writing either, naming the picture
+        check_output_path(target)
     write_atomically(source_path, lambda handle: handle.write(source.encode()))
     graphviz = require_graphviz()
     try:

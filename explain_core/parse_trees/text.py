@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from explain_core.parse_trees.build import check_parse_tree
+
 __all__ = ["text_tree"]
 
 
@@ -21,7 +23,11 @@ def text_tree(graph: Any, *, title: str | None = None) -> str:
 
     Returns:
         The tree, one capsule per line, e.g. ``└── L4:C2 C2 ‖u‖=0.73 c=0.81``.
+
+    Raises:
+        InvalidInputError: If ``graph`` is not a parse tree.
     """
+    check_parse_tree(graph)
     lines = []
     heading = title if title is not None else graph.graph.get("title")
     if heading:

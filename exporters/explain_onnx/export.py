@@ -25,18 +25,21 @@ import torch
 from torch import nn
 
 from explain_core.errors import (
+    ExplainError,
     ExportError,
     InvalidInputError,
     ModelStateError,
     UnsupportedOperatorError,
 )
-from explain_core.files import temporary_beside
+from explain_core.files import check_output_path, temporary_beside
 from explain_onnx._deps import require
 from explain_onnx.adapters import exportable
 from explain_onnx.explained import explained_module, get_explainer
 from explain_onnx.parity import BATCH_SIZES, ParityReport, check_graph, check_parity
+from explain_onnx.runtime import OnnxSession
 
 MAX_INLINE_BYTES = 1_800_000_000  # ONNX protobufs stop at 2 GB
+MIN_OPSET = 7  # the oldest opset onnxruntime runs
 
 
 @dataclass
@@ -95,11 +98,13 @@ def export_onnx(
             then returns ``(logits, explanation)``.
         target_input: With ``explain``: take the class to explain as a second input (int64
             ``(batch,)``) instead of explaining the predicted class.
-        opset: ONNX opset to target (default: the exporter's).
+        opset: ONNX opset to target, from 7 to the newest the installed onnx knows (default:
+            the exporter's). torch.onnx builds graphs at its own opset and converts them to
+            others; an opset it cannot convert the model to is refused, not silently replaced.
         parity: Run the checker and compare onnxruntime with PyTorch (strongly recommended).
         real_inputs: Whether ``example_inputs`` are real samples (as opposed to random ones);
             only labels the parity report.
-        batch_sizes: Batch sizes compared in the parity check.
+        batch_sizes: Batch sizes compared in the parity check (positive ints).
         **options: Options of the explanation method (e.g. ``levels=11``).
 
     Returns:
@@ -107,9 +112,12 @@ def export_onnx(
 
     Raises:
         ModelStateError: If a module of the model is in training mode.
-        InvalidInputError: For an unwritable path, bad inputs or an unknown method.
+        InvalidInputError: For an unwritable path, inputs the model cannot run on, a model
+            that does not return one tensor of scores, an unknown method, an opset outside
+            the supported range or bad batch sizes.
         UnsupportedOperatorError: For an operator without ONNX translation.
-        ExportError: If tracing or the checker fails.
+        ExportError: If tracing, the conversion to ``opset`` or the checker fails, or
+            onnxruntime cannot load the graph.
         ParityError: If onnxruntime and PyTorch disagree beyond the tolerances.
         MissingDependencyError: Without onnx, onnxscript or onnxruntime.
     """
@@ -128,13 +136,14 @@ def export_onnx(
     if options and explain is None:
         raise InvalidInputError(f"options {sorted(options)} need an explanation method")
     path = check_output_path(path)
-    example = _check_example(example_inputs)
+    batch_sizes = _check_batch_sizes(batch_sizes)
+    example = _check_example(example_inputs, model)
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module)
+    _check_opset(opset)
 
     spec = get_explainer(explain) if explain is not None else None
-    with torch.no_grad():
-        logits = exportable(model)(example[:1])
+    logits = _run_once(model, example)
     num_classes = int(logits.shape[1]) if logits.dim() == 2 else 0
     if spec is not None and num_classes == 0:
         raise InvalidInputError(
@@ -157,6 +166,13 @@ def export_onnx(
     program = trace(module, args, model_name=type(model).__name__)
     onnx_program = convert(program, input_names, output_names, opset)
     opset_used = _default_opset(onnx_program)
+    if opset is not None and opset_used != opset:
+        # torch.onnx keeps its own opset when it cannot convert the graph, and only logs that.
+        raise ExportError(
+            f"torch.onnx could not convert {type(model).__name__} to opset {opset} (some "
+            f"operator has no conversion) and wrote opset {opset_used} instead; choose opset "
+            f"{opset_used} or higher, or leave the opset unset"
+        )
 
     report = None
     with temporary_beside(path, suffix=".onnx") as temporary:
@@ -174,6 +190,7 @@ def export_onnx(
                 temporary,
                 reference,
                 example,
+                session=_open_session(temporary, opset_used),
                 num_classes=num_classes,
                 target_input=target_input,
                 explained=spec is not None,
@@ -184,7 +201,7 @@ def export_onnx(
     return ExportResult(path, input_names, output_names, explain, opset_used, report)
 
 
-def _check_example(example: Any) -> torch.Tensor:
+def _check_example(example: Any, model: nn.Module) -> torch.Tensor:
     if not isinstance(example, torch.Tensor) or example.dim() < 2 or len(example) == 0:
         got = tuple(example.shape) if isinstance(example, torch.Tensor) else type(example).__name__
         raise InvalidInputError(
@@ -192,7 +209,80 @@ def _check_example(example: Any) -> torch.Tensor:
         )
     if not example.is_floating_point() or not torch.isfinite(example).all():
         raise InvalidInputError("example_inputs must hold finite floating-point values")
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes and example.dtype not in dtypes:
+        expected = " or ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        raise InvalidInputError(
+            f"example_inputs are {str(example.dtype).removeprefix('torch.')} but the model's "
+            f"parameters are {expected}; convert the inputs (e.g. x.float()) or the model"
+        )
     return example.detach().cpu()
+
+
+def _check_batch_sizes(batch_sizes: Any) -> tuple[int, ...]:
+    sizes = tuple(batch_sizes) if isinstance(batch_sizes, (tuple, list)) else ()
+    if not sizes or not all(_is_int(b) and b >= 1 for b in sizes):
+        raise InvalidInputError(
+            f"batch_sizes must be one or more positive ints, e.g. {BATCH_SIZES}; "
+            f"got {batch_sizes!r}"
+        )
+    return sizes
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_opset(opset: Any) -> None:
+    newest = int(require("onnx").defs.onnx_opset_version())
+    if opset is None:
+        return
+    if not _is_int(opset) or not MIN_OPSET <= opset <= newest:
+        raise InvalidInputError(
+            f"opset must be an int from {MIN_OPSET} to {newest} (the newest the installed onnx "
+            f"knows), or None for the exporter's default; got {opset!r}"
+        )
+
+
+def _run_once(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
+    """The model's scores for the first sample of ``example``, checked before any tracing."""
+    try:
+        with torch.no_grad():
+            logits = model(example[:1])
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        if isinstance(error, ExplainError):
+            raise
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InvalidInputError(
+            f"the model cannot run on example_inputs of shape {tuple(example.shape)}: {first}; "
+            "give inputs of the shape the model was built for"
+        ) from error
+    if not isinstance(logits, torch.Tensor):
+        raise InvalidInputError(
+            f"the model must return one tensor of scores (batch, classes); got "
+            f"{type(logits).__name__}; wrap it in a module whose forward returns only the scores"
+        )
+    if logits.is_floating_point() and not torch.isfinite(logits).all():
+        raise InvalidInputError(
+            "the model's outputs for example_inputs contain NaN or infinite values; check its "
+            "weights"
+        )
+    return logits
+
+
+def _open_session(path: Path, opset: int) -> OnnxSession:
+    """An onnxruntime session for the parity check; a graph it cannot load is an export error."""
+    try:
+        return OnnxSession(path)
+    except ExplainError:
+        raise
+    except Exception as error:  # onnxruntime raises its own Fail / InvalidGraph types
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        version = require("onnxruntime").__version__
+        raise ExportError(
+            f"onnxruntime {version} cannot load the exported graph (opset {opset}): {first[:200]}; "
+            "choose a lower opset"
+        ) from error
 
 
 def check_eval_mode(model: nn.Module) -> None:
@@ -208,28 +298,6 @@ def check_eval_mode(model: nn.Module) -> None:
             f"{f' and {len(training) - 1} more' if len(training) > 1 else ''}); call model.eval() "
             "before exporting, so that dropout and batch norm are exported as used for inference"
         )
-
-
-def check_output_path(path: str | Path) -> Path:
-    """Create the folder of ``path`` and check that a file can be written there.
-
-    Raises:
-        InvalidInputError: If ``path`` is a folder, its folder cannot be created or is not
-            writable.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise InvalidInputError(f"output path {path} is a folder; give a file name like model.onnx")
-    folder = path.parent
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise InvalidInputError(
-            f"cannot create the output folder {folder}: {error.strerror or error}"
-        ) from None
-    if not os.access(folder, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise InvalidInputError(f"cannot write {path}: permission denied")
-    return path
 
 
 def trace(module: nn.Module, args: tuple[torch.Tensor, ...], *, model_name: str) -> Any:

@@ -1,0 +1,241 @@
+"""Bad input to explain() and Explainer: clear errors, and model and inputs left unchanged."""
+
+from __future__ import annotations
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_same_state, state_fingerprint
+from torch import nn
+
+from explain_core import Explainer, InvalidInputError, explain
+from explain_core.plugin_manager import get_registry
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# One method per family: plain autograd, autograd with baselines, and traced modified backprop.
+METHODS = ("gradient", "integrated_gradients", "lrp.epsilon")
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(32, 3)
+    ).eval()
+
+
+def images(batch: int = 2) -> torch.Tensor:
+    return torch.rand(batch, 1, 4, 4)
+
+
+class Wrapped(nn.Module):
+    """A small CNN whose forward does something awkward before or after it."""
+
+    def __init__(self, forward) -> None:
+        super().__init__()
+        self.net = cnn()
+        self._forward = forward
+
+    def forward(self, x: torch.Tensor):
+        return self._forward(self.net, x)
+
+
+def _normalise_in_place(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # allowed on a leaf, and writes into whatever tensor it was given
+        x.sub_(0.5)
+    return net(x)
+
+
+@pytest.mark.parametrize("method", ["gradient", "integrated_gradients"])
+def test_a_model_writing_into_its_input_leaves_the_callers_tensors_unchanged(method):
+    model = Wrapped(_normalise_in_place).eval()
+    x, baselines = images(), torch.full((2, 1, 4, 4), 0.25)
+    x_before, baselines_before = x.clone(), baselines.clone()
+    state = state_fingerprint(model)
+    options = {"baselines": baselines} if method == "integrated_gradients" else {}
+    explain(model, x, method, 1, **options)
+    assert torch.equal(x, x_before) and x._version == x_before._version
+    assert torch.equal(baselines, baselines_before)
+    assert_same_state(state, state_fingerprint(model))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_in_place_relu_on_the_input_is_refused_clearly_and_changes_nothing(method):
+    model = Wrapped(lambda net, x: net(torch.relu_(x))).eval()
+    x = images() - 0.5
+    before = x.clone()
+    state = state_fingerprint(model)
+    with pytest.raises(InvalidInputError, match=r"modifies its input in place.*inplace=False"):
+        explain(model, x, method, 1)
+    assert torch.equal(x, before)
+    assert_same_state(state, state_fingerprint(model))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("method", METHODS)
+def test_inputs_of_another_dtype_than_the_model_name_both_and_the_conversion(method, dtype):
+    model = cnn()
+    state = state_fingerprint(model)
+    with pytest.raises(InvalidInputError, match=rf"inputs are {dtype}.*x\.to\(torch\.float32\)"):
+        explain(model, images().to(dtype), method, 1)
+    assert_same_state(state, state_fingerprint(model))
+
+
+def test_non_finite_inputs_name_the_samples():
+    x = images(3)
+    x[2, 0, 1, 1] = float("inf")
+    with pytest.raises(InvalidInputError, match=r"NaN or infinite values in samples \[2\]"):
+        explain(cnn(), x, "gradient", 1)
+
+
+def test_meta_inputs_and_meta_models_are_refused_before_anything_runs():
+    with pytest.raises(InvalidInputError, match="inputs are meta tensors"):
+        explain(cnn(), torch.empty(2, 1, 4, 4, device="meta"), "gradient", 1)
+    with pytest.raises(InvalidInputError, match=r"meta device.*to_empty"):
+        explain(cnn().to("meta"), torch.empty(2, 1, 4, 4, device="meta"), "gradient", 1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a second device")
+def test_inputs_on_another_device_than_the_model_say_how_to_move_them():
+    with pytest.raises(InvalidInputError, match=r"model's parameters are on cpu.*x\.to\('cpu'\)"):
+        explain(cnn(), images().cuda(), "gradient", 1)
+
+
+def test_inference_tensors_work_but_a_call_inside_inference_mode_is_refused():
+    model, x = cnn(), images()
+    with torch.inference_mode():
+        frozen = x.clone()
+    result = explain(model, frozen, "gradient", 1)
+    torch.testing.assert_close(result.attribution, explain(model, x, "gradient", 1).attribution)
+    with torch.inference_mode(), pytest.raises(InvalidInputError, match=r"outside torch\.infer"):
+        explain(model, x, "gradient", 1)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (2, 4, 4), (2, 1, 5, 5), (2, 1, 1, 4, 4)], ids=str)
+def test_inputs_the_model_cannot_run_on_get_one_clear_error(method, shape):
+    model = cnn()
+    state = state_fingerprint(model)
+    with pytest.raises(InvalidInputError, match=r"cannot run on inputs of shape") as caught:
+        explain(model, torch.rand(shape), method, 1)
+    assert str(shape) in str(caught.value) and "training data" in str(caught.value)
+    assert isinstance(caught.value.__cause__, RuntimeError)  # torch's message stays chained
+    assert isinstance(caught.value, RuntimeError)  # what callers caught before it was explained
+    assert_same_state(state, state_fingerprint(model))
+
+
+def test_the_models_own_error_on_valid_inputs_propagates_unchanged():
+    calls = []
+
+    def fail_once(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("user model failure")
+        return net(x)
+
+    with pytest.raises(RuntimeError, match="user model failure") as caught:
+        explain(Wrapped(fail_once).eval(), images(), "gradient", 1)
+    assert not isinstance(caught.value, InvalidInputError)
+
+
+@pytest.mark.parametrize("method", [*METHODS, "dynamic.contributions"])
+def test_an_empty_batch_asks_for_a_sample(method):
+    with pytest.raises(InvalidInputError, match=r"0 samples.*pass at least one"):
+        explain(cnn(), images()[:0], method)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "dict"])
+@pytest.mark.parametrize(
+    "method", ["gradient", "input_x_gradient", "integrated_gradients", "dynamic.contributions"]
+)
+def test_a_model_returning_a_tuple_or_dict_is_told_to_return_one_tensor(method, kind):
+    wrap = {"tuple": lambda y: (y, y), "dict": lambda y: {"logits": y}}[kind]
+    model = Wrapped(lambda net, x: wrap(net(x))).eval()
+    with pytest.raises(InvalidInputError, match=rf"one tensor.*returned a {kind}; wrap it"):
+        explain(model, images(), method)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_model_output_that_is_not_2d_is_refused(method):
+    model = Wrapped(lambda net, x: net(x)[:, :, None]).eval()
+    with pytest.raises(InvalidInputError, match=r"\(batch, n_outputs\)"):
+        explain(model, images(), method, 1)
+
+
+@pytest.mark.parametrize("method", [*METHODS, "excitation_bp", "input_x_gradient"])
+def test_non_finite_model_outputs_name_the_samples(method):
+    def nan_for_second_sample(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        second = torch.arange(x.shape[0])[:, None] == 1  # a constant, so every engine traces it
+        return net(x) + torch.where(second, float("nan"), 0.0)
+
+    with pytest.raises(InvalidInputError, match=r"output is not finite.*samples \[1\] of 3"):
+        explain(Wrapped(nan_for_second_sample).eval(), images(3), method)
+
+
+@pytest.mark.parametrize("target", ["3", b"3", ["1", "2"], [[1], [1, 2]], {"a": 1}], ids=repr)
+def test_targets_of_the_wrong_kind_list_the_accepted_forms(target):
+    with pytest.raises(InvalidInputError, match=r"target must be None \(the predicted class\)"):
+        explain(cnn(), images(), "gradient", target)
+
+
+def test_the_callers_target_tensor_is_not_handed_back():
+    target = torch.tensor([0, 2])
+    result = explain(cnn(), images(), "gradient", target)
+    assert torch.equal(result.target, target) and result.target is not target
+
+
+@pytest.mark.parametrize(
+    ("method", "options", "phrase"),
+    [
+        ("integrated_gradients", {"steps": "10"}, r"'steps'.*must be an integer; got '10' \(str\)"),
+        ("integrated_gradients", {"steps": 2.5}, r"must be an integer; got 2\.5 \(float\)"),
+        ("integrated_gradients", {"steps": True}, r"must be an integer; got True \(bool\)"),
+        ("lrp.epsilon", {"epsilon": float("nan")}, r"'epsilon'.*finite number; got nan"),
+        ("lrp.epsilon", {"epsilon": "a"}, r"finite number; got 'a' \(str\)"),
+        ("lrp.gamma", {"gamma": float("nan")}, r"'gamma'.*finite number"),
+        ("lrp.alpha_beta", {"alpha": float("inf")}, r"'alpha'.*finite number; got inf"),
+        ("lrp.zb", {"low": float("nan"), "high": 1.0}, r"'low'.*finite number, a finite tensor"),
+        ("lrp.zb", {"low": torch.full((1, 4, 4), float("nan")), "high": 1.0}, "finite tensor"),
+        ("rectgrad", {"q": "high"}, r"'q'.*finite number; got 'high'"),
+        ("guided_bp", {"times_input": "yes"}, r"'times_input'.*True or False; got 'yes'"),
+        ("deeplift.rescale", {"maxpool": 3}, r"'maxpool'.*a string; got 3 \(int\)"),
+    ],
+    ids=repr,
+)
+def test_option_values_of_the_wrong_type_or_not_finite_are_refused(method, options, phrase):
+    with pytest.raises(InvalidInputError, match=phrase) as caught:
+        explain(cnn(), images(), method, 1, **options)
+    assert str(caught.value).startswith(f"option {next(iter(options))!r} of method {method!r}")
+    with pytest.raises(InvalidInputError, match=phrase):
+        Explainer(cnn(), method, **options)  # refused when the explainer is built
+
+
+def test_options_of_compatible_types_are_accepted():
+    model, x = cnn(), images()
+    explain(model, x, "integrated_gradients", 1, steps=np.int64(3), internal_batch_size=4)
+    explain(model, x, "lrp.epsilon", 1, epsilon=1)  # an int where a float is expected
+    explain(model, x, "lrp.zb", 1, low=torch.zeros(1, 4, 4), high=1)
+
+
+def test_every_registered_methods_defaults_pass_the_type_check():
+    for name, spec in get_registry().items():
+        defaults = {
+            key: value
+            for key, value in spec.options().items()
+            if value is not inspect.Parameter.empty
+        }
+        try:
+            spec.create(**defaults)
+        except InvalidInputError as error:  # the factory's own checks may still need values
+            assert not str(error).startswith("option "), name
+
+
+def test_baselines_that_are_not_numbers_or_tensors_are_refused():
+    with pytest.raises(InvalidInputError, match=r"baselines must be a tensor.*got str"):
+        explain(cnn(), images(), "integrated_gradients", 1, baselines="zero")
+
+
+def test_a_model_that_is_not_a_module_is_refused():
+    with pytest.raises(InvalidInputError, match=r"torch\.nn\.Module; got function"):
+        explain(lambda x: x.flatten(1)[:, :3], images(), "gradient", 1)
