@@ -17,6 +17,7 @@ from explain_core.errors import (
     ExplainError,
     InvalidInputError,
     ModelLoadError,
+    ModelRunError,
     ModelStateError,
     UnknownMethodError,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "MethodSpec",
     "ModelGuard",
     "ModelLoadError",
+    "ModelRunError",
     "ModelStateError",
     "RoutingEvent",
     "RoutingLayer",

@@ -13,14 +13,7 @@ from explain_core.errors import InvalidInputError
 from explain_core.model_guard import ModelGuard, require_eval_mode
 from explain_core.plugin_manager import get_registry
 from explain_core.targets import TargetLike, normalize_target
-
-
-class ModelRunError(InvalidInputError, RuntimeError):
-    """Inputs (or a model) on which the model's forward pass fails, explained in one sentence.
-
-    Also a ``RuntimeError``, the type torch raised before it was explained, so that code catching
-    that keeps working; torch's error is chained as the cause.
-    """
+from explain_core.validation import check_inputs, check_output_finite, diagnose_failure
 
 
 def explain(
@@ -73,7 +66,7 @@ def explain(
         )
     spec = get_registry()[method]
     engine = spec.create(**options)
-    inputs = _check_inputs(inputs, model)
+    inputs = check_inputs(inputs, model)
     reference = _check_baselines(baselines, inputs, method, engine.uses_baselines)
     target_tensor = normalize_target(target, inputs.shape[0], inputs.device)
     require_eval_mode(model)
@@ -83,11 +76,11 @@ def explain(
         except RuntimeError as error:
             # Diagnose only after a failure, so that a valid call costs no extra forward pass;
             # inside the guard, so that the probe leaves no trace on the model either.
-            clear = _diagnose_failure(model, inputs, error)
+            clear = diagnose_failure(model, inputs, error)
             if clear is None:
                 raise
             raise clear from error
-    _check_output_finite(result.output)
+    check_output_finite(result.output)
     return Attribution(
         attribution=result.attribution,
         method=method,
@@ -203,58 +196,6 @@ def _model_device(model: nn.Module) -> torch.device:
     return parameter.device if parameter is not None else torch.device("cpu")
 
 
-def _model_tensor(model: nn.Module) -> torch.Tensor | None:
-    """The model's first parameter (or buffer): where its weights live; ``None`` if it has none."""
-    return next(model.parameters(), next(model.buffers(), None))
-
-
-def _check_inputs(inputs: Any, model: nn.Module) -> torch.Tensor:
-    """Validate ``inputs`` and return a private copy of them.
-
-    The copy keeps the caller's tensor unchanged when the model works in place on its input
-    (``torch.relu_(x)``), and turns an inference-mode tensor into one autograd can use; next to
-    an attribution it costs nothing.
-    """
-    if not isinstance(inputs, torch.Tensor):
-        raise InvalidInputError(
-            f"inputs must be a torch.Tensor of shape (batch, ...); got {type(inputs).__name__}"
-        )
-    if inputs.dim() < 2:
-        raise InvalidInputError(
-            f"inputs need a batch axis: shape (batch, ...); got {tuple(inputs.shape)}. "
-            "Use inputs[None] for a single sample."
-        )
-    if inputs.shape[0] == 0:
-        raise InvalidInputError(
-            f"inputs have 0 samples (shape {tuple(inputs.shape)}); pass at least one"
-        )
-    if not inputs.is_floating_point():
-        raise InvalidInputError(f"inputs must be floating point; got dtype {inputs.dtype}")
-    weight = _model_tensor(model)
-    if weight is not None and weight.device.type == "meta":
-        raise InvalidInputError(
-            "the model's parameters are on the meta device and hold no values; materialise "
-            "them first, e.g. model.to_empty(device='cpu') and then model.load_state_dict(...)"
-        )
-    if inputs.device.type == "meta":
-        raise InvalidInputError(
-            "inputs are meta tensors, which hold no values; pass real data, e.g. "
-            f"torch.rand({', '.join(map(str, inputs.shape))})"
-        )
-    if weight is not None and inputs.device != weight.device:
-        raise InvalidInputError(
-            f"inputs are on {inputs.device} but the model's parameters are on {weight.device}; "
-            f"move the inputs with x.to('{weight.device}') or the model with "
-            f"model.to('{inputs.device}')"
-        )
-    bad = _non_finite_samples(inputs)
-    if bad:
-        raise InvalidInputError(
-            f"inputs contain NaN or infinite values in samples [{bad}]; pass finite values"
-        )
-    return inputs.detach().clone()
-
-
 def _check_baselines(
     baselines: torch.Tensor | float | None, inputs: torch.Tensor, method: str, used: bool
 ) -> torch.Tensor | None:
@@ -282,69 +223,3 @@ def _check_baselines(
         raise InvalidInputError("baselines contain NaN or infinite values; pass finite values")
     # A full copy, never a view of the caller's tensor: the model may work on it in place.
     return reference.detach().clone()
-
-
-def _diagnose_failure(
-    model: nn.Module, inputs: torch.Tensor, error: RuntimeError
-) -> ModelRunError | None:
-    """A clear error for a method that failed with a raw torch error, or ``None`` to re-raise.
-
-    The methods call the model themselves, so its first forward pass cannot be wrapped here.
-    Instead, only after a failure, one sample is run through the plain model: if that fails too,
-    the inputs do not fit the model (shape, dtype); if the model wrote into that sample, it works
-    in place on its input, which autograd refuses; otherwise the error is the method's or the
-    model's own and is re-raised unchanged.
-    """
-    if isinstance(error, torch.cuda.OutOfMemoryError):  # a batch too large, not a mismatch
-        return None
-    probe = inputs[:1].clone()
-    try:
-        with torch.no_grad():
-            model(probe)
-    except RuntimeError:
-        return _input_mismatch(model, inputs, str(error))
-    if probe._version > 0 and "in-place" in str(error):  # a fresh clone's version is 0
-        return ModelRunError(
-            "the model modifies its input in place (e.g. nn.ReLU(inplace=True) or torch.relu_ "
-            "as its first operation), which gradient-based attribution cannot differentiate; "
-            "make that first operation out of place (inplace=False)"
-        )
-    return None
-
-
-def _input_mismatch(model: nn.Module, inputs: torch.Tensor, message: str) -> ModelRunError:
-    """Why the model cannot run on ``inputs``: a dtype it does not share, else their shape."""
-    dtypes = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point()})
-    if dtypes and str(inputs.dtype) not in dtypes:
-        # torch's own message ("Input type (c10::Half) and bias type (float)...") stays chained.
-        return ModelRunError(
-            f"inputs are {inputs.dtype} but the model's parameters are {', '.join(dtypes)}; "
-            f"convert the inputs with x.to({dtypes[0]}) or the model with model.to({inputs.dtype})"
-        )
-    first = (message.strip().splitlines() or ["RuntimeError"])[0]
-    return ModelRunError(
-        f"the model cannot run on inputs of shape {tuple(inputs.shape)}: {first}; pass inputs "
-        "shaped like the model's training data"
-    )
-
-
-def _check_output_finite(output: torch.Tensor) -> None:
-    # A NaN or infinite score has no meaningful attribution; without this check the methods
-    # return NaN maps and deltas silently.
-    bad = _non_finite_samples(output)
-    if bad:
-        raise InvalidInputError(
-            f"the model's output is not finite (NaN or infinite) for samples [{bad}] of "
-            f"{len(output)}, so there is nothing meaningful to attribute; check the model's "
-            "weights and forward (overflow, division by zero, log of 0) and the inputs' scale"
-        )
-
-
-def _non_finite_samples(tensor: torch.Tensor) -> str:
-    """The indices of samples holding NaN or inf, e.g. ``"0, 3"`` (``""`` if all are finite)."""
-    finite = torch.isfinite(tensor.detach())
-    finite = finite.flatten(1).all(dim=1) if finite.dim() > 1 else finite.reshape(-1)
-    if bool(finite.all()):
-        return ""
-    samples = torch.nonzero(~finite).flatten().tolist()
-    return ", ".join(map(str, samples[:10])) + (", ..." if len(samples) > 10 else "")

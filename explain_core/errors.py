@@ -49,6 +49,14 @@ class InvalidInputError(ExplainError, ValueError):
     """Inputs, targets or options that do not fit the model or method."""
 
 
+class ModelRunError(InvalidInputError, RuntimeError):
+    """Inputs (or a model) on which the model's forward pass fails, explained in one sentence.
+
+    Also a ``RuntimeError``, the type torch raised before it was explained, so that code catching
+    that keeps working; torch's error is chained as the cause.
+    """
+
+
 class ModelStateError(ExplainError):
     """The model is in a state in which attribution would be meaningless or would change it."""
 

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from explain_core.errors import InvalidInputError
+from explain_core.validation import check_scores
 
 TargetLike = int | Sequence[int] | np.ndarray | torch.Tensor | None
 
@@ -61,17 +62,7 @@ def select_target(output: torch.Tensor, target: torch.Tensor | None) -> torch.Te
         InvalidInputError: If ``output`` is not one ``(batch, n_outputs)`` tensor or a target is
             out of range.
     """
-    if not isinstance(output, torch.Tensor):
-        raise InvalidInputError(
-            "the model must return one tensor of scores of shape (batch, n_outputs); it returned "
-            f"a {type(output).__name__}; wrap it in an nn.Module whose forward returns one tensor, "
-            "e.g. model(x)[0] or model(x)['logits']"
-        )
-    if output.dim() != 2:
-        raise InvalidInputError(
-            f"the model must return scores of shape (batch, n_outputs); got {tuple(output.shape)}. "
-            "Wrap it so that it returns one score per class."
-        )
+    check_scores(output)
     if target is None:
         return output.detach().argmax(dim=1)
     n_outputs = output.shape[1]

@@ -186,8 +186,8 @@ def test_csc_refuses_non_finite_inputs_also_after_a_valid_call():
     ("inputs", "match"),
     [
         (torch.randint(0, 2, (4, 1, 8, 8)), "floating point"),
-        (X.half(), "dtype torch.float16 but the model's parameters are torch.float32"),
-        (X[:0], "no samples"),
+        (X.half(), "inputs are torch.float16 but the model's parameters are torch.float32"),
+        (X[:0], "0 samples"),
         (X[0, 0, 0], "batch axis"),
         (X.numpy(), "torch.Tensor"),
         (torch.empty(4, 1, 8, 8, device="meta"), "meta"),

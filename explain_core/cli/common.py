@@ -112,6 +112,7 @@ def run_model(
     import torch
 
     from explain_core.errors import ExplainError
+    from explain_core.validation import check_output_finite, check_scores
 
     shape = tuple(inputs.shape)
     if inputs.numel() == 0:
@@ -126,21 +127,14 @@ def run_model(
         raise InvalidInputError(
             f"the model cannot run on inputs of shape {shape}: {first}; {hint}"
         ) from error
-    if not isinstance(outputs, torch.Tensor):
+    check_scores(outputs, shape[0])
+    if outputs.shape[1] < min_outputs:
         raise InvalidInputError(
-            f"the model must return one tensor of scores (batch, outputs); it returned "
-            f"{type(outputs).__name__}; wrap it in a module whose forward returns only the scores"
+            f"the model must return at least {min_outputs} scores per sample; got "
+            f"{outputs.shape[1]}"
         )
-    if outputs.dim() != 2 or outputs.shape[1] < min_outputs:
-        raise InvalidInputError(
-            f"the model must return (batch, outputs) scores with at least {min_outputs} "
-            f"output{'s' if min_outputs > 1 else ''}; got shape {tuple(outputs.shape)}"
-        )
-    if outputs.is_floating_point() and not torch.isfinite(outputs).all():
-        raise InvalidInputError(
-            f"the model's outputs on inputs of shape {shape} contain NaN or infinite values; "
-            "check its weights and the inputs' value range"
-        )
+    if outputs.is_floating_point():
+        check_output_finite(outputs)
     return outputs
 
 

@@ -12,7 +12,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from explain_core.errors import InvalidInputError
 from explain_core.targets import select_target
@@ -47,68 +46,6 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
     return value
 
 
-def check_inputs(
-    inputs: Any, model: object = None, *, name: str = "inputs", allow_empty: bool = False
-) -> torch.Tensor:
-    """Detached ``inputs`` if they are a finite floating-point batch that fits ``model``.
-
-    Args:
-        inputs: The model inputs, ``(batch, ...)``.
-        model: The model they are fed to; device and dtype are compared only for an
-            ``nn.Module`` (plain callables are taken as they are).
-        name: Argument name used in messages.
-        allow_empty: Accept a batch of zero samples.
-
-    Raises:
-        InvalidInputError: If ``inputs`` is not such a tensor.
-    """
-    if not isinstance(inputs, torch.Tensor):
-        raise InvalidInputError(
-            f"{name} must be a torch.Tensor of shape (batch, ...); got {type(inputs).__name__}. "
-            "Convert NumPy arrays with torch.from_numpy(array).float()"
-        )
-    if inputs.dim() < 2:
-        raise InvalidInputError(
-            f"{name} need a batch axis: shape (batch, ...); got {tuple(inputs.shape)}. "
-            f"Use {name}[None] for a single sample."
-        )
-    if not inputs.is_floating_point():
-        raise InvalidInputError(
-            f"{name} must be floating point; got dtype {inputs.dtype}. Use {name}.float()."
-        )
-    if inputs.shape[0] == 0 and not allow_empty:
-        raise InvalidInputError(
-            f"{name} hold no samples (shape {tuple(inputs.shape)}); pass at least one sample"
-        )
-    if inputs.device.type == "meta":
-        raise InvalidInputError(
-            f"{name} are meta tensors, which hold no values; pass real data on the model's device"
-        )
-    if isinstance(model, nn.Module):
-        parameters = list(model.parameters())
-        if parameters and parameters[0].device.type == "meta":
-            raise InvalidInputError(
-                "the model's parameters are on the meta device and hold no values; materialise "
-                "them first, e.g. model.to_empty(device='cpu') and then model.load_state_dict(...)"
-            )
-        if parameters and inputs.device != parameters[0].device:
-            raise InvalidInputError(
-                f"{name} are on {inputs.device} but the model is on {parameters[0].device}; "
-                "move one of them"
-            )
-        dtypes = {p.dtype for p in parameters if p.is_floating_point()}
-        # Only a model of one dtype says unambiguously what its inputs must be.
-        if len(dtypes) == 1 and inputs.dtype not in dtypes:
-            (dtype,) = dtypes
-            raise InvalidInputError(
-                f"{name} have dtype {inputs.dtype} but the model's parameters are {dtype}; "
-                f"convert the inputs (e.g. {name}.to({dtype})) or the model"
-            )
-    if not bool(torch.isfinite(inputs).all()):
-        raise InvalidInputError(f"{name} contain NaN or infinite values; pass finite values")
-    return inputs.detach()
-
-
 def check_maps(
     maps: Any, name: str, batch: int | None = None, hint: str = "Sum maps over channels first."
 ) -> torch.Tensor:
@@ -131,22 +68,6 @@ def check_maps(
             "that produced them."
         )
     return maps
-
-
-def check_scores(output: Any, batch: int) -> torch.Tensor:
-    """``output`` if it is a ``(batch, n_outputs)`` tensor of scores.
-
-    Raises:
-        InvalidInputError: If the model returned anything else.
-    """
-    if isinstance(output, torch.Tensor) and output.dim() == 2 and output.shape[0] == batch:
-        return output
-    got = f"shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else "a "
-    got += "" if isinstance(output, torch.Tensor) else type(output).__name__
-    raise InvalidInputError(
-        f"the model must return one tensor of scores of shape ({batch}, n_outputs); got {got}. "
-        "Wrap it so that it returns one score per class, e.g. model(x)[0] for a tuple."
-    )
 
 
 def check_target_range(target: torch.Tensor, n_outputs: int) -> None:

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from explain_core.errors import ExplainError, InvalidInputError
-from explain_core.metrics._checks import check_inputs, check_int
+from explain_core.metrics._checks import check_int
+from explain_core.validation import check_inputs
 
 __all__ = [
     "AutogradPropagator",

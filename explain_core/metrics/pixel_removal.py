@@ -17,14 +17,9 @@ import torch
 from torch import nn
 
 from explain_core.errors import InvalidInputError
-from explain_core.metrics._checks import (
-    check_inputs,
-    check_int,
-    check_maps,
-    check_number,
-    check_scores,
-)
+from explain_core.metrics._checks import check_int, check_maps, check_number
 from explain_core.targets import TargetLike, normalize_target, select_target
+from explain_core.validation import check_inputs, check_scores
 
 __all__ = ["pixel_removal_curve", "removed_pixel_counts"]
 

@@ -18,14 +18,13 @@ from torch import nn
 from explain_core.errors import InvalidInputError
 from explain_core.metrics._checks import (
     as_tensor,
-    check_inputs,
     check_int,
     check_maps_result,
-    check_scores,
     check_target_range,
 )
 from explain_core.metrics.randomisation import map_ssim
 from explain_core.targets import TargetLike, normalize_target
+from explain_core.validation import check_inputs, check_scores
 
 __all__ = ["RandomLogitResult", "method_maps", "random_logit_ssim", "to_maps"]
 

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from explain_core.errors import InvalidInputError
-from explain_core.metrics._checks import check_inputs, check_int, check_maps, check_maps_result
+from explain_core.metrics._checks import check_int, check_maps, check_maps_result
 from explain_core.targets import TargetLike, normalize_target
+from explain_core.validation import check_inputs
 
 MapFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 

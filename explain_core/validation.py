@@ -1,0 +1,186 @@
+"""Checks of model inputs and outputs shared by explain(), the metrics, the CLI and exporters.
+
+Each raises :class:`~explain_core.errors.InvalidInputError` (or its subclass
+:class:`~explain_core.errors.ModelRunError`) saying what was got, what was expected and what to
+do, so that every entry point refuses the same bad input in the same words.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from explain_core.errors import InvalidInputError, ModelRunError
+
+
+def check_inputs(
+    inputs: Any, model: object = None, *, name: str = "inputs", allow_empty: bool = False
+) -> torch.Tensor:
+    """A private, detached copy of ``inputs`` if they are a finite batch that fits ``model``.
+
+    The copy keeps the caller's tensor unchanged when the model works in place on its input
+    (``torch.relu_(x)``) and turns an inference-mode tensor into one autograd can use; next to
+    an attribution it costs nothing.
+
+    Args:
+        inputs: The model inputs, ``(batch, ...)``.
+        model: The model they are fed to; device and dtype are compared only for an
+            ``nn.Module`` (plain callables are taken as they are).
+        name: Argument name used in messages.
+        allow_empty: Accept a batch of zero samples.
+
+    Raises:
+        InvalidInputError: If ``inputs`` is not such a tensor.
+    """
+    if not isinstance(inputs, torch.Tensor):
+        raise InvalidInputError(
+            f"{name} must be a torch.Tensor of shape (batch, ...); got {type(inputs).__name__}. "
+            "Convert NumPy arrays with torch.from_numpy(array).float()"
+        )
+    if inputs.dim() < 2:
+        raise InvalidInputError(
+            f"{name} need a batch axis: shape (batch, ...); got {tuple(inputs.shape)}. "
+            f"Use {name}[None] for a single sample."
+        )
+    if not inputs.is_floating_point():
+        raise InvalidInputError(
+            f"{name} must be floating point; got dtype {inputs.dtype}. Use {name}.float()."
+        )
+    if inputs.shape[0] == 0 and not allow_empty:
+        raise InvalidInputError(
+            f"{name} have 0 samples (shape {tuple(inputs.shape)}); pass at least one"
+        )
+    weight = _first_tensor(model) if isinstance(model, nn.Module) else None
+    if weight is not None and weight.device.type == "meta":
+        raise InvalidInputError(
+            "the model's parameters are on the meta device and hold no values; materialise "
+            "them first, e.g. model.to_empty(device='cpu') and then model.load_state_dict(...)"
+        )
+    if inputs.device.type == "meta":
+        raise InvalidInputError(
+            f"{name} are meta tensors, which hold no values; pass real data, e.g. "
+            f"torch.rand({', '.join(map(str, inputs.shape))})"
+        )
+    if weight is not None:
+        _check_fits_model(inputs, model, weight, name)  # type: ignore[arg-type]
+    bad = non_finite_samples(inputs)
+    if bad:
+        raise InvalidInputError(
+            f"{name} contain NaN or infinite values in samples [{bad}]; pass finite values"
+        )
+    return inputs.detach().clone()
+
+
+def _first_tensor(model: nn.Module) -> torch.Tensor | None:
+    """The model's first parameter (or buffer): where its weights live; ``None`` if none."""
+    return next(model.parameters(), next(model.buffers(), None))
+
+
+def _check_fits_model(
+    inputs: torch.Tensor, model: nn.Module, weight: torch.Tensor, name: str
+) -> None:
+    if inputs.device != weight.device:
+        raise InvalidInputError(
+            f"{name} are on {inputs.device} but the model's parameters are on {weight.device}; "
+            f"move the inputs with x.to('{weight.device}') or the model with "
+            f"model.to('{inputs.device}')"
+        )
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    # Only a model of one dtype says unambiguously what its inputs must be.
+    if len(dtypes) == 1 and inputs.dtype not in dtypes:
+        raise _dtype_mismatch(inputs.dtype, next(iter(dtypes)), name)
+
+
+def _dtype_mismatch(got: torch.dtype, wanted: torch.dtype, name: str) -> ModelRunError:
+    return ModelRunError(
+        f"{name} are {got} but the model's parameters are {wanted}; convert the inputs with "
+        f"x.to({wanted}) or the model with model.to({got})"
+    )
+
+
+def non_finite_samples(tensor: torch.Tensor) -> str:
+    """The indices of samples holding NaN or inf, e.g. ``"0, 3"`` (``""`` if all are finite)."""
+    finite = torch.isfinite(tensor.detach())
+    finite = finite.flatten(1).all(dim=1) if finite.dim() > 1 else finite.reshape(-1)
+    if bool(finite.all()):
+        return ""
+    samples = torch.nonzero(~finite).flatten().tolist()
+    return ", ".join(map(str, samples[:10])) + (", ..." if len(samples) > 10 else "")
+
+
+def check_scores(output: Any, batch: int | None = None) -> torch.Tensor:
+    """``output`` if it is one ``(batch, n_outputs)`` tensor of scores.
+
+    Raises:
+        InvalidInputError: If the model returned anything else (a tuple, a dict, another shape).
+    """
+    if not isinstance(output, torch.Tensor):
+        raise InvalidInputError(
+            "the model must return one tensor of scores of shape (batch, n_outputs); it returned "
+            f"a {type(output).__name__}; wrap it in an nn.Module whose forward returns one tensor, "
+            "e.g. model(x)[0] or model(x)['logits']"
+        )
+    if output.dim() != 2 or (batch is not None and output.shape[0] != batch):
+        expected = f"({'batch' if batch is None else batch}, n_outputs)"
+        raise InvalidInputError(
+            f"the model must return scores of shape {expected}; got {tuple(output.shape)}. "
+            "Wrap it so that it returns one score per class."
+        )
+    return output
+
+
+def check_output_finite(output: torch.Tensor) -> None:
+    """Refuse NaN or infinite scores, which have no meaningful attribution.
+
+    Raises:
+        InvalidInputError: Naming the samples whose scores are not finite.
+    """
+    bad = non_finite_samples(output)
+    if bad:
+        raise InvalidInputError(
+            f"the model's output is not finite (NaN or infinite) for samples [{bad}] of "
+            f"{len(output)}, so there is nothing meaningful to attribute; check the model's "
+            "weights and forward (overflow, division by zero, log of 0) and the inputs' scale"
+        )
+
+
+def diagnose_failure(
+    model: nn.Module, inputs: torch.Tensor, error: RuntimeError
+) -> ModelRunError | None:
+    """A clear error for a method that failed with a raw torch error, or ``None`` to re-raise.
+
+    The methods call the model themselves, so its first forward pass cannot be wrapped. Instead,
+    only after a failure, one sample is run through the plain model: if that fails too, the
+    inputs do not fit the model; if the model wrote into that sample, it works in place on its
+    input, which autograd refuses; otherwise the error is the method's or the model's own. Run
+    it inside the model guard, so that the probe leaves no trace on the model.
+    """
+    if isinstance(error, torch.cuda.OutOfMemoryError):  # a batch too large, not a mismatch
+        return None
+    probe = inputs[:1].clone()
+    try:
+        with torch.no_grad():
+            model(probe)
+    except RuntimeError:
+        return _input_mismatch(model, inputs, str(error))
+    if probe._version > 0 and "in-place" in str(error):  # a fresh clone's version is 0
+        return ModelRunError(
+            "the model modifies its input in place (e.g. nn.ReLU(inplace=True) or torch.relu_ "
+            "as its first operation), which gradient-based attribution cannot differentiate; "
+            "make that first operation out of place (inplace=False)"
+        )
+    return None
+
+
+def _input_mismatch(model: nn.Module, inputs: torch.Tensor, message: str) -> ModelRunError:
+    """Why the model cannot run on ``inputs``: a dtype it does not share, else their shape."""
+    dtypes = sorted({p.dtype for p in model.parameters() if p.is_floating_point()}, key=str)
+    if dtypes and inputs.dtype not in dtypes:
+        return _dtype_mismatch(inputs.dtype, dtypes[0], "inputs")
+    first = (message.strip().splitlines() or ["RuntimeError"])[0]
+    return ModelRunError(
+        f"the model cannot run on inputs of shape {tuple(inputs.shape)}: {first}; pass inputs "
+        "shaped like the model's training data"
+    )
