@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from explain_core.errors import InvalidInputError
-from explain_core.files import temporary_beside
+from explain_core.files import give_default_permissions, temporary_beside
 
 REPORT_MARKER = "summary.json"
 CACHE_FORMAT = 1
@@ -252,6 +252,7 @@ def run_demo(
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+        give_default_permissions(staging, folder=True)
     except OSError as error:
         raise InvalidInputError(
             f"cannot write the output folder {out_dir}: {error.strerror or error}"

@@ -13,6 +13,7 @@ same up front, creating nothing, so that commands can refuse a bad path before t
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -132,6 +133,20 @@ def _folder_problem(folder: Path) -> tuple[Path, str | None]:
     return ancestor, None
 
 
+@functools.cache
+def _umask() -> int:
+    # Read once (os.umask can only be read by setting it); tempfile's files are 0600 and its
+    # folders 0700 whatever the umask, which would hide outputs from the user's group.
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def give_default_permissions(path: Path, *, folder: bool = False) -> None:
+    """Give ``path`` the permissions a plain ``open``/``mkdir`` would have (umask applied)."""
+    os.chmod(path, (0o777 if folder else 0o666) & ~_umask())
+
+
 @contextlib.contextmanager
 def temporary_beside(path: Path, suffix: str = "") -> Iterator[Path]:
     """A fresh temporary file in ``path``'s folder, removed on exit unless renamed away.
@@ -155,6 +170,7 @@ def temporary_beside(path: Path, suffix: str = "") -> Iterator[Path]:
         ) from error
     os.close(descriptor)
     temporary = Path(name)
+    give_default_permissions(temporary)
     try:
         yield temporary
     finally:

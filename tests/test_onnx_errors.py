@@ -98,8 +98,24 @@ def test_value_dependent_branch_names_the_line(tmp_path):
                 raise ValueError("negative")
             return x.flatten(1)
 
-    with pytest.raises(ExportError, match=r"branches on tensor values at test_onnx_errors\.py:\d+"):
+    with pytest.raises(
+        ExportError,
+        match=r"branches on tensor values at test_onnx_errors\.py:\d+ in forward: "
+        r"`if \(x < 0\)\.any\(\):`",
+    ):
         export_onnx(Checks().eval(), torch.rand(2, 3), tmp_path / "m.onnx")
+
+
+def test_unsupported_decomposed_operator_names_the_module(tmp_path):
+    """The translation fails on prims.bessel_j0, the graph holds aten.special_bessel_j0."""
+
+    class Bessel(nn.Module):
+        def forward(self, x):
+            return torch.special.bessel_j0(x)
+
+    model = nn.Sequential(nn.Linear(4, 4), Bessel(), nn.Linear(4, 2)).eval()
+    with pytest.raises(UnsupportedOperatorError, match=r"bessel_j0.*'1' \(Bessel\)"):
+        export_onnx(model, torch.rand(2, 4), tmp_path / "m.onnx")
 
 
 def test_unknown_method_and_bad_options(tmp_path):

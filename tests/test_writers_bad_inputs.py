@@ -187,3 +187,19 @@ def test_threshold_text_is_a_clear_error() -> None:
     )
     with pytest.raises(InvalidInputError, match=r"threshold must be a number.*got 'high'"):
         parse_tree(data, sample=0, threshold="high")
+
+
+def test_written_files_and_demo_folders_get_the_umask_permissions(tmp_path):
+    """tempfile makes 0600 files and 0700 folders; outputs must be readable as plain writes are."""
+    import os
+
+    from explain_core.files import give_default_permissions, write_atomically
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+    path = write_atomically(tmp_path / "out.bin", b"data")
+    assert path.stat().st_mode & 0o777 == 0o666 & ~mask
+    folder = tmp_path / "folder"
+    folder.mkdir(mode=0o700)
+    give_default_permissions(folder, folder=True)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~mask

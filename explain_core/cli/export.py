@@ -34,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--explain",
         metavar="METHOD",
         help="also return this explanation (coda.contributions, capsules.saliency, "
-        "input_x_gradient, or one a plugin registers)",
+        "input_x_gradient, the LRP composites lrp.* and excitation_bp, or one a plugin "
+        "registers)",
     )
     parser.add_argument(
         "--target-input",

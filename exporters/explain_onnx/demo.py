@@ -142,7 +142,8 @@ class OnnxDemoStep(DemoStep):
                 f"timings are medians of {repeats} runs on {BATCH} test digits, "
                 f"{torch.get_num_threads()} CPU thread(s) for both, the explanation included "
                 "(PyTorch: the library's own implementation). The `.onnx` files are in the "
-                "`onnx/` folder; `OnnxSession(path).run(x)` runs them without torch.",
+                "`onnx/` folder; onnxruntime alone runs them, without torch (see "
+                "`examples/onnx_coda_export/run_onnxruntime.py`).",
                 "",
                 *table,
             ],

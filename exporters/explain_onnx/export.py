@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import linecache
 import logging
 import os
 import re
@@ -373,17 +374,27 @@ def _conversion_error(error: Exception, program: Any, opset: int | None) -> Expo
 
 
 def _module_calling(program: Any, operator: str) -> str:
-    """``'name' (Type)`` of the innermost module around the first node calling ``operator``."""
+    """``'name' (Type)`` of the innermost module around the first node calling ``operator``.
+
+    The operator named by the ONNX translation may be a decomposition of the graph's node
+    (``prims.bessel_j0`` of ``aten.special_bessel_j0``): failing an exact match, the node whose
+    name contains the operator's base name counts.
+    """
     graphs = [m for m in program.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
-    for graph_module in graphs:  # the top graph and those of no_grad regions etc.
-        for node in graph_module.graph.nodes:
-            if node.op != "call_function" or str(node.target) != operator:
-                continue
-            stack = node.meta.get("nn_module_stack") or {}
-            if stack:
-                name, kind = list(stack.values())[-1]
-                type_name = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
-                return f"{_strip_wrappers(name)!r} ({type_name})"
+    nodes = [
+        node
+        for graph_module in graphs  # the top graph and those of no_grad regions etc.
+        for node in graph_module.graph.nodes
+        if node.op == "call_function"
+    ]
+    base = operator.split(".")[1] if operator.count(".") >= 2 else operator
+    exact = [node for node in nodes if str(node.target) == operator]
+    for node in exact or [node for node in nodes if base in str(node.target)]:
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack:
+            name, kind = list(stack.values())[-1]
+            type_name = getattr(kind, "__name__", str(kind)).rsplit(".", 1)[-1]
+            return f"{_strip_wrappers(name)!r} ({type_name})"
     return ""
 
 
@@ -396,16 +407,23 @@ def _strip_wrappers(name: str) -> str:
     return name or "<root>"
 
 
-_CALL_SITE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)\n\s*(.+)')
+_CALL_SITE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+
+
+def _user_call_site(text: str) -> str:
+    """`` at file:line in function: `code` `` of the last frame outside torch, or ``""``."""
+    for file, line, function in reversed(_CALL_SITE.findall(text)):
+        if f"{os.sep}torch{os.sep}" in file:
+            continue
+        # the source line from the file itself: code typed into a REPL has none to quote
+        code = linecache.getline(file, int(line)).strip()
+        return f" at {Path(file).name}:{line} in {function}" + (f": `{code}`" if code else "")
+    return ""
 
 
 def _tracing_error(error: Exception, model_name: str) -> ExportError:
     text = str(error)
-    site = _CALL_SITE.findall(text)
-    where = ""
-    if site:
-        file, line, function, code = site[-1]
-        where = f" at {Path(file).name}:{line} in {function}: `{code.strip()}`"
+    where = _user_call_site(text)
     if "data-dependent" in text or "GuardOnDataDependentSymNode" in text:
         return ExportError(
             f"{model_name} branches on tensor values{where}, which a graph cannot do; guard such "
