@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import numbers
-import types
-import typing
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from explain_core.errors import InvalidInputError, UnknownMethodError
+from explain_core.option_types import check_option_types
 
 
 @dataclass(frozen=True)
@@ -119,136 +116,11 @@ class MethodSpec:
                 f"method {self.name!r} has no option {', '.join(map(repr, unknown))}; "
                 f"accepted options: {accepted}"
             )
-        self._check_option_types(options, known)
+        check_option_types(self.name, self.factory, options, known)
         try:
             return self.factory(**options)
         except (TypeError, ValueError) as error:
             raise InvalidInputError(f"invalid options for method {self.name!r}: {error}") from error
-
-    def _check_option_types(self, options: Mapping[str, Any], defaults: Mapping[str, Any]) -> None:
-        """Check options against the factory's annotations before the factory compares them.
-
-        Without this, ``steps="10"`` fails inside ``__post_init__`` with "'<' not supported
-        between 'str' and 'int'" and ``epsilon=nan`` is accepted and yields NaN maps.
-        """
-        hints = _option_hints(self.factory)
-        for name, value in options.items():
-            hint = hints.get(name)
-            if hint is None or _conforms(value, hint):
-                continue
-            default = defaults.get(name)
-            example = (
-                ""
-                if default is None or default is inspect.Parameter.empty
-                else f"; pass e.g. {name}={default!r} (the default)"
-            )
-            raise InvalidInputError(
-                f"option {name!r} of method {self.name!r} must be {_expected(hint)}; "
-                f"got {_describe(value)}{example}"
-            )
-
-
-def _option_hints(factory: Callable[..., Method]) -> dict[str, Any]:
-    """Resolved annotations of a dataclass factory's fields; empty (no check) otherwise."""
-    if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
-        return {}
-    try:
-        return typing.get_type_hints(factory)
-    except Exception:  # unresolvable annotations: leave the check to the factory
-        return {}
-
-
-def _union_args(hint: Any) -> tuple[Any, ...] | None:
-    origin = typing.get_origin(hint)
-    if origin is Union or origin is types.UnionType:
-        return typing.get_args(hint)
-    return None
-
-
-def _conforms(value: Any, hint: Any) -> bool:
-    """Whether ``value`` fits ``hint``; hints this cannot judge (generics, protocols) pass."""
-    members = _union_args(hint)
-    if members is not None:
-        return any(_conforms(value, member) for member in members)
-    if hint is Any:
-        return True
-    if hint is None or hint is type(None):
-        return value is None
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        # bool is an int subclass, but True for a step count is a mistake.
-        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-    if hint is float:
-        return (
-            isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-        )
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return value in typing.get_args(hint)
-    if origin is tuple:
-        return _conforms_tuple(value, typing.get_args(hint))
-    if isinstance(hint, type):
-        if not isinstance(value, hint):
-            return False
-        return not isinstance(value, torch.Tensor) or _finite_tensor(value)
-    return True
-
-
-def _conforms_tuple(value: Any, items: tuple[Any, ...]) -> bool:
-    if not isinstance(value, tuple):
-        return False
-    if len(items) == 2 and items[1] is Ellipsis:
-        return all(_conforms(item, items[0]) for item in value)
-    return len(value) == len(items) and all(map(_conforms, value, items))
-
-
-def _finite_tensor(value: torch.Tensor) -> bool:
-    # NaN in a tensor option (e.g. an LRP bound) would silently turn the whole map into NaN.
-    if not value.is_floating_point() or value.device.type == "meta":
-        return True
-    return bool(torch.isfinite(value).all())
-
-
-def _expected(hint: Any) -> str:
-    """The hint in words: ``int | None`` → "an integer or None"."""
-    members = _union_args(hint)
-    if members is not None:
-        words = [_expected(member) for member in members]
-        return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
-    if hint is None or hint is type(None):
-        return "None"
-    named = {bool: "True or False", int: "an integer", float: "a finite number", str: "a string"}
-    if hint in named:
-        return named[hint]
-    origin = typing.get_origin(hint)
-    if origin is Literal:
-        return "one of " + ", ".join(map(repr, typing.get_args(hint)))
-    if origin is tuple:
-        items = typing.get_args(hint)
-        if len(items) == 2 and items[1] is Ellipsis:
-            return f"a tuple of {_plural(items[0])}"
-        if len(set(items)) == 1:
-            return f"a tuple of {len(items)} {_plural(items[0])}"
-        return f"a tuple ({', '.join(_expected(item) for item in items)})"
-    if hint is torch.Tensor:
-        return "a finite tensor"
-    return f"a {getattr(hint, '__name__', str(hint))}"
-
-
-def _plural(hint: Any) -> str:
-    return {int: "integers", float: "finite numbers", bool: "booleans", str: "strings"}.get(
-        hint, f"values of type {_expected(hint)}"
-    )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    text = repr(value)
-    if len(text) > 60:
-        text = text[:57] + "..."
-    return f"{text} ({type(value).__name__})"
 
 
 class MethodRegistry(Mapping[str, MethodSpec]):
