@@ -112,7 +112,25 @@ def _amplified(tensor: torch.Tensor | None, gamma: float, sign: int) -> torch.Te
     return tensor + gamma * part
 
 
-class Gamma(LayerRule):
+class _SignAware(LayerRule):
+    """A rule with a cheaper form for non-negative inputs (``x⁻ = 0``) than for signed ones."""
+
+    def prepare(self, layer, x, z):
+        nonnegative = layer.nonnegative_input or bool((x >= 0).all())
+        return self.prepare_for(layer, x, z, nonnegative=nonnegative)
+
+    def prepare_for(
+        self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
+    ) -> tuple:
+        """The rule's state, for inputs known to be non-negative or of either sign.
+
+        ``nonnegative=False`` is exact for any input (the ONNX export uses it, as it cannot
+        branch on values); ``True`` saves the ``x⁻`` convolutions.
+        """
+        raise NotImplementedError
+
+
+class Gamma(_SignAware):
     """LRP-γ: the contributions that agree in sign with the output amplified by ``1 + γ``.
 
     The generalised rule (Andéol et al. 2021; zennit's ``Gamma``): for an output ``z_j >= 0`` the
@@ -139,18 +157,9 @@ class Gamma(LayerRule):
         self.epsilon = float(epsilon)
         self.generalised = _flag("generalised", generalised)
 
-    def prepare(self, layer, x, z):  # noqa: D102
-        nonnegative = layer.nonnegative_input or bool((x >= 0).all())
-        return self.prepare_for(layer, x, z, nonnegative=nonnegative)
-
-    def prepare_for(
+    def prepare_for(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        """The rule's state, for inputs known to be non-negative or of either sign.
-
-        ``nonnegative=False`` is exact for any input (the ONNX export uses it, as it cannot
-        branch on values); ``True`` saves the ``x⁻`` convolutions.
-        """
         weight, bias = layer.weight, layer.bias
         up, bias_up = _amplified(weight, self.gamma, 1), _amplified(bias, self.gamma, 1)
         if not self.generalised:
@@ -186,7 +195,7 @@ class Gamma(LayerRule):
         return torch.where(x > 0, for_positive_x, for_negative_x)
 
 
-class AlphaBeta(LayerRule):
+class AlphaBeta(_SignAware):
     """LRP-αβ: positive and negative contributions normalised separately.
 
     Inputs of either sign are handled by splitting ``x`` into ``x⁺`` and ``x⁻``; for
@@ -209,18 +218,9 @@ class AlphaBeta(LayerRule):
         self.beta = float(beta)
         self.bias = _flag("bias", bias)
 
-    def prepare(self, layer, x, z):  # noqa: D102
-        nonnegative = layer.nonnegative_input or bool((x >= 0).all())
-        return self.prepare_for(layer, x, z, nonnegative=nonnegative)
-
-    def prepare_for(
+    def prepare_for(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        """The rule's state, for inputs known to be non-negative or of either sign.
-
-        ``nonnegative=False`` is exact for any input (the ONNX export uses it, as it cannot
-        branch on values); ``True`` saves the ``x⁻`` convolutions.
-        """
         positive = layer.weight.clamp(min=0)
         # z⁺ on non-negative inputs never needs W⁻ (one clamp of the weight less)
         negative = layer.weight.clamp(max=0) if self.beta or not nonnegative else None
