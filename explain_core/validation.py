@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from explain_core.errors import InvalidInputError, ModelRunError
+from explain_core.errors import ExplainError, InvalidInputError, ModelRunError
 
 
 def check_inputs(
@@ -129,6 +129,51 @@ def check_scores(output: Any, batch: int | None = None) -> torch.Tensor:
             "Wrap it so that it returns one score per class."
         )
     return output
+
+
+def run_once(
+    model: Any,
+    inputs: torch.Tensor,
+    *,
+    name: str = "inputs",
+    hint: str = "pass inputs shaped like the model's training data",
+) -> torch.Tensor:
+    """Run ``model`` once on ``inputs`` (no gradients) and return its one, finite output tensor.
+
+    Entry points that trace or loop over data call this first, so that inputs the model cannot
+    take end in one clear sentence instead of a traceback from deep inside torch.
+
+    Args:
+        model: The model.
+        inputs: A batch with the shape of the real inputs (a slice is enough).
+        name: Argument name used in messages.
+        hint: What the user should do when the model cannot run on the inputs.
+
+    Raises:
+        InvalidInputError: For empty inputs, inputs the model raises on, a model that does not
+            return one tensor, or NaN/infinite outputs.
+    """
+    shape = tuple(inputs.shape)
+    if inputs.numel() == 0:
+        raise InvalidInputError(f"the {name} are empty (shape {shape}); {hint}")
+    try:
+        with torch.no_grad():
+            outputs = model(inputs)
+    except ExplainError:
+        raise  # the model's own clear message
+    except (RuntimeError, ValueError, TypeError, IndexError) as error:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise InvalidInputError(
+            f"the model cannot run on {name} of shape {shape}: {first}; {hint}"
+        ) from error
+    if not isinstance(outputs, torch.Tensor):
+        check_scores(outputs)  # raises, naming what the model returned
+    if outputs.is_floating_point() and not bool(torch.isfinite(outputs).all()):
+        raise InvalidInputError(
+            f"the model's outputs on {name} of shape {shape} contain NaN or infinite values; "
+            "check its weights and the inputs' value range"
+        )
+    return outputs
 
 
 def check_output_finite(output: torch.Tensor) -> None:

@@ -109,32 +109,15 @@ def run_model(
             ``(batch, outputs)`` tensor with at least ``min_outputs`` scores, or non-finite
             outputs.
     """
-    import torch
+    from explain_core.validation import check_scores, run_once
 
-    from explain_core.errors import ExplainError
-    from explain_core.validation import check_output_finite, check_scores
-
-    shape = tuple(inputs.shape)
-    if inputs.numel() == 0:
-        raise InvalidInputError(f"the inputs are empty (shape {shape}); {hint}")
-    try:
-        with torch.no_grad():
-            outputs = model(inputs)
-    except ExplainError:
-        raise  # the model's own clear message
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise InvalidInputError(
-            f"the model cannot run on inputs of shape {shape}: {first}; {hint}"
-        ) from error
-    check_scores(outputs, shape[0])
+    outputs = run_once(model, inputs, hint=hint)
+    check_scores(outputs, len(inputs))
     if outputs.shape[1] < min_outputs:
         raise InvalidInputError(
             f"the model must return at least {min_outputs} scores per sample; got "
             f"{outputs.shape[1]}"
         )
-    if outputs.is_floating_point():
-        check_output_finite(outputs)
     return outputs
 
 

@@ -33,6 +33,7 @@ from explain_core.errors import (
     UnsupportedOperatorError,
 )
 from explain_core.files import check_output_path, temporary_beside
+from explain_core.validation import check_inputs, run_once
 from explain_onnx._deps import require
 from explain_onnx.adapters import exportable
 from explain_onnx.explained import explained_module, get_explainer
@@ -138,13 +139,18 @@ def export_onnx(
         raise InvalidInputError(f"options {sorted(options)} need an explanation method")
     path = check_output_path(path)
     batch_sizes = _check_batch_sizes(batch_sizes)
-    example = _check_example(example_inputs, model)
+    example = check_inputs(example_inputs, model, name="example_inputs")
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module)
     _check_opset(opset)
 
     spec = get_explainer(explain) if explain is not None else None
-    logits = _run_once(model, example)
+    logits = run_once(
+        model,
+        example,
+        name="example_inputs",
+        hint="give inputs of the shape the model was built for",
+    )
     num_classes = int(logits.shape[1]) if logits.dim() == 2 else 0
     if spec is not None and num_classes == 0:
         raise InvalidInputError(
@@ -202,24 +208,6 @@ def export_onnx(
     return ExportResult(path, input_names, output_names, explain, opset_used, report)
 
 
-def _check_example(example: Any, model: nn.Module) -> torch.Tensor:
-    if not isinstance(example, torch.Tensor) or example.dim() < 2 or len(example) == 0:
-        got = tuple(example.shape) if isinstance(example, torch.Tensor) else type(example).__name__
-        raise InvalidInputError(
-            f"example_inputs must be a non-empty batch tensor (batch, ...); got {got}"
-        )
-    if not example.is_floating_point() or not torch.isfinite(example).all():
-        raise InvalidInputError("example_inputs must hold finite floating-point values")
-    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    if dtypes and example.dtype not in dtypes:
-        expected = " or ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
-        raise InvalidInputError(
-            f"example_inputs are {str(example.dtype).removeprefix('torch.')} but the model's "
-            f"parameters are {expected}; convert the inputs (e.g. x.float()) or the model"
-        )
-    return example.detach().cpu()
-
-
 def _check_batch_sizes(batch_sizes: Any) -> tuple[int, ...]:
     sizes = tuple(batch_sizes) if isinstance(batch_sizes, (tuple, list)) else ()
     if not sizes or not all(_is_int(b) and b >= 1 for b in sizes):
@@ -243,32 +231,6 @@ def _check_opset(opset: Any) -> None:
             f"opset must be an int from {MIN_OPSET} to {newest} (the newest the installed onnx "
             f"knows), or None for the exporter's default; got {opset!r}"
         )
-
-
-def _run_once(model: nn.Module, example: torch.Tensor) -> torch.Tensor:
-    """The model's scores for the first sample of ``example``, checked before any tracing."""
-    try:
-        with torch.no_grad():
-            logits = model(example[:1])
-    except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        if isinstance(error, ExplainError):
-            raise
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise InvalidInputError(
-            f"the model cannot run on example_inputs of shape {tuple(example.shape)}: {first}; "
-            "give inputs of the shape the model was built for"
-        ) from error
-    if not isinstance(logits, torch.Tensor):
-        raise InvalidInputError(
-            f"the model must return one tensor of scores (batch, classes); got "
-            f"{type(logits).__name__}; wrap it in a module whose forward returns only the scores"
-        )
-    if logits.is_floating_point() and not torch.isfinite(logits).all():
-        raise InvalidInputError(
-            "the model's outputs for example_inputs contain NaN or infinite values; check its "
-            "weights"
-        )
-    return logits
 
 
 def _open_session(path: Path, opset: int) -> OnnxSession:
