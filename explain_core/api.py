@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from explain_core.attribution import Attribution
+from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.model_guard import ModelGuard, require_eval_mode
 from explain_core.plugin_manager import get_registry
@@ -28,7 +29,8 @@ def explain(
     """Explain ``model`` at ``inputs`` with a registered method.
 
     The model must be in eval mode. It is left exactly as it was: outputs, parameters, buffers,
-    hooks and attributes, also when the method raises.
+    hooks and attributes, also when the method raises. A ``torch.compile``'d model (or submodule)
+    runs eagerly during attribution, with the same weights.
 
     Args:
         model: Any ``nn.Module`` returning ``(batch, n_outputs)`` scores.
@@ -66,11 +68,12 @@ def explain(
         )
     spec = get_registry()[method]
     engine = spec.create(**options)
+    model = uncompiled(model)
     inputs = check_inputs(inputs, model)
     reference = _check_baselines(baselines, inputs, method, engine.uses_baselines)
     target_tensor = normalize_target(target, inputs.shape[0], inputs.device)
     require_eval_mode(model)
-    with ModelGuard(model):
+    with ModelGuard(model), eager_mode():
         try:
             result = engine.attribute(model, inputs, target_tensor, reference)
         except RuntimeError as error:

@@ -2,7 +2,8 @@
 
 A model is named as ``package.module:factory``: the factory is called without arguments and must
 return an ``nn.Module``. Weights come from a safetensors file, or from a PyTorch file read with
-``torch.load(weights_only=True)`` that holds a state dict.
+``torch.load(weights_only=True)`` that holds a state dict. A factory may return a
+``torch.compile``'d model, and weights saved from either form load into either.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from explain_core.eager import uncompiled_tree
 from explain_core.errors import ModelLoadError
 
 _REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 _STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
+# torch.compile's wrapper adds this segment to the state dict keys of the module it wraps.
+_COMPILED_SEGMENT = re.compile(r"(^|\.)_orig_mod\.")
 
 
 def load_factory(reference: str) -> nn.Module:
@@ -130,15 +134,16 @@ def load_model(reference: str, weights: str | Path | None = None) -> nn.Module:
     """
     model = load_factory(reference)
     if weights is not None:
-        state = load_state_dict(weights)
-        missing, unexpected = _mismatch(model, state)
+        state = {_COMPILED_SEGMENT.sub(r"\1", k): v for k, v in load_state_dict(weights).items()}
+        target = uncompiled_tree(model)  # shares its parameters and buffers with ``model``
+        missing, unexpected = _mismatch(target, state)
         if missing or unexpected:
             raise ModelLoadError(
                 f"weights in {Path(weights).name} do not match {reference}: "
                 f"missing {_few(missing)}, unexpected {_few(unexpected)}"
             )
         try:
-            model.load_state_dict(state)
+            target.load_state_dict(state)
         except RuntimeError as error:
             first = str(error).strip().splitlines()[-1].strip()
             raise ModelLoadError(

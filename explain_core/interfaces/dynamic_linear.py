@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
 
 
@@ -64,12 +65,13 @@ def explanation_mode(model: nn.Module) -> Iterator[nn.Module]:
     Yields:
         The same model.
     """
-    layers = [m for m in model.modules() if isinstance(m, DynamicLinear)]
+    layers = [m for m in uncompiled(model).modules() if isinstance(m, DynamicLinear)]
     previous = [layer.__dict__.get("_explanation_mode", _UNSET) for layer in layers]
     try:
         for layer in layers:
             layer._explanation_mode = True
-        yield model
+        with eager_mode():  # compiled code would keep the weights it traced with gradients
+            yield model
     finally:
         for layer, state in zip(layers, previous, strict=False):
             if state is _UNSET:

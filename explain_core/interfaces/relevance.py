@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
 
 Predicate = Callable[[str, nn.Module], bool]
@@ -180,7 +181,9 @@ class Composite:
         Yields:
             The same model, rewritten by the canonizers and with rules attached.
         """
+        yielded, model = model, uncompiled(model)
         with ExitStack() as stack:
+            stack.enter_context(eager_mode())  # hooks must run as written, not be traced
             for canonizer in self.canonizers:
                 stack.callback(canonizer.apply(model))
             calls_this_pass: dict[str, int] = {}
@@ -191,7 +194,7 @@ class Composite:
                 hooks = _RuleHooks(name, rule, calls_this_pass, self.allow_reuse)
                 handles.append(module.register_forward_pre_hook(hooks.before))
                 handles.append(module.register_forward_hook(hooks.after))
-            yield model
+            yield yielded
 
 
 def _is_leaf(module: nn.Module) -> bool:

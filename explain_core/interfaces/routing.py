@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from explain_core.eager import eager_mode, uncompiled
+
 CouplingTransform = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -192,7 +194,8 @@ def record_routing(
     Raises:
         ValueError: If the model contains no routing layer.
     """
-    names = {m: name for name, m in model.named_modules() if isinstance(m, RoutingLayer)}
+    modules = uncompiled(model).named_modules()
+    names = {m: name for name, m in modules if isinstance(m, RoutingLayer)}
     if not names:
         raise ValueError(
             f"{type(model).__name__} contains no RoutingLayer; only capsule layers deriving from "
@@ -202,7 +205,8 @@ def record_routing(
     for layer in names:
         layer._routing_recorders = (*layer._routing_recorders, recording)
     try:
-        yield recording
+        with eager_mode():  # a compiled model would not run the recorders' Python code
+            yield recording
     finally:
         for layer in names:
             remaining = tuple(r for r in layer._routing_recorders if r is not recording)

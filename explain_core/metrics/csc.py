@@ -28,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import ExplainError, InvalidInputError
 from explain_core.metrics._checks import check_int
 from explain_core.validation import check_inputs
@@ -174,17 +175,20 @@ def layer_propagator(
         UnsupportedMethodError: If the method cannot propagate relevance from a layer.
     """
     name = method if isinstance(method, str) else type(method).__name__
+    model = uncompiled(model)
     if isinstance(method, str):
         from explain_core.plugin_manager import get_registry
 
         spec = get_registry()[method]
         if method in _BY_NAME and not options:
-            return _BY_NAME[method](model, inputs, baselines)
+            with eager_mode():
+                return _BY_NAME[method](model, inputs, baselines)
         method = spec.create(**options)
     elif options:
         raise InvalidInputError("options only apply to a method given by name")
     if isinstance(method, SupportsLayerPropagation):
-        return method.layer_propagator(model, inputs, baselines)
+        with eager_mode():
+            return method.layer_propagator(model, inputs, baselines)
     raise UnsupportedMethodError(
         f"method {name!r} cannot propagate a given relevance from an intermediate layer, so "
         "CSC cannot be computed for it: give its Method class a "
@@ -280,10 +284,11 @@ def cosine_similarity_convergence(
     n_vectors = check_int(n_vectors, "n_vectors", 2)
     seed = check_int(seed, "seed", 0)
     # Non-finite inputs would give NaN relevance, counted as "undefined" cosines: refuse them.
+    model = uncompiled(model)
     inputs = check_inputs(inputs, model)
     layouts = _check_layouts(layouts)
     require_eval_mode(model)
-    with ModelGuard(model):
+    with ModelGuard(model), eager_mode():
         if propagator is None:
             propagator = layer_propagator(model, inputs, method, baselines=baselines, **options)
         layers = list(propagator.layers)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from explain_core.eager import eager_mode, uncompiled_tree
 from explain_core.errors import (
     ExplainError,
     ExportError,
@@ -76,6 +77,7 @@ class ExportResult:
         return "\n".join(lines)
 
 
+@eager_mode()  # a compiled model (or submodule) is exported as its eager self
 def export_onnx(
     model: nn.Module,
     example_inputs: torch.Tensor,
@@ -125,6 +127,7 @@ def export_onnx(
     """
     if not isinstance(model, nn.Module):
         raise InvalidInputError(f"expected a torch.nn.Module; got {type(model).__name__}")
+    model = uncompiled_tree(model)
     check_eval_mode(model)
     devices = {t.device.type for t in [*model.parameters(), *model.buffers()]}
     if devices - {"cpu"}:

@@ -1,0 +1,53 @@
+"""Attribution runs a model eagerly, also when the model (or a part of it) was ``torch.compile``'d.
+
+Explainers work through forward hooks, autograd functions and torch-function modes that must run
+as written on every call. Under ``torch.compile`` dynamo would trace them into its graph instead
+(breaking on the engines' checks, or baking one call's hooks into the compiled code), so
+attribution unwraps a compiled model and switches compilation off for its duration. The weights
+are the same objects, so the explanation is the compiled model's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module a ``torch.compile`` wrapper runs (``model`` itself if it is not one)."""
+    original = getattr(model, "_orig_mod", None)
+    return original if isinstance(original, nn.Module) else model
+
+
+def uncompiled_tree(model: nn.Module) -> nn.Module:
+    """``model`` with every compiled part replaced by the module it runs, for tracers (FX).
+
+    Modules above a compiled submodule are shallow copies sharing their parameters, buffers and
+    hooks with the originals; ``model`` itself is not changed.
+    """
+    model = uncompiled(model)
+    children = {name: child for name, child in model._modules.items() if child is not None}
+    replaced = {name: uncompiled_tree(child) for name, child in children.items()}
+    if all(replaced[name] is child for name, child in children.items()):
+        return model
+    clone = copy.copy(model)
+    clone._modules = {**model._modules, **replaced}
+    return clone
+
+
+@contextlib.contextmanager
+def eager_mode() -> Iterator[None]:
+    """Run compiled modules and functions eagerly inside the block (torch >= 2.6)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    # Nothing can be compiled before dynamo is imported, and importing it costs seconds (and
+    # threads that made torch.distributed workers abort at exit): then there is nothing to do.
+    if set_stance is None or "torch._dynamo" not in sys.modules:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
