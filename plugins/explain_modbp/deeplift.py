@@ -3,13 +3,18 @@
 The model runs once on the inputs and the reference stacked along the batch axis; the signal is
 DeepLIFT's multiplier ``m`` with contributions ``Δx ⊙ m``, ``Δx = x − x⁰``.
 
-- **Rescale**: a ReLU's multiplier is ``Δy / Δx`` (the gradient where ``|Δx| < 1e-10``); affine
-  layers, pooling and additions pass the gradient. Max pooling uses Captum's rule by default
-  (``maxpool="rescale"``), so that ``deeplift.rescale`` equals ``captum.attr.DeepLift``.
+- **Rescale**: an activation's multiplier is ``Δy / Δx`` (the gradient where ``|Δx| < 1e-10``), for
+  ReLU and every element-wise activation of :data:`~explain_modbp.ops.ACTIVATION_OPS`; affine
+  layers, pooling and additions pass the gradient. Max pooling uses the rule written in Captum's
+  source by default (``maxpool="rescale"``: each window's ``Δy`` split between the input's and
+  the reference's winners); ``maxpool="gradient"`` passes the gradient. ``deeplift.rescale``
+  equals ``captum.attr.DeepLift`` on models without max pooling; with max pooling Captum 0.9's
+  output equals ``maxpool="gradient"`` (its max-pool hook runs, but the result it returns is not
+  what reaches the inputs; measured in ``tests/test_modbp_activations.py``).
 - **RevealCancel**: every affine layer's difference-from-reference is split into its positive and
   negative parts ``Δz⁺ = W⁺Δx⁺ + W⁻Δx⁻``, ``Δz⁻ = W⁻Δx⁺ + W⁺Δx⁻`` (the masks ``M_{>0}``,
   ``M_{<0}`` select inputs by the sign of ``Δx``; residual additions add the parts), and a ReLU
-  gives them separate multipliers
+  gives them separate multipliers (any activation ``f``)
   ``Δy⁺ = ½(f(x⁰+Δz⁺) − f(x⁰)) + ½(f(x⁰+Δz⁻+Δz⁺) − f(x⁰+Δz⁻))`` (and likewise ``Δy⁻``).
   Backwards that is the paper's Eq. 13: ``r⁺ = M_{>0} ⊙ (W⁺ᵀ r⁺ + W⁻ᵀ r⁻)`` and
   ``r⁻ = M_{<0} ⊙ (W⁺ᵀ r⁻ + W⁻ᵀ r⁺)``.
@@ -29,12 +34,13 @@ import torch.nn.functional as F
 from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
+from explain_modbp.activations import Activation, secant_slope
 from explain_modbp.base import LayerComposite, LayerRule
 from explain_modbp.composites import gradient_composite
 from explain_modbp.engine import ModifiedBackprop
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
 from explain_modbp.methods import one_hot, per_sample_sum
-from explain_modbp.ops import ADD_OPS, RELU_OPS, OpHandler
+from explain_modbp.ops import ACTIVATION_OPS, ADD_OPS, RELU_OPS, OpHandler
 
 EPS = 1e-10
 _POOLS = {"max_pool1d": F.max_pool1d, "max_pool2d": F.max_pool2d, "max_pool3d": F.max_pool3d}
@@ -49,22 +55,16 @@ def _is_activation(value: Any, batch: int) -> bool:
     )
 
 
-class _RescaleReLU(torch.autograd.Function):
-    """ReLU with multiplier ``Δy/Δx`` on the input half; no signal to the reference half."""
+class _RescaleActivation(torch.autograd.Function):
+    """An activation with multiplier ``Δy/Δx`` on the input half, no signal to the reference."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, batch: int, inplace: bool) -> Any:
+    def forward(ctx: Any, x: torch.Tensor, activation: Activation, batch: int) -> Any:
         delta_in = x[:batch] - x[batch:]
-        gradient = (x[:batch] > 0).to(x.dtype)
-        if inplace:
-            ctx.mark_dirty(x)
-            y = x.relu_()
-        else:
-            y = x.relu()
+        at = x[:batch].detach().clone()  # the call below may change x in place
+        y = activation.apply_in_forward(ctx, x)
         delta_out = y[:batch] - y[batch:]
-        ctx.multiplier = torch.where(
-            delta_in.abs() < EPS, gradient, delta_out / delta_in.masked_fill(delta_in == 0, 1)
-        )
+        ctx.multiplier = secant_slope(activation, delta_in, delta_out, at, EPS)
         return y
 
     @staticmethod
@@ -73,8 +73,8 @@ class _RescaleReLU(torch.autograd.Function):
         return torch.cat([g[: m.shape[0]] * m, torch.zeros_like(g[m.shape[0] :])]), None, None
 
 
-class _RevealCancelReLU(torch.autograd.Function):
-    """ReLU whose signal goes to the positive and negative parts with separate multipliers."""
+class _RevealCancelActivation(torch.autograd.Function):
+    """An activation whose signal goes to the positive and negative parts separately."""
 
     @staticmethod
     def forward(
@@ -82,31 +82,20 @@ class _RevealCancelReLU(torch.autograd.Function):
         x: torch.Tensor,
         positive: torch.Tensor,
         negative: torch.Tensor,
+        activation: Activation,
         batch: int,
-        inplace: bool,
     ) -> Any:
-        reference = x[batch:]
-        gradient = (x[:batch] > 0).to(x.dtype)
-
-        def f(t: torch.Tensor) -> torch.Tensor:
-            return t.clamp(min=0)
-
+        reference, at = x[batch:], x[:batch].detach()
+        f = activation.out_of_place
         dy_pos = 0.5 * (f(reference + positive) - f(reference)) + 0.5 * (
             f(reference + negative + positive) - f(reference + negative)
         )
         dy_neg = 0.5 * (f(reference + negative) - f(reference)) + 0.5 * (
             f(reference + positive + negative) - f(reference + positive)
         )
-        ctx.m_pos = torch.where(
-            positive.abs() < EPS, gradient, dy_pos / positive.masked_fill(positive == 0, 1)
-        )
-        ctx.m_neg = torch.where(
-            negative.abs() < EPS, gradient, dy_neg / negative.masked_fill(negative == 0, 1)
-        )
-        if inplace:
-            ctx.mark_dirty(x)
-            return x.relu_()
-        return x.relu()
+        ctx.m_pos = secant_slope(activation, positive, dy_pos, at, EPS)
+        ctx.m_neg = secant_slope(activation, negative, dy_neg, at, EPS)
+        return activation.apply_in_forward(ctx, x)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[Any, ...]:
@@ -155,15 +144,15 @@ _POOL_PARAMETERS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
 
 
 class DeepLiftHandler(OpHandler):
-    """The DeepLIFT rules for ReLUs, max pooling and (RevealCancel) residual additions.
+    """The DeepLIFT rules for activations, max pooling and (RevealCancel) residual additions.
 
     Args:
         reference: Reference input, shaped like the inputs.
         rule: ``"rescale"``, ``"reveal_cancel"`` or ``"ablation"`` (decoupled RevealCancel).
-        maxpool: ``"rescale"`` (Captum's rule) or ``"gradient"``.
+        maxpool: ``"rescale"`` (the rule in Captum's source) or ``"gradient"``.
     """
 
-    ops: ClassVar[frozenset[str]] = RELU_OPS | frozenset(_POOLS)
+    ops: ClassVar[frozenset[str]] = RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS)
 
     def __init__(
         self,
@@ -203,16 +192,14 @@ class DeepLiftHandler(OpHandler):
 
     def handle(self, name, func, args, kwargs):  # noqa: D102
         x = args[0]
-        if name in RELU_OPS:
+        if name in RELU_OPS | ACTIVATION_OPS:
             if not _is_activation(x, self.batch):
                 return func(*args, **kwargs)
-            inplace = name == "relu_" or bool(
-                kwargs.get("inplace", args[1] if len(args) > 1 else False)
-            )
+            activation = Activation(func, args, kwargs)
             if self.rule == "rescale":
-                return _RescaleReLU.apply(x, self.batch, inplace)
+                return _RescaleActivation.apply(x, activation, self.batch)
             positive, negative = self.split(x, pop=True)
-            return _RevealCancelReLU.apply(x, positive, negative, self.batch, inplace)
+            return _RevealCancelActivation.apply(x, positive, negative, activation, self.batch)
         if name in _POOLS:
             if (
                 self.maxpool == "gradient"
@@ -361,10 +348,11 @@ class _DeepLift(Method):
 
 @dataclass
 class DeepLiftRescale(_DeepLift):
-    """DeepLIFT with the Rescale rule (equals ``captum.attr.DeepLift``).
+    """DeepLIFT with the Rescale rule (``captum.attr.DeepLift``; see the module on max pooling).
 
     Attributes:
-        maxpool: ``"rescale"`` (Captum's max-pool rule) or ``"gradient"``.
+        maxpool: ``"rescale"`` (the max-pool rule in Captum's source) or ``"gradient"`` (what
+            Captum 0.9 computes in practice).
     """
 
     rule: ClassVar[str] = "rescale"

@@ -19,6 +19,7 @@ class ExcitationBP(_CompositeMethod):
 
     preset = staticmethod(composites.excitation)
     start = "one"
+    passes_activations = False
 
 
 @dataclass
@@ -27,3 +28,4 @@ class ContrastiveExcitationBP(_CompositeMethod):
 
     preset = staticmethod(composites.contrastive_excitation)
     start = "one"
+    passes_activations = False

@@ -18,6 +18,7 @@ from torch import nn
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_modbp import composites
+from explain_modbp.activations import PassActivations
 from explain_modbp.base import LayerComposite, safe_divide
 from explain_modbp.engine import ForwardPass, ModifiedBackprop
 
@@ -42,6 +43,13 @@ def input_relevance(forward: ForwardPass, signal: torch.Tensor, **kwargs: object
     return forward.input.detach() * result.input_signal
 
 
+def lrp_engine(
+    composite: LayerComposite, *, activations: bool = True, record: bool = False
+) -> ModifiedBackprop:
+    """The engine for a relevance composite, with LRP's pass rule for activations if asked."""
+    return ModifiedBackprop(composite, PassActivations() if activations else None, record=record)
+
+
 def run_composite(
     composite: LayerComposite,
     model: nn.Module,
@@ -49,9 +57,14 @@ def run_composite(
     target: torch.Tensor | None,
     *,
     start: str = "logit",
+    activations: bool = True,
 ) -> MethodResult:
-    """Explain with a composite, starting from the logit (``"logit"``) or from 1 (``"one"``)."""
-    forward = ModifiedBackprop(composite).forward(model, inputs)
+    """Explain with a composite, starting from the logit (``"logit"``) or from 1 (``"one"``).
+
+    ``activations``: pass relevance through element-wise activations other than ReLU (LRP's
+    pass rule); ``False`` refuses them.
+    """
+    forward = lrp_engine(composite, activations=activations).forward(model, inputs)
     output = forward.output.detach()
     chosen = select_target(output, target)
     signal = one_hot(output, chosen)
@@ -77,6 +90,8 @@ class _CompositeMethod(Method):
     """
 
     start = "logit"
+    # LRP passes relevance through element-wise activations; Excitation BP is defined on ReLUs.
+    passes_activations: ClassVar[bool] = True
     preset: ClassVar[Callable[..., LayerComposite]]
 
     def __post_init__(self) -> None:
@@ -87,12 +102,20 @@ class _CompositeMethod(Method):
         return self.preset(**{option.name: getattr(self, option.name) for option in fields(self)})
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:
-        return run_composite(self.composite(), model, inputs, target, start=self.start)
+        return run_composite(
+            self.composite(),
+            model,
+            inputs,
+            target,
+            start=self.start,
+            activations=self.passes_activations,
+        )
 
     def layer_propagator(self, model, inputs, baselines):
         from explain_modbp.propagation import EnginePropagator
 
-        forward = ModifiedBackprop(self.composite(), record=True).forward(model, inputs)
+        engine = lrp_engine(self.composite(), activations=self.passes_activations, record=True)
+        forward = engine.forward(model, inputs)
         return EnginePropagator(forward, "relevance", method=type(self).__name__)
 
 
@@ -252,11 +275,11 @@ class ContrastiveLRP(Method):
         """The z⁺ chain both of Eq. 15's backward passes use."""
         from explain_modbp.propagation import EnginePropagator
 
-        forward = ModifiedBackprop(composites.lrp_zplus(), record=True).forward(model, inputs)
+        forward = lrp_engine(composites.lrp_zplus(), record=True).forward(model, inputs)
         return EnginePropagator(forward, "relevance", method="lrp.contrastive")
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        forward = ModifiedBackprop(composites.lrp_zplus()).forward(model, inputs)
+        forward = lrp_engine(composites.lrp_zplus()).forward(model, inputs)
         output = forward.output.detach()
         chosen = select_target(output, target)
         target_signal = one_hot(output, chosen)

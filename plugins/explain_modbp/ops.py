@@ -93,6 +93,31 @@ LINEAR_OPS = (
     | frozenset(["add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad"])
 )
 RELU_OPS = frozenset({"relu", "relu_"})
+# Other element-wise activations: LRP passes relevance through them and DeepLIFT rescales them
+# (see :mod:`.activations`); methods defined for ReLUs only (Guided BP, …) refuse them.
+ACTIVATION_OPS = frozenset(
+    [
+        "leaky_relu",
+        "leaky_relu_",
+        "elu",
+        "elu_",
+        "celu",
+        "celu_",
+        "selu",
+        "selu_",
+        "gelu",
+        "silu",
+        "mish",
+        "softplus",
+        "hardtanh",
+        "hardtanh_",
+        "relu6",
+        "tanh",
+        "tanh_",
+        "sigmoid",
+        "sigmoid_",
+    ]
+)
 MAXPOOL_OPS = frozenset(
     [
         "max_pool1d",

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from explain_core.interfaces.relevance import Composite, Rule
 from explain_modbp.base import LayerComposite, LayerRule
-from explain_modbp.errors import RULE_HINT, UnsupportedModelError
+from explain_modbp.errors import RULE_HINT, SOFTMAX_HINT, UnsupportedModelError
 from explain_modbp.layers import AFFINE_TYPES, BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.ops import (
     _PRODUCT_OPS,
@@ -182,10 +182,11 @@ class _Tracer:
             problem = "has no relevance rule"
         if problem is not None:
             path, type_name = self.where()
+            hint = SOFTMAX_HINT if name in ("softmax", "log_softmax") else RULE_HINT
             raise UnsupportedModelError(
                 f"operation {name!r} in module {path!r} ({type_name}) {problem}: the "
                 f"modified-backpropagation engine cannot see through it and will not fall back "
-                f"to the gradient. {RULE_HINT.format(type=type_name)}"
+                f"to the gradient. {hint.format(type=type_name)}"
             )
 
     # hooks -----------------------------------------------------------------------------------

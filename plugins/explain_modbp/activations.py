@@ -1,0 +1,94 @@
+"""Element-wise activations other than ReLU (LeakyReLU, ELU, GELU, SiLU, tanh, sigmoid, …).
+
+In the engine's signal convention (relevance ``R = h ⊙ s``) the gradient of a ReLU already passes
+relevance on unchanged. For other activations ``a = f(z)`` the gradient ``f'(z)`` does not, so LRP
+uses the pass rule instead (as zennit does for activations): ``R_z = R_a``, i.e. the signal
+``s_z = s_a ⊙ f(z) / z`` (``f'(z)`` where ``z = 0``, its limit when ``f(0) = 0``). For positively
+homogeneous activations (LeakyReLU, PReLU-like slopes) ``f(z)/z = f'(z)``: LRP-0 stays
+Input×Gradient. DeepLIFT's activations are in :mod:`.deeplift`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from explain_modbp.ops import ACTIVATION_OPS, OpHandler
+
+
+class Activation:
+    """One call of an element-wise activation, as the model made it.
+
+    Args:
+        func: The function called (``F.elu``, ``torch.tanh``, ``Tensor.sigmoid_``, …).
+        args: Its positional arguments; the first is the activation's input.
+        kwargs: Its keyword arguments.
+    """
+
+    def __init__(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]):
+        self.func = func
+        self.rest = args[1:]
+        self.kwargs = kwargs
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The call as written (in place if the model asked for that)."""
+        return self.func(x, *self.rest, **self.kwargs)
+
+    def out_of_place(self, x: torch.Tensor) -> torch.Tensor:
+        """``f(x)`` without touching ``x``."""
+        return self(x.clone())
+
+    def slope(self, x: torch.Tensor) -> torch.Tensor:
+        """``f'(x)``, element-wise."""
+        with torch.enable_grad():
+            t = x.detach().requires_grad_(True)
+            (slope,) = torch.autograd.grad(self.out_of_place(t), t, torch.ones_like(t))
+        return slope
+
+    def apply_in_forward(self, ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        """Inside an autograd function's forward: run the call, marking ``x`` dirty if in place."""
+        y = self(x)
+        if y is x:
+            ctx.mark_dirty(x)
+        return y
+
+
+def secant_slope(
+    activation: Activation,
+    delta_in: torch.Tensor,
+    delta_out: torch.Tensor,
+    at: torch.Tensor,
+    eps: float = 0.0,
+) -> torch.Tensor:
+    """``Δout / Δin``, and ``f'(at)`` where ``Δin = 0`` or ``|Δin| < eps`` (computed only then)."""
+    flat = (delta_in == 0) | (delta_in.abs() < eps)
+    ratio = delta_out / delta_in.masked_fill(flat, 1.0)
+    if bool(flat.any()):
+        ratio = torch.where(flat, activation.slope(at), ratio)
+    return ratio
+
+
+class _PassRelevance(torch.autograd.Function):
+    """An activation whose backward passes relevance on unchanged: ``s_z = s_a ⊙ f(z) / z``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, activation: Activation) -> Any:
+        z = x.detach().clone()
+        y = activation.apply_in_forward(ctx, x)
+        ctx.ratio = secant_slope(activation, z, y.detach(), z)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return signal * ctx.ratio, None
+
+
+class PassActivations(OpHandler):
+    """LRP's pass rule for every element-wise activation other than ReLU."""
+
+    ops: ClassVar[frozenset[str]] = ACTIVATION_OPS
+
+    def handle(self, name, func, args, kwargs):  # noqa: D102
+        return _PassRelevance.apply(args[0], Activation(func, args, kwargs))

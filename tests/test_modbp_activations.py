@@ -1,0 +1,169 @@
+"""Element-wise activations other than ReLU: LRP's pass rule and DeepLIFT's multipliers.
+
+References: LRP-ε written out by hand for a one-hidden-layer net (relevance passed through the
+activation unchanged), LRP-0 = Input×Gradient for positively homogeneous activations, Captum's
+DeepLift for the activations it supports, and DeepLIFT's summation-to-delta.
+"""
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from explain_core import explain
+from explain_modbp import UnsupportedModelError
+
+ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "tanh": nn.Tanh,
+    "sigmoid": nn.Sigmoid,
+    "elu": nn.ELU,
+    "leaky_relu": lambda: nn.LeakyReLU(0.1),
+    "gelu": nn.GELU,
+    "silu": nn.SiLU,
+    "softplus": nn.Softplus,
+    "mish": nn.Mish,
+    "hardtanh": nn.Hardtanh,
+}
+
+
+def mlp(activation: nn.Module, bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return (
+        nn.Sequential(nn.Linear(5, 7, bias=bias), activation, nn.Linear(7, 3, bias=bias))
+        .double()
+        .eval()
+    )
+
+
+def cnn(activation: Callable[[], nn.Module]) -> nn.Sequential:
+    torch.manual_seed(0)
+    return (
+        nn.Sequential(
+            nn.Conv2d(2, 4, 3, padding=1),
+            activation(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(4, 4, 3, padding=1),
+            activation(),
+            nn.Flatten(),
+            nn.Linear(4 * 3 * 3, 3),
+        )
+        .double()
+        .eval()
+    )
+
+
+def lrp_epsilon_by_hand(model: nn.Sequential, x: torch.Tensor, target: int, eps: float):
+    """``R_i = Σ_j x_i w_ji / (z_j + ε·sign z_j) · R_j`` per Linear; the activation passes R."""
+    first, activation, second = model
+    z1 = first(x)
+    a1 = activation(z1)
+    z2 = second(a1)
+
+    def stabilised(z):
+        return torch.where(z >= 0, z + eps, z - eps)
+
+    relevance_out = torch.zeros_like(z2)
+    relevance_out[:, target] = z2[:, target]
+    relevance_a1 = a1 * ((relevance_out / stabilised(z2)) @ second.weight)
+    relevance_z1 = relevance_a1  # the pass rule
+    return x * ((relevance_z1 / stabilised(z1)) @ first.weight)
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_lrp_epsilon_passes_relevance_through_the_activation(name):
+    model = mlp(ACTIVATIONS[name]())
+    x = torch.randn(6, 5, dtype=torch.float64)
+    got = explain(model, x, "lrp.epsilon", 2, epsilon=0.01).attribution
+    expected = lrp_epsilon_by_hand(model, x, 2, 0.01)
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["tanh", "gelu", "silu", "elu", "softplus"])
+def test_lrp_zero_conserves_relevance_on_bias_free_nets(name):
+    # the gradient (f'(z) instead of f(z)/z) would not conserve it for these activations
+    model = mlp(ACTIVATIONS[name](), bias=False)
+    x = torch.randn(6, 5, dtype=torch.float64)
+    result = explain(model, x, "lrp.z", 0)
+    zeros = torch.zeros(6, dtype=torch.float64)
+    torch.testing.assert_close(result.delta, zeros, atol=1e-10, rtol=0)
+
+
+def test_lrp_zero_is_input_times_gradient_for_leaky_relu():
+    model = cnn(lambda: nn.LeakyReLU(0.2))
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    torch.testing.assert_close(
+        explain(model, x, "lrp.z", 1).attribution,
+        explain(model, x, "input_x_gradient", 1).attribution,
+    )
+
+
+@pytest.mark.parametrize("name", ["relu", "tanh", "sigmoid", "elu", "leaky_relu", "softplus"])
+def test_deeplift_rescale_equals_captum_on_the_activations_captum_supports(name):
+    captum_attr = pytest.importorskip("captum.attr")
+
+    model = cnn(ACTIVATIONS[name])
+    x = torch.randn(4, 2, 6, 6, dtype=torch.float64)
+    reference = torch.randn(1, 2, 6, 6, dtype=torch.float64).expand_as(x)
+    # the net max-pools: Captum 0.9's result there is the gradient's (its max-pool rule's
+    # multipliers do not reach the inputs), so compare with maxpool="gradient"
+    ours = explain(model, x, "deeplift.rescale", 1, baselines=reference, maxpool="gradient")
+    captum = captum_attr.DeepLift(cnn(ACTIVATIONS[name])).attribute(x, reference, target=1)
+    torch.testing.assert_close(ours.attribution, captum, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["deeplift.rescale", "deeplift.reveal_cancel"])
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_deeplift_sums_to_the_output_difference(method, name):
+    model = cnn(ACTIVATIONS[name])
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    reference = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    result = explain(model, x, method, 0, baselines=reference)
+    with torch.no_grad():
+        difference = model(x)[:, 0] - model(reference)[:, 0]
+    torch.testing.assert_close(result.attribution.sum((1, 2, 3)), difference)
+
+
+def test_in_place_activations_give_the_same_maps_and_leave_inputs_alone():
+    class InPlaceTanh(nn.Module):
+        def forward(self, x):
+            return x.tanh_()
+
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    copy = x.clone()
+    for in_place, out_of_place in [
+        (lambda: nn.ELU(inplace=True), nn.ELU),
+        (lambda: nn.LeakyReLU(0.1, inplace=True), lambda: nn.LeakyReLU(0.1)),
+        (InPlaceTanh, nn.Tanh),
+    ]:
+        for method in ("lrp.epsilon_plus", "deeplift.rescale", "deeplift.reveal_cancel"):
+            torch.testing.assert_close(
+                explain(cnn(in_place), x, method, 2).attribution,
+                explain(cnn(out_of_place), x, method, 2).attribution,
+            )
+    torch.testing.assert_close(x, copy, rtol=0, atol=0)
+
+
+def test_an_activation_input_of_exactly_zero_uses_the_slope():
+    model = mlp(nn.Sigmoid(), bias=False)
+    x = torch.zeros(2, 5, dtype=torch.float64)  # z = 0: f(z)/z is undefined there
+    x[1] = torch.randn(5, dtype=torch.float64)
+    for method in ("lrp.epsilon", "deeplift.rescale"):
+        attribution = explain(model, x, method, 0).attribution
+        assert torch.isfinite(attribution).all()
+
+
+@pytest.mark.parametrize(
+    "method", ["guided_bp", "deconv", "rectgrad", "excitation_bp", "excitation_bp.contrastive"]
+)
+def test_methods_defined_on_relus_refuse_other_activations(method):
+    model = mlp(nn.Tanh())
+    with pytest.raises(UnsupportedModelError, match=r"'tanh' in module '1' \(Tanh\)"):
+        explain(model, torch.randn(2, 5, dtype=torch.float64), method, 0)
+
+
+def test_a_final_softmax_is_refused_with_advice_to_explain_the_logits():
+    model = nn.Sequential(nn.Linear(5, 3), nn.Softmax(dim=1)).double().eval()
+    with pytest.raises(UnsupportedModelError, match="returns the logits"):
+        explain(model, torch.randn(2, 5, dtype=torch.float64), "lrp.epsilon", 0)
