@@ -159,7 +159,8 @@ def test_an_activation_input_of_exactly_zero_uses_the_slope():
 )
 def test_methods_defined_on_relus_refuse_other_activations(method):
     model = mlp(nn.Tanh())
-    with pytest.raises(UnsupportedModelError, match=r"'tanh' in module '1' \(Tanh\)"):
+    match = r"'tanh' in module '1' \(Tanh\) is an activation"
+    with pytest.raises(UnsupportedModelError, match=match):
         explain(model, torch.randn(2, 5, dtype=torch.float64), method, 0)
 
 
@@ -167,3 +168,14 @@ def test_a_final_softmax_is_refused_with_advice_to_explain_the_logits():
     model = nn.Sequential(nn.Linear(5, 3), nn.Softmax(dim=1)).double().eval()
     with pytest.raises(UnsupportedModelError, match="returns the logits"):
         explain(model, torch.randn(2, 5, dtype=torch.float64), "lrp.epsilon", 0)
+
+
+def test_onnx_export_of_lrp_refuses_other_activations_naming_them(tmp_path):
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        pytest.importorskip(module, reason="the onnx extra is not installed")
+    from explain_onnx import export_onnx
+
+    model = mlp(nn.Tanh()).float()
+    with pytest.raises(UnsupportedModelError, match=r"'tanh'.*ONNX export of LRP"):
+        export_onnx(model, torch.rand(2, 5), tmp_path / "m.onnx", explain="lrp.epsilon")
+    assert not (tmp_path / "m.onnx").exists()

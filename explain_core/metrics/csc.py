@@ -161,6 +161,7 @@ def register_layer_propagator(name: str, factory: PropagatorFactory) -> None:
     _BY_NAME[name] = factory
 
 
+@eager_mode()  # the forward pass runs the method's hooks as written
 def layer_propagator(
     model: nn.Module,
     inputs: torch.Tensor,
@@ -181,14 +182,12 @@ def layer_propagator(
 
         spec = get_registry()[method]
         if method in _BY_NAME and not options:
-            with eager_mode():
-                return _BY_NAME[method](model, inputs, baselines)
+            return _BY_NAME[method](model, inputs, baselines)
         method = spec.create(**options)
     elif options:
         raise InvalidInputError("options only apply to a method given by name")
     if isinstance(method, SupportsLayerPropagation):
-        with eager_mode():
-            return method.layer_propagator(model, inputs, baselines)
+        return method.layer_propagator(model, inputs, baselines)
     raise UnsupportedMethodError(
         f"method {name!r} cannot propagate a given relevance from an intermediate layer, so "
         "CSC cannot be computed for it: give its Method class a "

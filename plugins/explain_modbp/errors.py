@@ -9,8 +9,7 @@ RULE_HINT = (
     "composite.with_rules(({type}, MyRule())) where MyRule subclasses explain_modbp.LayerRule "
     "(affine layers) or explain_core.Rule (any module), or rewrite the forward with supported "
     "operations (Linear/Conv/BatchNorm modules, ReLU, +, -, cat, view/flatten, pooling, "
-    "dropout in eval mode; other element-wise activations such as tanh, GELU or LeakyReLU with "
-    "the LRP methods and DeepLIFT only)"
+    "dropout in eval mode)"
 )
 SOFTMAX_HINT = (
     "Relevance methods explain the scores before normalisation: explain a model that returns "

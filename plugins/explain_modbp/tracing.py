@@ -23,6 +23,7 @@ from explain_modbp.layers import AFFINE_TYPES, BATCHNORM_TYPES, LINEAR_TYPES, Af
 from explain_modbp.ops import (
     _PRODUCT_OPS,
     _SIGN_PRESERVING,
+    ACTIVATION_OPS,
     DROPOUT_OPS,
     LINEAR_OPS,
     MAXPOOL_OPS,
@@ -176,6 +177,12 @@ class _Tracer:
             value = kwargs.get("value", args[3] if len(args) > 3 else None)
             if mode != "constant" or value not in (None, 0, 0.0):
                 problem = f"is padding with mode={mode!r}, value={value!r} (only zero padding)"
+        elif name in ACTIVATION_OPS and name not in self.extra_ops:
+            problem = (
+                "is an activation this method does not handle (only the LRP methods and DeepLIFT "
+                "see through activations other than ReLU; Guided BP, Deconv, RectGrad, Excitation "
+                "BP, PatternNet and the ONNX export of LRP are defined for ReLU networks)"
+            )
         elif not (
             name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS or name in self.extra_ops
         ):
