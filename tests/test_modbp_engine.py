@@ -251,7 +251,7 @@ def test_operations_the_engine_cannot_see_are_errors(forward, message):
 def test_batchnorm_that_cannot_be_merged_and_unmapped_layers_are_errors():
     model = nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 2)).double().eval()
     with pytest.raises(UnsupportedModelError, match=r"no rule for module '0' \(BatchNorm1d\)"):
-        explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
+        explain(model, torch.randn(2, 4).double(), "excitation_bp")
     # mapping it explicitly makes it a per-channel affine layer
     composite = LayerComposite([(nn.Linear, Zero()), (nn.BatchNorm1d, Zero())])
     x = torch.randn(3, 4).double()

@@ -122,7 +122,7 @@ def lrp_graph(
             f"({UNSUPPORTED.get(method, 'not one composite')})"
         )
     engine = specs[method].create(**options)
-    composite = engine.composite()
+    composite = engine.build_composite()
     if composite.canonizers:
         raise InvalidInputError(f"the composite of {method!r} uses canonizers; they do not export")
     plan = trace(model, example[:1].detach(), composite)

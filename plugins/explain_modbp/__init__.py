@@ -73,6 +73,7 @@ def method_specs() -> list[MethodSpec]:
         spec("lrp.flat", methods.LRPFlat, "Flat on the input layer, z⁺ on conv, ε on dense"),
         spec("lrp.epsilon_plus", methods.LRPEpsilonPlus, "ε+z⁺: z⁺ on conv, ε on dense layers"),
         spec("lrp.cmp", methods.LRPCMP, "LRP-CMP: αβ on conv (alpha=1 or 2), LRP-0 on dense"),
+        spec("lrp.custom", methods.LRPCustom, "LRP with your own composite (option composite=)"),
         spec("lrp.contrastive", methods.ContrastiveLRP, "Contrastive LRP (z⁺, the paper's Eq. 15)"),
         spec("excitation_bp", excitation.ExcitationBP, "Excitation backprop (W⁺, probabilities)"),
         spec(

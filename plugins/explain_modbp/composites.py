@@ -1,7 +1,10 @@
 """Preset composites: which rule each layer of a model gets.
 
 Every preset maps Linear ("dense") and Conv1d/2d/3d layers; a BatchNorm that directly follows a
-Linear/Conv is merged into it for the duration of the attribution (the model is not changed).
+Linear/Conv is merged into it for the duration of the attribution (the model is not changed). A
+BatchNorm that cannot be merged (after a ReLU or an addition, as in pre-activation ResNets and
+DenseNets) is a per-channel affine map ``a·x + b`` of its own and gets LRP-ε (LRP-0 in ``lrp.z``):
+the relevance its input explains, not its shift. Excitation BP has no such rule and refuses it.
 ``first`` is the rule of the layer reading the model input, ``last`` that of the output layer.
 
 =========================  =============================================================
@@ -34,16 +37,42 @@ CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 DENSE_TYPES = (nn.Linear,)
 
 
-def uniform(rule: LayerRule, name: str, *, first: LayerRule | None = None) -> LayerComposite:
-    """The same rule for every Linear/Conv layer (and ``first`` on the input layer)."""
-    return LayerComposite([(LINEAR_TYPES, rule)], first=first, name=name)
+def uniform(
+    rule: LayerRule,
+    name: str,
+    *,
+    first: LayerRule | None = None,
+    batchnorm: LayerRule | None = None,
+) -> LayerComposite:
+    """The same rule for every Linear/Conv layer.
+
+    ``first`` goes on the input layer, ``batchnorm`` on BatchNorms that cannot be merged.
+    """
+    return LayerComposite(
+        _with_batchnorm([(LINEAR_TYPES, rule)], batchnorm), first=first, name=name
+    )
 
 
 def conv_dense(
-    conv: LayerRule, dense: LayerRule, name: str, *, first: LayerRule | None = None
+    conv: LayerRule,
+    dense: LayerRule,
+    name: str,
+    *,
+    first: LayerRule | None = None,
+    batchnorm: LayerRule | None = None,
 ) -> LayerComposite:
     """One rule for convolutions and another for dense layers."""
-    return LayerComposite([(CONV_TYPES, conv), (DENSE_TYPES, dense)], first=first, name=name)
+    mapping = _with_batchnorm([(CONV_TYPES, conv), (DENSE_TYPES, dense)], batchnorm)
+    return LayerComposite(mapping, first=first, name=name)
+
+
+def _with_batchnorm(mapping: list, batchnorm: LayerRule | None) -> list:
+    # Merged BatchNorms never reach the mapping (the trace folds them into their layer first).
+    return [*mapping, (BATCHNORM_TYPES, batchnorm)] if batchnorm is not None else mapping
+
+
+def _lone_batchnorm(epsilon: float = 1e-6) -> LayerRule:
+    return rules.Epsilon(epsilon)
 
 
 def gradient_composite(name: str = "gradient") -> LayerComposite:
@@ -56,54 +85,67 @@ def gradient_composite(name: str = "gradient") -> LayerComposite:
 
 def lrp_z() -> LayerComposite:
     """LRP-0 everywhere."""
-    return uniform(rules.Zero(), "lrp.z")
+    return uniform(rules.Zero(), "lrp.z", batchnorm=rules.Zero())
 
 
 def lrp_epsilon(epsilon: float = 1e-6) -> LayerComposite:
     """LRP-ε everywhere."""
-    return uniform(rules.Epsilon(epsilon), "lrp.epsilon")
+    return uniform(rules.Epsilon(epsilon), "lrp.epsilon", batchnorm=rules.Epsilon(epsilon))
 
 
 def lrp_zplus(bias: bool = False) -> LayerComposite:
     """z⁺ (LRP-α1β0) everywhere."""
-    return uniform(rules.ZPlus(bias), "lrp.zplus")
+    return uniform(rules.ZPlus(bias), "lrp.zplus", batchnorm=_lone_batchnorm())
 
 
 def lrp_alpha_beta(alpha: float = 2.0, beta: float = 1.0, bias: bool = False) -> LayerComposite:
     """LRP-αβ everywhere."""
-    return uniform(rules.AlphaBeta(alpha, beta, bias), f"lrp.alpha{alpha:g}beta{beta:g}")
+    rule = rules.AlphaBeta(alpha, beta, bias)
+    return uniform(rule, f"lrp.alpha{alpha:g}beta{beta:g}", batchnorm=_lone_batchnorm())
 
 
 def lrp_gamma(gamma: float = 0.25, generalised: bool = True) -> LayerComposite:
     """LRP-γ everywhere."""
-    return uniform(rules.Gamma(gamma, generalised=generalised), "lrp.gamma")
+    rule = rules.Gamma(gamma, generalised=generalised)
+    return uniform(rule, "lrp.gamma", batchnorm=_lone_batchnorm())
 
 
 def lrp_w2(bias: bool = False) -> LayerComposite:
     """Deep Taylor for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
-    return uniform(rules.ZPlus(bias), "lrp.w2", first=rules.WSquare())
+    return uniform(rules.ZPlus(bias), "lrp.w2", first=rules.WSquare(), batchnorm=_lone_batchnorm())
 
 
 def lrp_zb(low: object = None, high: object = None, bias: bool = False) -> LayerComposite:
     """Deep Taylor for bounded inputs: z^B on the input layer, z⁺ elsewhere."""
     first = rules.ZBox(low, high)  # type: ignore[arg-type]
-    return uniform(rules.ZPlus(bias), "lrp.zb", first=first)
+    return uniform(rules.ZPlus(bias), "lrp.zb", first=first, batchnorm=_lone_batchnorm())
 
 
 def lrp_flat(epsilon: float = 1e-6, bias: bool = False) -> LayerComposite:
     """Flat on the input layer, z⁺ on convolutions, ε on dense layers."""
-    return conv_dense(rules.ZPlus(bias), rules.Epsilon(epsilon), "lrp.flat", first=rules.Flat())
+    return conv_dense(
+        rules.ZPlus(bias),
+        rules.Epsilon(epsilon),
+        "lrp.flat",
+        first=rules.Flat(),
+        batchnorm=_lone_batchnorm(epsilon),
+    )
 
 
 def lrp_epsilon_plus(epsilon: float = 1e-6, bias: bool = False) -> LayerComposite:
     """z⁺ on convolutions, ε on dense layers (the common "ε+z⁺" composite)."""
-    return conv_dense(rules.ZPlus(bias), rules.Epsilon(epsilon), "lrp.epsilon_plus")
+    return conv_dense(
+        rules.ZPlus(bias),
+        rules.Epsilon(epsilon),
+        "lrp.epsilon_plus",
+        batchnorm=_lone_batchnorm(epsilon),
+    )
 
 
 def lrp_cmp(alpha: float = 1.0, bias: bool = False) -> LayerComposite:
     """LRP-CMP: LRP-αβ (``β = α − 1``) on convolutions, LRP-0 on dense layers."""
     conv = rules.AlphaBeta(alpha, alpha - 1, bias)
-    return conv_dense(conv, rules.Zero(), f"lrp.cmp(alpha={alpha:g})")
+    return conv_dense(conv, rules.Zero(), f"lrp.cmp(alpha={alpha:g})", batchnorm=rules.Zero())
 
 
 def excitation() -> LayerComposite:

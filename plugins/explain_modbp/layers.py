@@ -66,8 +66,10 @@ class AffineLayer:
         if module.padding_mode != "zeros":
             raise UnsupportedModelError(
                 f"module {name!r} ({type(module).__name__}) uses padding_mode="
-                f"{module.padding_mode!r}; the relevance rules support zero padding only. Pad "
-                "the input explicitly with F.pad in the model, or map the module to your own rule"
+                f"{module.padding_mode!r}; the rules handle a convolution's own zero padding "
+                "only. Pad separately: an nn.ReflectionPad/ReplicationPad/CircularPad module (or "
+                "F.pad(x, pad, mode=...)) followed by the convolution with padding=0, which "
+                "computes the same"
             )
         padding = module.padding
         if isinstance(padding, str):

@@ -15,6 +15,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_modbp import composites
@@ -95,15 +96,15 @@ class _CompositeMethod(Method):
     preset: ClassVar[Callable[..., LayerComposite]]
 
     def __post_init__(self) -> None:
-        self.composite()  # invalid options fail when the method is created
+        self.build_composite()  # invalid options fail when the method is created
 
-    def composite(self) -> LayerComposite:
+    def build_composite(self) -> LayerComposite:
         """The composite with this method's options."""
         return self.preset(**{option.name: getattr(self, option.name) for option in fields(self)})
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:
         return run_composite(
-            self.composite(),
+            self.build_composite(),
             model,
             inputs,
             target,
@@ -114,7 +115,9 @@ class _CompositeMethod(Method):
     def layer_propagator(self, model, inputs, baselines):
         from explain_modbp.propagation import EnginePropagator
 
-        engine = lrp_engine(self.composite(), activations=self.passes_activations, record=True)
+        engine = lrp_engine(
+            self.build_composite(), activations=self.passes_activations, record=True
+        )
         forward = engine.forward(model, inputs)
         return EnginePropagator(forward, "relevance", method=type(self).__name__)
 
@@ -256,6 +259,39 @@ class LRPCMP(_CompositeMethod):
     preset = staticmethod(composites.lrp_cmp)
     alpha: float = 1.0
     bias: bool = False
+
+
+@dataclass
+class LRPCustom(_CompositeMethod):
+    """LRP with your own composite, e.g. a preset with rules of your own for some modules.
+
+    ``explain(model, x, "lrp.custom", composite=composites.lrp_epsilon_plus().with_rules(
+    (nn.BatchNorm2d, Gradient()), ("features.0", Flat())))``: entries given to ``with_rules``
+    take precedence; the first matching entry wins. A core :class:`~explain_core.Rule` mapped to
+    any other module (a custom layer) replaces that module's backward pass.
+
+    Attributes:
+        composite: A :class:`~explain_modbp.LayerComposite`.
+        activations: Pass relevance through element-wise activations other than ReLU (LRP's
+            pass rule); ``False`` refuses them, as Excitation BP does.
+    """
+
+    composite: LayerComposite | None = None
+    activations: bool = True
+
+    @property
+    def passes_activations(self) -> bool:  # type: ignore[override]
+        """The ``activations`` option."""
+        return self.activations
+
+    def build_composite(self) -> LayerComposite:  # noqa: D102
+        if not isinstance(self.composite, LayerComposite):
+            raise InvalidInputError(
+                "lrp.custom needs composite=: a LayerComposite such as "
+                "explain_modbp.composites.lrp_epsilon_plus().with_rules((nn.BatchNorm2d, "
+                f"Epsilon())); got {type(self.composite).__name__}"
+            )
+        return self.composite
 
 
 @dataclass

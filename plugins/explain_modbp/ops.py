@@ -144,11 +144,36 @@ DROPOUT_OPS = frozenset(
         "feature_alpha_dropout",
     ]
 )
+# New tensors shaped like an input-dependent one whose values do not depend on it.
+VALUE_FREE_OPS = frozenset(
+    [
+        "zeros_like",
+        "ones_like",
+        "empty_like",
+        "full_like",
+        "rand_like",
+        "randn_like",
+        "new_zeros",
+        "new_ones",
+        "new_empty",
+        "new_full",
+        "new_tensor",
+    ]
+)
+# F.pad modes that copy values (the gradient is LRP-0's redistribution) or add zeros.
+PAD_MODES = frozenset({"constant", "reflect", "replicate", "circular"})
 ADD_OPS = frozenset({"add", "add_", "sub", "sub_"})
 _PRODUCT_OPS = frozenset({"mul", "mul_", "div", "div_"})
-# Operations whose output is non-negative when all their input-dependent inputs are.
+_JOIN_OPS = frozenset({"cat", "concat", "concatenate", "stack"})
+# Operations whose output is non-negative when all their operands are (see the trace for the
+# operands of additions and joins that do not depend on the input).
 _SIGN_PRESERVING = (
-    RESHAPE_OPS | MAXPOOL_OPS | DROPOUT_OPS | _GATHER_OPS | AVGPOOL_OPS | frozenset(["add", "add_"])
+    RESHAPE_OPS
+    | MAXPOOL_OPS
+    | DROPOUT_OPS
+    | _GATHER_OPS
+    | AVGPOOL_OPS
+    | frozenset(["add", "add_", "pad"])
 )
 
 

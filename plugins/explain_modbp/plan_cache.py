@@ -15,16 +15,18 @@ import torch
 from torch import nn
 
 from explain_core.interfaces.relevance import Composite
-from explain_modbp.tracing import Plan, move_custom_rules, resolve_rule, trace
+from explain_modbp.tracing import Plan, move_custom_rules, resolve_rules, trace
 
 # Key: the composite's *shape* (matchers that are types, type tuples or name globs, and the type
 # of every rule), the handler's extra operations and the input's per-sample shape, dtype and
 # device. A composite with other matchers (callables) or with canonizers is never cached.
 # Validity, checked on every call: every submodule, parameter and buffer is the same object as
-# when traced (compared through weak references), modules are in the same train/eval mode, and
-# no hook or instance-level ``forward`` was added or removed. And after the real forward pass the
-# affine modules actually called must be exactly the planned ones, each once; otherwise the plan
-# is dropped and the pass re-runs with a fresh trace, so a stale plan can never skip a rule.
+# when traced (compared through weak references) and unchanged since (version counters), modules
+# are in the same train/eval mode with the same plain attributes (flags that may steer
+# ``forward``), and no hook or instance-level ``forward`` was added or removed. And after the
+# real forward pass the affine modules actually called must be exactly the planned ones, each
+# once; otherwise the plan is dropped and the pass re-runs with a fresh trace, so a stale plan can
+# never skip a rule.
 # The rules themselves are resolved again from the caller's composite on every call.
 
 _PLAN_CACHE: weakref.WeakKeyDictionary[nn.Module, dict[Any, tuple[Any, Plan]]] = (
@@ -72,23 +74,39 @@ def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
                 tuple(module._forward_hooks),
                 tuple(module._forward_pre_hooks),
                 module.__dict__.get("forward"),
-                tuple((k, weakref.ref(v)) for k, v in module._parameters.items() if v is not None),
-                tuple((k, weakref.ref(v)) for k, v in module._buffers.items() if v is not None),
+                _settings(module),
+                _tensor_refs(module._parameters),
+                _tensor_refs(module._buffers),
             )
         )
     return parts
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """The module's plain attributes: flags such as ``self.return_probs`` may steer forward."""
+    return tuple(
+        (k, v)
+        for k, v in module.__dict__.items()
+        if isinstance(v, (bool, int, float, str, type(None))) and k != "training"
+    )
+
+
+def _tensor_refs(tensors: dict[str, torch.Tensor | None]) -> tuple[tuple[Any, ...], ...]:
+    # The version counter moves with every in-place change (an optimizer step): a layer with
+    # its own forward passed the trace's affine check only for the values it had then.
+    return tuple((k, weakref.ref(v), v._version) for k, v in tensors.items() if v is not None)
 
 
 def _same_fingerprint(old: list[tuple[Any, ...]], new: list[tuple[Any, ...]]) -> bool:
     if len(old) != len(new) or old[0] != new[0]:
         return False
     for a, b in zip(old[1:], new[1:], strict=True):
-        if a[0] != b[0] or a[1]() is not b[1]() or a[2:6] != b[2:6]:
+        if a[0] != b[0] or a[1]() is not b[1]() or a[2:7] != b[2:7]:
             return False
-        for refs_a, refs_b in ((a[6], b[6]), (a[7], b[7])):
+        for refs_a, refs_b in ((a[7], b[7]), (a[8], b[8])):
             if len(refs_a) != len(refs_b) or any(
-                ka != kb or ra() is not rb()
-                for (ka, ra), (kb, rb) in zip(refs_a, refs_b, strict=True)
+                ka != kb or ra() is not rb() or va != vb
+                for (ka, ra, va), (kb, rb, vb) in zip(refs_a, refs_b, strict=True)
             ):
                 return False
     return True
@@ -101,8 +119,7 @@ def _resolve_rules(model: nn.Module, composite: Composite, structure: Plan) -> P
         rule = composite.rule_for(name, model.get_submodule(name))
         if rule is not None:
             plan.custom[name] = rule
-    for name in plan.order:
-        plan.rules[name] = resolve_rule(model, composite, name, plan)
+    resolve_rules(model, composite, plan)
     move_custom_rules(plan)
     return plan
 

@@ -18,19 +18,25 @@ from torch.utils._pytree import tree_flatten
 
 from explain_core.interfaces.relevance import Composite, Rule
 from explain_modbp.base import LayerComposite, LayerRule
-from explain_modbp.errors import RULE_HINT, SOFTMAX_HINT, UnsupportedModelError
+from explain_modbp.errors import RULE_HINT, UnsupportedModelError, op_hint
 from explain_modbp.layers import AFFINE_TYPES, BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.ops import (
+    _JOIN_OPS,
     _PRODUCT_OPS,
     _SIGN_PRESERVING,
     ACTIVATION_OPS,
     DROPOUT_OPS,
     LINEAR_OPS,
     MAXPOOL_OPS,
+    PAD_MODES,
     RELU_OPS,
     RESHAPE_OPS,
+    VALUE_FREE_OPS,
     op_name,
 )
+
+# One step of the data flow: (operation or module name, input ids, output ids, problem or None).
+Step = tuple[str, list[int], list[int], "str | None"]
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -47,6 +53,7 @@ class Plan:
         input_layers: Layers whose input is the model input up to reshaping.
         relu_after: Layers whose output feeds a ReLU.
         rules: Layer name → rule; ``custom``: module name → core rule (opaque modules).
+        first_reads: What the first layer reads when no layer reads the model input directly.
     """
 
     order: list[str] = field(default_factory=list)
@@ -59,6 +66,7 @@ class Plan:
     nonnegative_inputs: set[str] = field(default_factory=set)
     trace_order: list[str] = field(default_factory=list)
     opaque_custom: list[str] = field(default_factory=list)
+    first_reads: str = ""
 
     @property
     def input_relevance_form(self) -> bool:
@@ -67,7 +75,7 @@ class Plan:
 
 
 class _TraceMode(TorchFunctionMode):
-    """Records data flow between modules and operations and rejects unsupported operations."""
+    """Records data flow between modules and operations and the operations it cannot propagate."""
 
     def __init__(self, tracer: _Tracer) -> None:
         super().__init__()
@@ -81,19 +89,18 @@ class _TraceMode(TorchFunctionMode):
         name = op_name(func)
         inputs = [t for t in _tensors((args, kwargs)) if id(t) in tracer.dependent]
         result = func(*args, **kwargs)
-        if not inputs:
+        if not inputs or name in VALUE_FREE_OPS:
             return result
         outputs = _tensors(result)
         if not outputs:
             return result
-        tracer.check_op(name, args, kwargs, inputs)
-        for t in inputs:
-            tracer.consume(t, name)
         reshaped_input = name in RESHAPE_OPS | DROPOUT_OPS and any(
             id(t) in tracer.input_like for t in inputs
         )
         nonnegative = name in RELU_OPS or (
-            name in _SIGN_PRESERVING and all(id(t) in tracer.nonnegative for t in inputs)
+            name in _SIGN_PRESERVING
+            and all(id(t) in tracer.nonnegative for t in inputs)
+            and _no_negative_operands(name, args, kwargs, tracer.dependent)
         )
         for out in outputs:
             tracer.mark(out)
@@ -101,7 +108,36 @@ class _TraceMode(TorchFunctionMode):
                 tracer.input_like.add(id(out))
             if nonnegative:
                 tracer.nonnegative.add(id(out))
+            else:
+                tracer.nonnegative.discard(id(out))  # an in-place op may make it signed
+        tracer.record(name, inputs, outputs, tracer.problem(name, args, kwargs, inputs))
         return result
+
+
+def _no_negative_operands(
+    name: str, args: tuple[Any, ...], kwargs: dict[str, Any], dependent: dict[int, torch.Tensor]
+) -> bool:
+    """Whether a sign-preserving op gets no operand that could add negative values.
+
+    Additions and concatenations also take constants, parameters and buffers (``h + shift``, a
+    CoordConv's coordinates) and ``alpha``: the output is non-negative by construction only if
+    every operand is. Tensors that do not depend on the input may change after tracing (the plan
+    is cached), so they count as signed; numbers must be ``>= 0``.
+    """
+    if name in ("add", "add_"):
+        alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
+        operands = [*args[:2], kwargs.get("other"), alpha]
+    elif name in _JOIN_OPS:
+        operands = list(_tensors(args[0] if args else kwargs.get("tensors", ())))
+    else:
+        return True  # values come from the input-dependent tensor alone
+    for operand in operands:
+        if isinstance(operand, torch.Tensor):
+            if id(operand) not in dependent:
+                return False
+        elif isinstance(operand, (int, float)) and operand < 0:
+            return False
+    return True
 
 
 class _Tracer:
@@ -115,16 +151,18 @@ class _Tracer:
         self.dependent: dict[int, torch.Tensor] = {}
         self.input_like: set[int] = set()
         self.producer: dict[int, str] = {}
-        self.consumers: dict[int, list[str]] = {}
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}
         self.opaque_depth = 0
         self.order: list[str] = []
         self.bn_input: dict[str, int] = {}
+        self.bn_input_dims: dict[str, int] = {}
         self.input_layers: set[str] = set()
-        self.relu_inputs: set[int] = set()
         self.nonnegative: set[int] = set()
         self.nonnegative_layers: set[str] = set()
+        self.steps: list[Step] = []
+        self.made_by: dict[int, str] = {}
+        self.reads: dict[str, str] = {}
 
     def _find_opaque(self, module: nn.Module, path: str) -> None:
         # The outermost module with a rule (or an affine type) is opaque: the trace does not look
@@ -143,23 +181,45 @@ class _Tracer:
     def mark(self, tensor: torch.Tensor) -> None:
         self.dependent[id(tensor)] = tensor
 
-    def consume(self, tensor: torch.Tensor, by: str) -> None:
-        self.consumers.setdefault(id(tensor), []).append(by)
-        if by in RELU_OPS:
-            self.relu_inputs.add(id(tensor))
-
     def where(self) -> tuple[str, str]:
         name = self.stack[-1] if self.stack else ""
         module = self.model.get_submodule(name) if name else self.model
         return name or "<root>", type(module).__name__
 
-    def check_op(
+    def record(
+        self,
+        name: str,
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+        problem: str | None,
+        *,
+        module: bool = False,
+    ) -> None:
+        """Note one step of the data flow: an operation, or a module the trace does not enter."""
+        self.steps.append((name, [id(t) for t in inputs], [id(t) for t in outputs], problem))
+        if module:
+            made_by = f"module {name!r} ({type(self.model.get_submodule(name)).__name__})"
+        elif name in RESHAPE_OPS and id(inputs[0]) in self.made_by:
+            made_by = self.made_by[id(inputs[0])]  # name what was reshaped
+        else:
+            path, type_name = self.where()
+            made_by = f"operation {name!r} in module {path!r} ({type_name})"
+        for t in outputs:
+            if id(t) not in self.input_like:
+                self.made_by[id(t)] = made_by
+
+    def problem(
         self,
         name: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         inputs: list[torch.Tensor],
-    ) -> None:
+    ) -> str | None:
+        """The error for an operation the engine cannot propagate through, or ``None``.
+
+        It is raised only if the operation's result reaches the model output: an operation in a
+        user's hook that only logs (``out.detach()``, ``out.norm()``) does not matter.
+        """
         problem = None
         if name in _PRODUCT_OPS | {"rmul", "rdiv"}:
             if len(inputs) > 1 or (
@@ -175,8 +235,11 @@ class _Tracer:
         elif name == "pad":
             mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
             value = kwargs.get("value", args[3] if len(args) > 3 else None)
-            if mode != "constant" or value not in (None, 0, 0.0):
-                problem = f"is padding with mode={mode!r}, value={value!r} (only zero padding)"
+            if mode not in PAD_MODES or (mode == "constant" and value not in (None, 0, 0.0)):
+                problem = (
+                    f"is padding with mode={mode!r}, value={value!r} (zero, reflect, replicate "
+                    "and circular padding are supported)"
+                )
         elif name in ACTIVATION_OPS and name not in self.extra_ops:
             problem = (
                 "is an activation this method does not handle (only the LRP methods and DeepLIFT "
@@ -187,14 +250,28 @@ class _Tracer:
             name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS or name in self.extra_ops
         ):
             problem = "has no relevance rule"
-        if problem is not None:
-            path, type_name = self.where()
-            hint = SOFTMAX_HINT if name in ("softmax", "log_softmax") else RULE_HINT
-            raise UnsupportedModelError(
-                f"operation {name!r} in module {path!r} ({type_name}) {problem}: the "
-                f"modified-backpropagation engine cannot see through it and will not fall back "
-                f"to the gradient. {hint.format(type=type_name)}"
-            )
+        if problem is None:
+            return None
+        path, type_name = self.where()
+        return (
+            f"operation {name!r} in module {path!r} ({type_name}) {problem}: the "
+            f"modified-backpropagation engine cannot see through it and will not fall back "
+            f"to the gradient. {op_hint(name, type_name, leaf=self._is_leaf(path))}"
+        )
+
+    def _is_leaf(self, path: str) -> bool:
+        module = self.model if path == "<root>" else self.model.get_submodule(path)
+        return next(module.children(), None) is None
+
+    def live_steps(self, output: torch.Tensor) -> list[Step]:
+        """The recorded steps the model output depends on, in execution order."""
+        live = {id(output)}
+        kept = []
+        for step in reversed(self.steps):
+            if not live.isdisjoint(step[2]):
+                live.update(step[1])
+                kept.append(step)
+        return kept[::-1]
 
     # hooks -----------------------------------------------------------------------------------
     def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -212,14 +289,15 @@ class _Tracer:
                 "module instance (e.g. copy.deepcopy) instead of reusing it"
             )
         tensors = [t for t in _tensors(args) if id(t) in self.dependent]
-        for t in tensors:
-            self.consume(t, name)
         if any(id(t) in self.input_like for t in tensors):
             self.input_layers.add(name)
+        elif tensors:
+            self.reads[name] = self.made_by.get(id(tensors[0]), "an intermediate tensor")
         if tensors and all(id(t) in self.nonnegative for t in tensors):
             self.nonnegative_layers.add(name)
         if isinstance(module, BATCHNORM_TYPES) and tensors:
             self.bn_input[name] = id(tensors[0])
+            self.bn_input_dims[name] = tensors[0].dim()
         self.opaque_depth += 1
 
     def post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -230,11 +308,14 @@ class _Tracer:
             ):
                 self._check_affine(name, module, args, output)
             self.opaque_depth -= 1
-            if any(id(t) in self.dependent for t in _tensors(args)):
+            inputs = [t for t in _tensors(args) if id(t) in self.dependent]
+            if inputs:
                 for t in _tensors(output):
                     self.mark(t)
+                    self.nonnegative.discard(id(t))
                     if isinstance(module, AFFINE_TYPES):
                         self.producer[id(t)] = name
+                self.record(name, inputs, _tensors(output), None, module=True)
                 if isinstance(module, AFFINE_TYPES):
                     self.order.append(name)
         if not self.opaque_depth and self.stack and self.stack[-1] == name:
@@ -260,7 +341,8 @@ class _Tracer:
         ):
             raise UnsupportedModelError(
                 f"module {name!r} ({type(module).__name__}) does not compute the affine map of "
-                "its parameters (a subclass with its own forward?), so the affine rules would "
+                "its parameters (a subclass with its own forward, or a forward hook that changes "
+                "its output?), so the affine rules would "
                 "explain a different function. " + RULE_HINT.format(type=type(module).__name__)
             )
 
@@ -282,38 +364,81 @@ class _Tracer:
                 "the model's output does not depend on its input through operations the engine "
                 "can see; the model must return one tensor of scores"
             )
-        return self._plan()
+        live = self.live_steps(output)
+        for *_, problem in live:
+            if problem is not None:
+                raise UnsupportedModelError(problem)
+        return self._plan(live)
 
-    def _plan(self) -> Plan:
+    def _channels_align(self, source: str, batchnorm: str) -> bool:
+        """Whether ``batchnorm``'s channels are ``source``'s output features (so they merge).
+
+        BatchNorm normalises dimension 1; a Linear's features are the last dimension, the same
+        only for ``(batch, features)`` inputs (not ``(batch, tokens, features)``).
+        """
+        module = self.model.get_submodule(source)
+        if isinstance(module, nn.Linear):
+            return self.bn_input_dims.get(batchnorm) == 2
+        return isinstance(module, LINEAR_TYPES)
+
+    def _plan(self, live: list[Step]) -> Plan:
+        consumers: dict[int, list[str]] = {}
+        for name, inputs, _, _ in live:  # what only a logging hook reads does not count
+            for tensor_id in inputs:
+                consumers.setdefault(tensor_id, []).append(name)
         plan = Plan()
         for name in self.order:
             module = self.model.get_submodule(name)
             plan.types[name] = type(module).__name__
             if isinstance(module, BATCHNORM_TYPES):
                 source = self.producer.get(self.bn_input.get(name, -1))
-                consumers = self.consumers.get(self.bn_input.get(name, -1), [])
                 if (
                     source is not None
-                    and isinstance(self.model.get_submodule(source), LINEAR_TYPES)
-                    and consumers == [name]
+                    and self._channels_align(source, name)
+                    and consumers.get(self.bn_input.get(name, -1)) == [name]
                     and source not in plan.merged
                 ):
                     plan.merged[source] = name
                     continue
             plan.order.append(name)
         plan.input_layers = {n for n in self.input_layers if n in plan.order}
+        if plan.order and not plan.input_layers:
+            plan.first_reads = self.reads.get(plan.order[0], "")
         plan.nonnegative_inputs = {n for n in self.nonnegative_layers if n in plan.order}
         merged_back = {bn: lin for lin, bn in plan.merged.items()}
-        for tensor_id in self.relu_inputs:
-            source = self.producer.get(tensor_id)
-            if source is not None:
-                plan.relu_after.add(merged_back.get(source, source))
+        for op, inputs, _, _ in live:
+            for tensor_id in inputs if op in RELU_OPS else ():
+                source = self.producer.get(tensor_id)
+                if source is not None:
+                    plan.relu_after.add(merged_back.get(source, source))
         for name, rule in self.opaque.items():
             if rule is not None and not isinstance(rule, LayerRule) and name in self.calls:
                 plan.custom[name] = rule
-        for name in plan.order:
-            plan.rules[name] = resolve_rule(self.model, self.composite, name, plan)
+        resolve_rules(self.model, self.composite, plan)
         return plan
+
+
+def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
+    """Fill ``plan.rules`` with the rule of every affine layer in ``plan.order``.
+
+    Raises:
+        UnsupportedModelError: If a layer has no rule, or the composite has a rule for the layer
+            reading the model input but no layer reads it directly (up to reshaping).
+    """
+    first = getattr(composite, "first", None)
+    if first is not None and plan.order and not plan.input_layers:
+        name = plan.order[0]
+        raise UnsupportedModelError(
+            f"the composite {getattr(composite, 'name', '')!r} puts {first!r} on the layer that "
+            "reads the model input, but no Linear/Conv reads the input directly (up to "
+            f"reshaping): the first layer {name!r} ({type(model.get_submodule(name)).__name__}) "
+            f"reads the result of {plan.first_reads or 'other operations'}, e.g. a "
+            "normalisation inside forward. Move that preprocessing out of the model and explain "
+            "the model on preprocessed inputs (for z^B give the bounds of the preprocessed "
+            "inputs), or use a method without an input-layer rule (e.g. lrp.epsilon_plus)"
+        )
+    for name in plan.order:
+        plan.rules[name] = resolve_rule(model, composite, name, plan)
 
 
 def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) -> LayerRule:
@@ -335,14 +460,17 @@ def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) 
     type_name = type(module).__name__
     if rule is None:
         what = (
-            "BatchNorm that does not directly follow a Linear/Conv layer (so it cannot be merged)"
+            "BatchNorm that cannot be merged into the layer before it (it does not directly "
+            "follow a Linear/Conv, or normalises another axis than that layer's outputs)"
             if isinstance(module, BATCHNORM_TYPES)
             else "layer with weights"
         )
         raise UnsupportedModelError(
-            f"no rule for module {name!r} ({type_name}), a {what}; add an entry for it to "
-            f"the composite, e.g. composite.with_rules(({type_name}, Epsilon())) or "
-            f"with_rules(({name!r}, Gradient()))"
+            f"no rule for module {name!r} ({type_name}), a {what}, in the composite "
+            f"{getattr(composite, 'name', '')!r}; give it one with the method lrp.custom: "
+            f"explain(model, x, 'lrp.custom', composite=composite.with_rules(({type_name}, "
+            f"Epsilon()))) with a preset composite from explain_modbp.composites, or "
+            f"with_rules(({name!r}, Gradient())) for this module alone"
         )
     if not isinstance(rule, LayerRule):
         return rule  # type: ignore[return-value]  # custom core rule on an affine module
