@@ -160,3 +160,26 @@ def test_method_options_and_refusals(tmp_path):
             explain="lrp.epsilon_plus",
         )
     assert not (tmp_path / "bad.onnx").exists() and not (tmp_path / "s.onnx").exists()
+
+
+def test_custom_composite_with_a_lone_batchnorm_exports(tmp_path):
+    """``lrp.custom`` (a composite of one's own) exports; a BatchNorm after a ReLU has its rule."""
+    from explain_modbp import Epsilon, composites
+
+    torch.manual_seed(5)
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3), nn.ReLU(), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 16, 3),
+    ).eval()  # fmt: skip
+    model[2].running_var.uniform_(0.5, 2.0)
+    composite = composites.lrp_epsilon_plus().with_rules((nn.BatchNorm2d, Epsilon(0.5)))
+    x = torch.rand(3, 1, 8, 8)
+    path = tmp_path / "custom.onnx"
+    result = export_onnx(model, x, path, explain="lrp.custom", composite=composite)
+    assert result.parity is not None and result.parity.passed
+    held_back = torch.rand(5, 1, 8, 8)
+    _, relevance = OnnxSession(path).run(held_back)
+    reference = explain(model, held_back, "lrp.custom", composite=composite).attribution
+    assert_maps_close(relevance, reference)
+    preset = explain(model, held_back, "lrp.epsilon_plus").attribution  # ε = 1e-6 on the BN
+    assert relative_difference(relevance, preset.numpy()) > 1e-3

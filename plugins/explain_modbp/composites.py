@@ -3,8 +3,9 @@
 Every preset maps Linear ("dense") and Conv1d/2d/3d layers; a BatchNorm that directly follows a
 Linear/Conv is merged into it for the duration of the attribution (the model is not changed). A
 BatchNorm that cannot be merged (after a ReLU or an addition, as in pre-activation ResNets and
-DenseNets) is a per-channel affine map ``a·x + b`` of its own and gets LRP-ε (LRP-0 in ``lrp.z``):
-the relevance its input explains, not its shift. Excitation BP has no such rule and refuses it.
+DenseNets) is a per-channel affine map ``a·x + b`` of its own and gets LRP-ε (the composite's ε
+where it has one; LRP-0 in ``lrp.z`` and ``lrp.cmp``): the relevance its input explains, not its
+shift. Excitation BP has no such rule and refuses it.
 ``first`` is the rule of the layer reading the model input, ``last`` that of the output layer.
 
 =========================  =============================================================

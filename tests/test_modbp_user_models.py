@@ -1,0 +1,310 @@
+"""The modified-backprop engine on the shapes of code users write, against hand-written references.
+
+Constants added to activations, normalisation inside ``forward``, BatchNorm on token axes, user
+hooks, flags read by ``forward``, BatchNorms after ReLUs and explicit padding modules.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import assert_same_state, state_fingerprint
+from torch import nn
+
+from explain_core import explain
+from explain_modbp import Epsilon, Gradient, UnsupportedModelError, composites
+from explain_modbp.plan_cache import clear_plan_cache
+
+
+def zplus_reference(x: torch.Tensor, weight: torch.Tensor, relevance: torch.Tensor) -> torch.Tensor:
+    """z⁺ of a Linear layer, inputs of any sign: ``Σ_j [x_i w_ji]⁺ / Σ_i' [x_i' w_ji']⁺ R_j``."""
+    positive = (x[:, None, :] * weight[None]).clamp(min=0)  # (batch, out, in)
+    total = positive.sum(2, keepdim=True)
+    share = torch.where(total > 0, positive / total.where(total > 0, 1.0), 0.0)
+    return (share * relevance[:, :, None]).sum(1)
+
+
+def split_by_value(part: torch.Tensor, whole: torch.Tensor, relevance: torch.Tensor):
+    """LRP-0 through a sum with other terms: ``part / whole · R`` (0 where the sum is 0)."""
+    return torch.where(whole != 0, part / whole.where(whole != 0, 1.0), 0.0) * relevance
+
+
+def logit_relevance(output: torch.Tensor, target: int) -> torch.Tensor:
+    relevance = torch.zeros_like(output)
+    relevance[:, target] = output[:, target]
+    return relevance
+
+
+class Shifted(nn.Module):
+    """``fc3(relu(fc2(relu(fc1(x)) + shift)))`` with a negative shift parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.shift = nn.Parameter(torch.linspace(-1.0, 0.2, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(x)) + self.shift)))
+
+    def reference(self, x: torch.Tensor, target: int) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        y = h + self.shift
+        a = F.relu(self.fc2(y))
+        out = self.fc3(a)
+        relevance = zplus_reference(a, self.fc3.weight, logit_relevance(out, target))
+        relevance = zplus_reference(y, self.fc2.weight, relevance)
+        return zplus_reference(x, self.fc1.weight, split_by_value(h, y, relevance))
+
+
+class Coordinates(nn.Module):
+    """``fc2(relu(cat([relu(fc1(x)), coordinates])))``: a constant of either sign joined in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 5), nn.Linear(8, 6), nn.Linear(6, 3)
+        self.register_buffer("coordinates", torch.tensor([[-1.0, 0.0, 1.0]]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        joined = torch.cat([F.relu(self.fc1(x)), self.coordinates.expand(len(x), -1)], 1)
+        return self.fc3(F.relu(self.fc2(joined)))
+
+    def reference(self, x: torch.Tensor, target: int) -> torch.Tensor:
+        joined = torch.cat([F.relu(self.fc1(x)), self.coordinates.expand(len(x), -1)], 1)
+        a = F.relu(self.fc2(joined))
+        out = self.fc3(a)
+        relevance = zplus_reference(a, self.fc3.weight, logit_relevance(out, target))
+        relevance = zplus_reference(joined, self.fc2.weight, relevance)[:, :5]
+        return zplus_reference(x, self.fc1.weight, relevance)
+
+
+class Difference(nn.Module):
+    """``torch.add(p, q, alpha=-1)`` of two ReLU branches: non-negative terms, signed result."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p, self.q, self.out = nn.Linear(6, 8), nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.add(F.relu(self.p(x)), F.relu(self.q(x)), alpha=-1))
+
+    def reference(self, x: torch.Tensor, target: int) -> torch.Tensor:
+        p, q = F.relu(self.p(x)), F.relu(self.q(x))
+        y = p - q
+        out = self.out(y)
+        relevance = zplus_reference(y, self.out.weight, logit_relevance(out, target))
+        from_p = zplus_reference(x, self.p.weight, split_by_value(p, y, relevance))
+        return from_p + zplus_reference(x, self.q.weight, split_by_value(-q, y, relevance))
+
+
+@pytest.mark.parametrize("net", [Shifted, Coordinates, Difference])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_zplus_sees_signed_operands_of_additions_and_joins(net, seed):
+    # The trace marks a tensor non-negative (so z⁺ drops its x⁻ terms) only if every operand of
+    # an addition or concatenation is: constants, parameters and alpha count too.
+    torch.manual_seed(seed)
+    model = net().double().eval()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    got = explain(model, x, "lrp.zplus", target=1).attribution
+    with torch.no_grad():
+        torch.testing.assert_close(got, model.reference(x, 1))
+
+
+class Normalising(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.tensor([0.4, 0.5, 0.6]).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor([0.2, 0.25, 0.3]).view(1, 3, 1, 1))
+        self.conv1, self.conv2 = nn.Conv2d(3, 4, 3), nn.Conv2d(4, 4, 3)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = (x - self.mean) / self.std
+        return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3)))
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [("lrp.w2", {}), ("lrp.flat", {}), ("lrp.zb", {"low": 0.0, "high": 1.0})],
+)
+def test_input_layer_rules_refuse_a_first_layer_that_reads_a_transformed_input(method, options):
+    model = Normalising().eval()
+    before = state_fingerprint(model)
+    with pytest.raises(UnsupportedModelError, match=r"'conv1' \(Conv2d\) reads the result of op"):
+        explain(model, torch.rand(2, 3, 8, 8), method, target=0, **options)
+    assert_same_state(before, state_fingerprint(model))
+    # the same layers reading the input directly get the rule
+    plain = nn.Sequential(model.conv1, nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).eval()
+    w2 = explain(plain, torch.rand(2, 3, 8, 8), method, target=0, **options).attribution
+    assert w2.shape == (2, 3, 8, 8)
+
+
+def input_x_gradient(model: nn.Module, x: torch.Tensor, target: int) -> torch.Tensor:
+    x = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(x)[:, target].sum(), x)
+    return x.detach() * grad
+
+
+class Tokens(nn.Module):
+    """``Linear`` on ``(N, T, F)`` then ``BatchNorm1d(T)``, which normalises the token axis."""
+
+    def __init__(self, tokens: int, hidden: int) -> None:
+        super().__init__()
+        self.fc, self.bn, self.out = (
+            nn.Linear(5, hidden),
+            nn.BatchNorm1d(tokens),
+            nn.Linear(hidden, 3),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.relu(self.bn(self.fc(x))).mean(1))
+
+
+@pytest.mark.parametrize(("tokens", "hidden"), [(8, 8), (7, 8)])
+def test_batchnorm_over_tokens_is_not_merged_into_the_linear_features(tokens, hidden):
+    # Merging would scale the Linear's features by the tokens' statistics: wrong when the sizes
+    # agree, a shape error when they do not. Kept apart it is a per-token affine layer.
+    torch.manual_seed(0)
+    model = Tokens(tokens, hidden).double()
+    with torch.no_grad():
+        model.bn.running_var.uniform_(0.3, 3.0)
+        model.bn.running_mean.uniform_(-1.0, 1.0)
+    model.eval()
+    x = torch.randn(3, tokens, 5, dtype=torch.float64)
+    got = explain(model, x, "lrp.z", target=0).attribution
+    torch.testing.assert_close(got, input_x_gradient(model, x, 0))
+
+
+def test_batchnorm_after_relu_gets_epsilon_in_the_presets_and_custom_rules_through_lrp_custom():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3), nn.ReLU(),
+        nn.Flatten(), nn.Linear(4 * 16, 3),
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        model[2].running_mean.uniform_(-0.5, 0.5)
+        model[2].running_var.uniform_(0.5, 2.0)
+        model[2].weight.uniform_(-1.5, 1.5)  # negative scales too
+    model.eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    # LRP-0 on the BatchNorm keeps LRP-0 = Input×Gradient
+    torch.testing.assert_close(
+        explain(model, x, "lrp.z", target=0).attribution, input_x_gradient(model, x, 0)
+    )
+    preset = explain(model, x, "lrp.epsilon_plus", target=0, epsilon=0.1).attribution
+    spelled_out = composites.lrp_epsilon_plus(0.1).with_rules((nn.BatchNorm2d, Epsilon(0.1)))
+    custom = explain(model, x, "lrp.custom", target=0, composite=spelled_out).attribution
+    torch.testing.assert_close(preset, custom)
+    # a rule of one's own for that module alone changes the map
+    mine = composites.lrp_epsilon_plus(0.1).with_rules(("2", Epsilon(10.0)))
+    other = explain(model, x, "lrp.custom", target=0, composite=mine).attribution
+    assert not torch.allclose(other, preset)
+    with pytest.raises(UnsupportedModelError, match=r"lrp\.custom"):
+        explain(model, x, "excitation_bp", target=0)
+    with pytest.raises(ValueError, match=r"lrp\.custom needs composite="):
+        explain(model, x, "lrp.custom", target=0)
+
+
+def test_a_users_logging_hook_does_not_stop_or_change_the_explanation():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)
+    ).eval()
+    x = torch.randn(2, 3, 8, 8)
+    expected = explain(model, x, "lrp.epsilon_plus", target=0).attribution
+    seen = {}
+    model[2].register_forward_hook(lambda m, i, o: seen.update(relu=o.detach(), norm=o.norm()))
+    # a hook reading the convolution's output must not stop the BatchNorm merge
+    model[0].register_forward_hook(lambda m, i, o: seen.update(conv=o.detach().abs().mean()))
+    got = explain(model, x, "lrp.epsilon_plus", target=0).attribution
+    torch.testing.assert_close(got, expected)
+    assert seen["relu"].shape == (2, 4, 6, 6)
+    # a detach on the way to the output is still refused
+    blocked = nn.Sequential(model[0], nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).eval()
+    blocked[1].register_forward_hook(lambda m, i, o: o.detach())
+    with pytest.raises(UnsupportedModelError, match="'detach'"):
+        explain(blocked, x, "lrp.epsilon_plus", target=0)
+
+
+class Flagged(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.probabilities = False
+        self.fc1, self.fc2 = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(F.relu(self.fc1(x)))
+        return out.softmax(1) if self.probabilities else out
+
+
+class LowRank(nn.Linear):
+    """A LoRA-style Linear: affine in its input only while ``up`` is zero."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__(n_in, n_out)
+        self.down = nn.Parameter(torch.randn(2, n_in))
+        self.up = nn.Parameter(torch.zeros(n_out, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + F.relu(x @ self.down.T) @ self.up.T
+
+
+def test_the_plan_cache_notices_flags_and_in_place_parameter_updates():
+    clear_plan_cache()
+    model, x = Flagged().eval(), torch.randn(2, 5)
+    explain(model, x, "lrp.epsilon_plus", target=0)  # traced and cached
+    model.probabilities = True
+    with pytest.raises(UnsupportedModelError, match=r"'softmax'.*return the logits"):
+        explain(model, x, "lrp.epsilon_plus", target=0)
+    low_rank = nn.Sequential(LowRank(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    x = torch.randn(4, 6)
+    explain(low_rank, x, "lrp.z", target=0)  # up == 0: passes the affine check, cached
+    with torch.no_grad():
+        low_rank[0].up.normal_()  # an optimizer step, in place
+    with pytest.raises(UnsupportedModelError, match="does not compute the affine map"):
+        explain(low_rank, x, "lrp.z", target=0)
+
+
+@pytest.mark.parametrize("pad", [nn.ReflectionPad2d, nn.ReplicationPad2d, nn.CircularPad2d])
+def test_padding_modules_copy_relevance_and_padding_modes_name_them(pad):
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        pad(1), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 3)
+    ).double()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    torch.testing.assert_close(
+        explain(model.eval(), x, "lrp.z", target=0).attribution, input_x_gradient(model, x, 0)
+    )
+    inline = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect"), nn.Flatten())
+    with pytest.raises(UnsupportedModelError, match="ReflectionPad"):
+        explain(inline.double().eval(), x, "lrp.epsilon", target=0)
+
+
+class Unusual(nn.Module):
+    def __init__(self, pooling: str) -> None:
+        super().__init__()
+        self.pooling = pooling
+        self.conv, self.fc = nn.Conv2d(3, 4, 3), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.conv(x))
+        h = h.amax((2, 3)) if self.pooling == "amax" else h.mean((2, 3))
+        return self.fc(torch.cat([h, torch.zeros_like(h)], 1))
+
+
+def test_value_free_operations_pass_and_unsupported_ones_suggest_a_rewrite():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    model = Unusual("mean").double().eval()
+    torch.testing.assert_close(
+        explain(model, x, "lrp.z", target=1).attribution, input_x_gradient(model, x, 1)
+    )
+    with pytest.raises(UnsupportedModelError, match="adaptive_max_pool2d"):
+        explain(Unusual("amax").double().eval(), x, "lrp.z", target=1)
+
+
+def test_gradient_rule_for_one_module_through_lrp_custom_equals_the_gradient_there():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2)).double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    everywhere = composites.lrp_z().with_rules(("0", Gradient()), ("2", Gradient()))
+    got = explain(model, x, "lrp.custom", target=0, composite=everywhere).attribution
+    torch.testing.assert_close(got, input_x_gradient(model, x, 0))
