@@ -178,3 +178,38 @@ def test_fc_pruner_out_channels_and_primary_type_mapping() -> None:
     net(torch.randn(1, 1, 16, 16))
     with pytest.raises(ValueError, match="every position"):
         pruner.capsules_to_types(net.primary, [1, 5])
+
+
+def test_compact_cuts_rem_masks_like_their_parameters() -> None:
+    """A compacted REM model keeps its masks (cut like the weights), so pruning can go on."""
+    from explain_capsules.pruning import MagnitudePruner, apply_masks, masks
+
+    net = _pruned()
+    MagnitudePruner(net, 0.5, scope="layer").prune_to(0.5)
+    with torch.no_grad():  # the dead units' masks are off too, as after REM's pruning
+        net.conv[0].weight_mask[[1, 3]] = False
+        d = net.primary.capsule_dim
+        for t in (0, 2):
+            net.primary.conv.weight_mask[t * d : (t + 1) * d] = False
+    apply_masks(net)
+    before = masks(net)
+    x = torch.rand(3, 1, 16, 16)
+    small, report = compact(net, x[:2])
+    after = masks(small)
+    assert report.removed_channels == [1, 3] and report.removed_types == [0, 2]
+    assert after.keys() == before.keys()
+    kept_channels = [c for c in range(8) if c not in (1, 3)]
+    kept_type_rows = [t * d + k for t in (1, 3) for k in range(d)]
+    m, n, _ = net.primary_grid
+    kept_caps = [p * 4 + t for p in range(m * n) for t in (1, 3)]
+    assert torch.equal(after["conv.0.weight"], before["conv.0.weight"][kept_channels])
+    assert torch.equal(
+        after["primary.conv.weight"],
+        before["primary.conv.weight"][kept_type_rows][:, kept_channels],
+    )
+    assert torch.equal(after["class_capsules.weight"], before["class_capsules.weight"][kept_caps])
+    with torch.no_grad():
+        expected = net(x)
+        apply_masks(small)  # fits, and changes nothing
+        torch.testing.assert_close(small(x), expected, rtol=1e-5, atol=1e-6)
+    MagnitudePruner(small, 0.7, scope="layer").prune_to(0.7)  # pruning goes on

@@ -252,6 +252,8 @@ def test_recording_errors(inputs):
         record_parse_tree_data(nn.Conv2d(2, 2, 1), inputs)
     with pytest.raises(ValueError, match="at least one sample"):
         record_parse_tree_data(TinyCapsNet(), inputs[:0])
+    with pytest.raises(ValueError, match=r"floating point; got dtype torch\.int64"):
+        record_parse_tree_data(TinyCapsNet(), (inputs * 255).long())
 
     class Twice(TinyCapsNet):
         def __init__(self) -> None:

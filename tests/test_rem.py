@@ -232,6 +232,8 @@ def test_dictionary_errors():
         d.update(random_couplings(4, 3, 2), torch.tensor([0, 2, 0, 1]), 11)
     with pytest.raises(ValueError):
         d.update(random_couplings(4, 3, 2), torch.tensor([0, 1]), 11)
+    with pytest.raises(ValueError, match="class indices"):  # scores would be truncated silently
+        d.update(random_couplings(4, 3, 2), torch.tensor([0.7, 1.2, 0.0, 1.0]), 11)
     with pytest.raises(IndexError):
         d.counts(2)
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from explain_capsules.layers import FullyConnectedCapsules, PrimaryCapsules
 from explain_capsules.models import DRCapsNet
+from explain_capsules.pruning import MASK_SUFFIX, masks
 
 __all__ = [
     "CompactionReport",
@@ -280,6 +281,7 @@ def compact(model: DRCapsNet, example_inputs: torch.Tensor) -> tuple[DRCapsNet, 
             example_inputs=example_inputs,
             customized_pruners={PrimaryCapsules: primary_pruner, FullyConnectedCapsules: fc_pruner},
         )
+        caps: list[int] = []
         if types:
             caps = primary_pruner.types_to_capsules(out.primary.grid_shape, types)
             group = graph.get_pruning_group(out.primary, primary_pruner.prune_out_channels, caps)
@@ -288,11 +290,53 @@ def compact(model: DRCapsNet, example_inputs: torch.Tensor) -> tuple[DRCapsNet, 
         if channels:
             group = graph.get_pruning_group(out.conv[0], tp.prune_conv_out_channels, channels)
             group.prune()
+    d = out.primary.capsule_dim
+    type_channels = [t * d + k for t in types for k in range(d)]
+    _slice_masks(
+        out,
+        {
+            (out.conv[0], "weight"): {0: channels},
+            (out.conv[0], "bias"): {0: channels},
+            (out.primary.conv, "weight"): {0: type_channels, 1: channels},
+            (out.primary.conv, "bias"): {0: type_channels},
+            (out.class_capsules, "weight"): {0: caps},
+        },
+    )
     out.primary_grid = out.primary.output_grid(*_conv_hw(out))
     out.num_primary = out.class_capsules.in_caps
     out.train(was_training)
     report.params_after = count_parameters(out)
     return out, report
+
+
+def _slice_masks(
+    model: nn.Module, removed: dict[tuple[nn.Module, str], dict[int, list[int]]]
+) -> None:
+    """Cut REM's ``<param>_mask`` buffers like their parameters, so pruning can go on.
+
+    Args:
+        model: The compacted copy.
+        removed: ``(module, parameter name)`` → dimension → indices removed along it (indices
+            into the parameter as it was before compaction).
+
+    Raises:
+        RuntimeError: If a mask still does not fit its parameter afterwards.
+    """
+    for (module, leaf), by_dim in removed.items():
+        mask = module._buffers.get(leaf + MASK_SUFFIX)
+        if mask is None:
+            continue
+        for dim, indices in by_dim.items():
+            if indices:
+                mask = mask.index_select(dim, _keep(mask.shape[dim], indices).to(mask.device))
+        module._buffers[leaf + MASK_SUFFIX] = mask.clone()
+    for name, mask in masks(model).items():
+        parameter = model.get_parameter(name)
+        if mask.shape != parameter.shape:
+            raise RuntimeError(
+                f"compact: mask of {name} of shape {tuple(mask.shape)} no longer fits its "
+                f"parameter {tuple(parameter.shape)}; please report this"
+            )
 
 
 def _conv_hw(model: DRCapsNet) -> tuple[int, int]:

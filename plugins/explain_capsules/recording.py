@@ -168,6 +168,11 @@ def record_parse_tree_data(
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
     if inputs.dim() < 1 or inputs.shape[0] == 0:
         raise ValueError(f"inputs must hold at least one sample; got shape {tuple(inputs.shape)}")
+    if not inputs.is_floating_point():
+        raise ValueError(
+            f"inputs must be floating point; got dtype {inputs.dtype}. Convert them, e.g. "
+            "inputs.float() (integer images: inputs.float() / 255)"
+        )
     transform = None if levels is None else partial(quantise_couplings, levels=levels)
     device = _model_device(model, inputs.device)
     per_layer: dict[str, list[RoutingEvent]] | None = None

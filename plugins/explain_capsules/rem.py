@@ -154,7 +154,13 @@ class ParseTreeDictionary:
                 f"couplings must be (B, n_lower, n_classes), got {tuple(couplings.shape)}"
             )
         batch, n_lower, n_classes = couplings.shape
-        predicted = torch.as_tensor(predicted).reshape(-1).to(torch.int64).to(couplings.device)
+        predicted = torch.as_tensor(predicted).reshape(-1)
+        if predicted.is_floating_point() or predicted.is_complex() or predicted.dtype == torch.bool:
+            raise ValueError(
+                f"predicted must hold class indices (integers); got dtype {predicted.dtype}. "
+                "Pass output.argmax(1), not scores or probabilities"
+            )
+        predicted = predicted.to(torch.int64).to(couplings.device)
         if predicted.numel() != batch:
             raise ValueError(f"predicted has {predicted.numel()} entries for a batch of {batch}")
         self._configure(n_lower, n_classes, levels)
