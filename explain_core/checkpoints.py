@@ -25,6 +25,7 @@ def save_training_checkpoint(
     epoch: int,
     config: dict[str, Any],
     history: dict[str, Any],
+    model_settings: dict[str, Any] | None = None,
 ) -> None:
     """Write the model's full state dict, the optimizer's moments and progress, atomically.
 
@@ -35,6 +36,8 @@ def save_training_checkpoint(
         epoch: Number of finished epochs.
         config: JSON-serialisable training configuration (checked when resuming).
         history: JSON-serialisable progress so far.
+        model_settings: JSON-serialisable settings of the model that its state dict does not
+            hold (a temperature, strides); checked when resuming with ``model_settings``.
     """
     from safetensors.torch import save_file
 
@@ -51,6 +54,8 @@ def save_training_checkpoint(
         "history": json.dumps(history),
         "param_groups": json.dumps(state["param_groups"]),
     }
+    if model_settings is not None:
+        metadata["model_settings"] = json.dumps(model_settings)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".partial")
@@ -64,6 +69,7 @@ def load_training_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     config: dict[str, Any] | None = None,
+    model_settings: dict[str, Any] | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Restore a checkpoint written by :func:`save_training_checkpoint`.
 
@@ -72,13 +78,17 @@ def load_training_checkpoint(
         model: Must have exactly the checkpoint's tensors (names and shapes, incl. buffers).
         optimizer: Optional optimizer to restore the moments into.
         config: When given, must equal the saved configuration (resuming reproduces the run).
+        model_settings: When given, the checkpoint must come from a model of the same class and,
+            if it recorded settings, these same settings (checkpoints written without settings
+            are only checked for the class).
 
     Returns:
         The number of finished epochs and the saved history.
 
     Raises:
         ModelLoadError: If the file is not such a checkpoint, its tensors do not match the
-            model, or it was written with another configuration.
+            model, it was written with another configuration, or (with ``model_settings``) by
+            a model of another class or with other settings.
     """
     from safetensors import safe_open
 
@@ -91,6 +101,8 @@ def load_training_checkpoint(
         raise ModelLoadError(f"{path} is not a readable checkpoint: {error}") from error
     if "epoch" not in metadata or "config" not in metadata:
         raise ModelLoadError(f"{path} is not a training checkpoint (no epoch recorded)")
+    if model_settings is not None:
+        _check_model_settings(path, model, metadata, model_settings)
     saved_config = json.loads(metadata["config"])
     if config is not None and saved_config != config:
         raise ModelLoadError(
@@ -110,6 +122,39 @@ def load_training_checkpoint(
             {"state": moments, "param_groups": json.loads(metadata["param_groups"])}
         )
     return int(metadata["epoch"]), json.loads(metadata["history"])
+
+
+_FRESH = (
+    "resume with a model built with the checkpoint's settings, or use a new checkpoint folder to "
+    "start a new run"
+)
+
+
+def _check_model_settings(
+    path: Path, model: nn.Module, metadata: dict[str, str], settings: dict[str, Any]
+) -> None:
+    """Refuse a checkpoint of another model class or other non-parameter settings.
+
+    The state dict alone cannot tell: a temperature or a stride changes the function the weights
+    compute without changing any tensor, and resuming would mix two different runs.
+    """
+    name = type(model).__name__
+    saved_class = metadata.get("model_class", name)
+    if saved_class != name:
+        raise ModelLoadError(f"{path} was written by a {saved_class}, not a {name}; {_FRESH}")
+    if "model_settings" not in metadata:
+        return  # written before settings were recorded: nothing to compare
+    saved = json.loads(metadata["model_settings"])
+    current = json.loads(json.dumps(settings))  # tuples become lists, as in the file
+    differing = [
+        f"{key}: checkpoint {saved.get(key, '(none)')!r}, model {current.get(key, '(none)')!r}"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
+    if differing:
+        raise ModelLoadError(
+            f"{path} was written by a {name} with other settings ({'; '.join(differing)}); {_FRESH}"
+        )
 
 
 def _check_weights(path: Path, model: nn.Module, weights: dict[str, torch.Tensor]) -> None:

@@ -8,10 +8,12 @@ spatial map. For the output, they sum to ``ŷ_j − b₀`` (completeness).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -24,7 +26,8 @@ from explain_core.interfaces.dynamic_linear import (
     explanation_mode,
 )
 from explain_core.registry import Method, MethodResult
-from explain_core.targets import select_target
+from explain_core.targets import normalize_target, select_target
+from explain_core.validation import check_inputs
 
 Classes = Sequence[int] | torch.Tensor | Literal["all"]
 Unit = int | tuple[int, int, int]
@@ -68,23 +71,23 @@ def coda_contributions(
     Args:
         model: A CoDA-Net (or any model of DAU layers with a ``layers`` sequence).
         inputs: Encoded inputs ``(batch, 2C, H, W)``.
-        target: One class per sample (int for all samples, or ``(batch,)``); ``None`` means the
-            predicted class. Ignored when ``classes`` or ``layer`` is given.
+        target: One class for all samples (an int) or one per sample (``(batch,)`` integers);
+            ``None`` means the predicted class. Ignored when ``classes`` or ``layer`` is given.
         classes: Several classes for every sample (a list, or ``"all"``), explained in one
             batched call; the result gains a class axis after the batch axis.
         layer: Index into ``model.layers`` for contributions to an intermediate layer's output.
         unit: With ``layer``: a channel (summed over positions), a ``(channel, row, col)``
-            position, or a list of them (the result gains a unit axis).
+            tuple, or a list of them (the result gains a unit axis).
 
     Returns:
         Contributions, output (logits, or the selected unit values for a layer) and targets.
 
     Raises:
-        InvalidInputError: For a non-DAU model, bad inputs, or out-of-range classes/units.
+        InvalidInputError: For a non-DAU model, bad inputs (including a dtype or device other
+            than the model's), non-integer or out-of-range targets/classes/layers/units, or a
+            call inside ``torch.inference_mode()``.
     """
-    require_dau_model(model)
-    if isinstance(model, CoDANet):
-        model.check_input(inputs)
+    inputs = _check_call(model, inputs, "coda_contributions()")
     if layer is not None:
         return _layer_contributions(model, inputs, layer, unit)
     if unit is not None:
@@ -97,7 +100,7 @@ def coda_contributions(
         with torch.no_grad(), explanation_mode(model):
             targets = model(inputs).argmax(dim=1)
     else:
-        targets = torch.as_tensor(target, device=inputs.device).long().reshape(-1).expand(batch)
+        targets = _per_sample_targets(target, batch, inputs.device)
     rows, output = dynamic_linear_rows(model, inputs, targets)
     x = inputs.detach() if targets.dim() == 1 else inputs.detach()[:, None]
     return Contributions((rows * x).detach(), output.detach(), targets)
@@ -110,10 +113,10 @@ def explicit_matrix(model: CoDANet, inputs: torch.Tensor, classes: Classes = "al
         ``(batch, n_classes, *input_shape)``: ``ŷ_j = T⁻¹·⟨W_j, x⟩ + b₀``.
 
     Raises:
-        InvalidInputError: If the result would exceed :data:`MAX_EXPLICIT_ELEMENTS` elements.
+        InvalidInputError: If the result would exceed :data:`MAX_EXPLICIT_ELEMENTS` elements, or
+            as :func:`coda_contributions` for bad inputs or classes.
     """
-    require_dau_model(model)
-    model.check_input(inputs)
+    inputs = _check_call(model, inputs, "explicit_matrix()")
     index = _class_list(classes, model.num_classes)
     size = inputs.numel() * len(index)
     if size > MAX_EXPLICIT_ELEMENTS:
@@ -123,6 +126,62 @@ def explicit_matrix(model: CoDANet, inputs: torch.Tensor, classes: Classes = "al
         )
     rows, _ = dynamic_linear_rows(model, inputs, index.to(inputs.device).expand(len(inputs), -1))
     return rows.detach() * model.temperature
+
+
+def _check_call(model: nn.Module, inputs: torch.Tensor, name: str) -> torch.Tensor:
+    """A private copy of ``inputs`` if they fit ``model`` and gradients can be computed."""
+    # The wording of explain(): autograd's own error ("does not require grad") says nothing.
+    if torch.is_inference_mode_enabled():
+        raise InvalidInputError(
+            f"{name} was called inside torch.inference_mode(), where no gradients can be "
+            "computed; call it outside torch.inference_mode() (torch.no_grad() is fine)"
+        )
+    require_dau_model(model)
+    inputs = check_inputs(inputs, model)  # dtype and device against the model, as explain()
+    if isinstance(model, CoDANet):
+        model.check_input(inputs)
+    return inputs
+
+
+def _per_sample_targets(target: object, batch: int, device: torch.device) -> torch.Tensor:
+    """``target`` as int64 ``(batch,)`` by explain()'s rule: integers only, one or per sample."""
+    count = _count(target)
+    if count and count not in (1, batch):  # an empty target: normalize_target explains
+        raise InvalidInputError(
+            f"target must be one class for all samples or one class per sample ({batch}); got "
+            f"{count} values. To explain several classes for every sample, pass them as "
+            'classes=[...] (or classes="all") instead'
+        )
+    targets = normalize_target(target, batch, device)  # type: ignore[arg-type]
+    assert targets is not None  # None was handled by the caller
+    return targets
+
+
+def _count(values: object) -> int | None:
+    """How many values a list, array or tensor holds; ``None`` for anything else."""
+    if isinstance(values, torch.Tensor):
+        return values.numel()
+    if isinstance(values, (list, tuple, np.ndarray)):
+        try:
+            return int(np.size(values))
+        except ValueError:  # ragged: normalize_target explains
+            return None
+    return None
+
+
+def _index(value: object) -> int | None:
+    """``value`` as an int if it is an integer (Python, NumPy or 0-d integer tensor), else None.
+
+    Floats are refused rather than truncated, as for explain()'s targets; bools are no indices.
+    """
+    if isinstance(value, (bool, np.bool_)):
+        return None
+    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.dim() != 0):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:  # floats, float tensors, strings
+        return None
 
 
 def _num_outputs(model: nn.Module, inputs: torch.Tensor) -> int:
@@ -137,8 +196,31 @@ def _class_list(classes: Classes, n_classes: int) -> torch.Tensor:
         if classes != "all":
             raise InvalidInputError(f'classes must be a list of ints or "all"; got {classes!r}')
         return torch.arange(n_classes)
-    index = torch.as_tensor(classes).long().reshape(-1)
-    if index.numel() == 0 or int(index.min()) < 0 or int(index.max()) >= n_classes:
+    single = _index(classes)
+    if single is not None:
+        index = torch.tensor([single])
+    else:
+        try:
+            index = torch.as_tensor(
+                classes if isinstance(classes, torch.Tensor) else np.asarray(classes)
+            ).reshape(-1)
+        except (TypeError, ValueError, RuntimeError) as error:  # ragged lists, objects
+            raise InvalidInputError(
+                f'classes must be a list of ints or "all"; got {classes!r}'
+            ) from error
+        if index.numel() == 0:
+            raise InvalidInputError(
+                f'classes must name at least one class in [0, {n_classes - 1}], or be "all"; '
+                "got an empty list"
+            )
+        if index.is_floating_point() or index.is_complex() or index.dtype == torch.bool:
+            # Truncating 2.7 to class 2 would explain a class nobody asked for.
+            raise InvalidInputError(
+                f'classes must be a list of ints or "all"; got {index.dtype} values '
+                f"{index.tolist()[:10]}. Convert whole-number classes with int(c)"
+            )
+        index = index.to(torch.long).cpu()
+    if int(index.min()) < 0 or int(index.max()) >= n_classes:
         raise InvalidInputError(
             f"classes must lie in [0, {n_classes - 1}] for a model with {n_classes} classes; "
             f"got {index.tolist()}"
@@ -147,19 +229,25 @@ def _class_list(classes: Classes, n_classes: int) -> torch.Tensor:
 
 
 def _layer_contributions(
-    model: nn.Module, inputs: torch.Tensor, layer: int, unit: Unit | Sequence[Unit] | None
+    model: nn.Module, inputs: torch.Tensor, layer: object, unit: object
 ) -> Contributions:
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.Sequential):
         raise InvalidInputError("layer=... needs a model with a `layers` nn.Sequential (CoDANet)")
-    if not -len(layers) <= layer < len(layers):
+    index = _index(layer)
+    if index is None:
         raise InvalidInputError(
-            f"layer must lie in [{-len(layers)}, {len(layers) - 1}]; got {layer}"
+            f"layer must be an int index into model.layers, in [{-len(layers)}, "
+            f"{len(layers) - 1}]; got {layer!r} ({type(layer).__name__})"
+        )
+    if not -len(layers) <= index < len(layers):
+        raise InvalidInputError(
+            f"layer must lie in [{-len(layers)}, {len(layers) - 1}]; got {index}"
         )
     if unit is None:
         raise InvalidInputError("layer=... needs unit=channel or unit=(channel, row, col)")
-    units = [unit] if isinstance(unit, int) or _is_position(unit) else list(unit)
-    prefix = layers[: (layer % len(layers)) + 1]
+    units, several = _unit_list(unit)
+    prefix = layers[: (index % len(layers)) + 1]
     with torch.no_grad(), explanation_mode(model):
         shape = prefix(inputs[:1]).shape[1:]
     for u in units:
@@ -177,28 +265,52 @@ def _layer_contributions(
     with explanation_mode(model):
         rows, values = dynamic_linear_rows(unit_values, inputs, targets)
     contributions = (rows * inputs.detach()[:, None]).detach()
-    if len(units) == 1 and not _is_list_of_units(unit):
+    if not several:
         return Contributions(contributions[:, 0], values.detach(), targets[:, 0])
     return Contributions(contributions, values.detach(), targets)
 
 
-def _is_position(unit: object) -> bool:
-    return isinstance(unit, tuple) and len(unit) == 3 and all(isinstance(v, int) for v in unit)
+def _unit_list(unit: object) -> tuple[list[int | tuple[int, int, int]], bool]:
+    """The units as plain ints and ``(channel, row, col)`` tuples, and whether it was a list.
+
+    Integer tensors and NumPy integers count as ints; anything else is refused here, before it
+    could fail deep inside indexing.
+    """
+    single = _as_unit(unit)
+    if single is not None:
+        return [single], False
+    items = None
+    if isinstance(unit, (list, tuple, np.ndarray)) or (
+        isinstance(unit, torch.Tensor) and unit.dim() == 1
+    ):
+        items = [_as_unit(u) for u in unit]
+    if not items or any(u is None for u in items):
+        raise InvalidInputError(
+            "unit must be a channel (int), a (channel, row, col) tuple of ints, or a list of "
+            f"them; got {unit!r} ({type(unit).__name__})"
+        )
+    return items, True  # type: ignore[return-value]
 
 
-def _is_list_of_units(unit: object) -> bool:
-    return not (isinstance(unit, int) or _is_position(unit))
+def _as_unit(unit: object) -> int | tuple[int, int, int] | None:
+    """One unit as an int or an int triple; ``None`` if ``unit`` is not one unit."""
+    channel = _index(unit)
+    if channel is not None:
+        return channel
+    if isinstance(unit, tuple) and len(unit) == 3:
+        position = tuple(_index(v) for v in unit)
+        if all(v is not None for v in position):
+            return position  # type: ignore[return-value]
+    return None
 
 
-def _check_unit(unit: object, shape: torch.Size) -> None:
+def _check_unit(unit: int | tuple[int, int, int], shape: torch.Size) -> None:
     channels, height, width = shape
     if isinstance(unit, int):
         ok = 0 <= unit < channels
-    elif _is_position(unit):
-        c, h, w = unit  # type: ignore[misc]
-        ok = 0 <= c < channels and 0 <= h < height and 0 <= w < width
     else:
-        ok = False
+        c, h, w = unit
+        ok = 0 <= c < channels and 0 <= h < height and 0 <= w < width
     if not ok:
         raise InvalidInputError(
             f"unit must be a channel in [0, {channels - 1}] or (channel, row, col) within "

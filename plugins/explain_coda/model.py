@@ -11,6 +11,7 @@ import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -140,6 +141,29 @@ class CoDANet(nn.Module):
         view = copy.copy(self)  # new attribute dict, same submodules and parameters
         view.input_shape = (self.input_shape[0], height, width)
         return view
+
+    def settings(self) -> dict[str, Any]:
+        """The settings that shape the model's function but are not in its state dict.
+
+        Temperature, bias, input shape and each layer's stride, padding and non-linearity (the
+        layer's ``form`` is left out: every form computes the same function). Checkpoints record
+        them so that a run is never resumed with a differently built model.
+
+        Returns:
+            A JSON-serialisable dict, one entry per setting.
+        """
+        layers = {
+            f"layers.{i}": f"stride={layer.stride}, padding={layer.padding}, "
+            f"nonlinearity={layer.nonlinearity!r}"
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer, DAUConv2d)
+        }
+        return {
+            "temperature": self.temperature,
+            "logit_bias": self.logit_bias,
+            "input_shape": list(self.input_shape),
+            **layers,
+        }
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise a clear error unless ``x`` is an encoded batch of the expected shape.

@@ -8,16 +8,21 @@ JSON header for the rest: loading one never unpickles anything.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
 from explain_coda.model import CoDANet, bce_one_vs_all
 from explain_core.checkpoints import load_training_checkpoint, save_training_checkpoint
+from explain_core.errors import InvalidInputError
 from explain_core.interfaces.dynamic_linear import dynamic_linear_rows
 from explain_core.training import EpochHistory, train_resumable
+from explain_core.validation import check_inputs
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 
@@ -72,7 +77,7 @@ def train_coda(
     labels: torch.Tensor,
     config: TrainConfig,
     *,
-    checkpoint_dir: Path | None = None,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
     evaluate: Callable[[CoDANet], float] | None = None,
     stop_after_epoch: int | None = None,
 ) -> TrainHistory:
@@ -81,15 +86,30 @@ def train_coda(
     Args:
         model: The CoDA-Net (its initial weights should come from a seeded constructor).
         images: Encoded training inputs ``(N, 2C, H, W)``.
-        labels: int64 ``(N,)``.
+        labels: Integer class indices ``(N,)``.
         config: Training options.
-        checkpoint_dir: Folder for ``checkpoint.safetensors``, written after every epoch.
+        checkpoint_dir: Folder (a path or str) for ``checkpoint.safetensors``, written after
+            every epoch; a checkpoint already there is resumed from.
         evaluate: Called after every epoch with the model in eval mode; returns an accuracy.
         stop_after_epoch: Stop after this many epochs in total (to simulate an interruption).
 
     Returns:
         The history of all epochs, including those before a resume.
+
+    Raises:
+        InvalidInputError: For images or labels that do not fit the model or each other, a
+            ``checkpoint_dir`` that is not a folder path, or a call inside
+            ``torch.inference_mode()``.
+        ModelLoadError: If the checkpoint in ``checkpoint_dir`` was written by another kind of
+            model, a model with other settings (e.g. temperature) or another configuration.
     """
+    if torch.is_inference_mode_enabled():
+        raise InvalidInputError(
+            "train_coda() was called inside torch.inference_mode(), where no gradients can be "
+            "computed; call it outside torch.inference_mode()"
+        )
+    labels = _check_training_data(model, images, labels)
+    checkpoint = None if checkpoint_dir is None else _checkpoint_file(checkpoint_dir)
 
     def batch_loss(
         batch_images: torch.Tensor, batch_labels: torch.Tensor, generator: torch.Generator
@@ -109,12 +129,64 @@ def train_coda(
         learning_rate=lambda epoch: _lr(config, epoch),
         batch_loss=batch_loss,
         description="CoDA",
-        checkpoint=None if checkpoint_dir is None else checkpoint_dir / CHECKPOINT_NAME,
+        checkpoint=checkpoint,
         load_checkpoint=load_checkpoint,
         save_checkpoint=save_checkpoint,
         evaluate=evaluate,
         stop_after_epoch=stop_after_epoch,
     )
+
+
+def _check_training_data(
+    model: CoDANet, images: torch.Tensor, labels: torch.Tensor
+) -> torch.Tensor:
+    """Refuse training data the loop would fail on deep inside torch; return int64 labels."""
+    if not isinstance(images, torch.Tensor) or not isinstance(labels, torch.Tensor):
+        raise InvalidInputError(
+            f"images and labels must be torch tensors; got {type(images).__name__} and "
+            f"{type(labels).__name__}; convert them with torch.as_tensor(...)"
+        )
+    # One sample is enough to check dtype, device and shape against the model, without a copy
+    # of the whole training set.
+    check_inputs(images[:1], model, name="images")
+    if isinstance(model, CoDANet):
+        model.check_input(images[:1])
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise InvalidInputError(
+            f"labels must be integer class indices; got dtype {labels.dtype}. Convert labels "
+            "that hold whole numbers with labels.long()"
+        )
+    if labels.dim() != 1 or len(labels) != len(images):
+        raise InvalidInputError(
+            f"labels must hold one class index per image: shape ({len(images)},) for "
+            f"{len(images)} images; got {tuple(labels.shape)}"
+        )
+    n_classes = getattr(model, "num_classes", None)
+    if n_classes is not None and (int(labels.min()) < 0 or int(labels.max()) >= n_classes):
+        raise InvalidInputError(
+            f"labels must lie in [0, {n_classes - 1}] for a model with {n_classes} classes; got "
+            f"values from {int(labels.min())} to {int(labels.max())}"
+        )
+    return labels.long()  # one_hot needs int64; a no-op for int64 labels
+
+
+def _checkpoint_file(checkpoint_dir: object) -> Path:
+    if not isinstance(checkpoint_dir, (str, os.PathLike)):
+        raise InvalidInputError(
+            "checkpoint_dir must be a folder path (str or pathlib.Path); got "
+            f"{type(checkpoint_dir).__name__}"
+        )
+    folder = Path(checkpoint_dir)
+    if folder.exists() and not folder.is_dir():
+        raise InvalidInputError(
+            f"checkpoint_dir {folder} is a file; give a folder, where {CHECKPOINT_NAME} is kept"
+        )
+    return folder / CHECKPOINT_NAME
+
+
+def _model_settings(model: nn.Module) -> dict[str, Any]:
+    # Other DAU models have no settings to record; their class is still checked.
+    return model.settings() if isinstance(model, CoDANet) else {}
 
 
 def _lr(config: TrainConfig, epoch: int) -> float:
@@ -130,9 +202,15 @@ def save_checkpoint(
     epoch: int,
     history: TrainHistory,
 ) -> None:
-    """Write weights, optimizer moments and progress to a safetensors file atomically."""
+    """Write weights, optimizer moments, progress and the model's settings atomically."""
     save_training_checkpoint(
-        path, model, optimizer, epoch=epoch, config=asdict(config), history=asdict(history)
+        path,
+        model,
+        optimizer,
+        epoch=epoch,
+        config=asdict(config),
+        history=asdict(history),
+        model_settings=_model_settings(model),
     )
 
 
@@ -148,12 +226,17 @@ def load_checkpoint(
         The number of finished epochs and the history so far.
 
     Raises:
-        ModelLoadError: If the file is not such a checkpoint, does not match the model, or was
-            written with another configuration than ``config`` (resuming would then not
+        ModelLoadError: If the file is not such a checkpoint, does not match the model, was
+            written by another model class or a model with other settings (temperature, bias,
+            strides...), or with another configuration than ``config`` (resuming would then not
             reproduce the run).
     """
     epoch, history = load_training_checkpoint(
-        path, model, optimizer, config=None if config is None else asdict(config)
+        path,
+        model,
+        optimizer,
+        config=None if config is None else asdict(config),
+        model_settings=_model_settings(model),
     )
     return epoch, TrainHistory(**history)
 
