@@ -14,7 +14,12 @@ from explain_core.errors import InvalidInputError
 from explain_core.model_guard import ModelGuard, require_eval_mode
 from explain_core.plugin_manager import get_registry
 from explain_core.targets import TargetLike, normalize_target
-from explain_core.validation import check_inputs, check_output_finite, diagnose_failure
+from explain_core.validation import (
+    check_inputs,
+    check_output_finite,
+    clear_model_errors,
+    refuse_inference_mode,
+)
 
 
 def explain(
@@ -48,8 +53,11 @@ def explain(
         UnknownMethodError: If no plugin registers ``method`` (closest names are suggested).
         InvalidInputError: For inputs, targets, baselines or options that do not fit, inputs the
             model cannot run on, a model that does not return one finite ``(batch, n_outputs)``
-            tensor, or a call inside ``torch.inference_mode()``.
-        ModelStateError: If the model is in training mode.
+            tensor, or a call inside ``torch.inference_mode()``. A model whose forward raises
+            on the inputs gets a :class:`~explain_core.errors.ModelRunError` that blames their
+            shape only for a shape error, with the model's error chained.
+        ModelStateError: If the model is in training mode, or its forward changes its own
+            parameters in place (they are restored first).
     """
     if not isinstance(method, str):
         raise InvalidInputError(
@@ -61,11 +69,7 @@ def explain(
             f"model must be a torch.nn.Module; got {type(model).__name__}, so wrap it in an "
             "nn.Module whose forward calls it"
         )
-    if torch.is_inference_mode_enabled():
-        raise InvalidInputError(
-            "explain() was called inside torch.inference_mode(), where no gradients can be "
-            "computed; call it outside torch.inference_mode() (torch.no_grad() is fine)"
-        )
+    refuse_inference_mode("explain()")
     spec = get_registry()[method]
     engine = spec.create(**options)
     model = uncompiled(model)
@@ -73,16 +77,10 @@ def explain(
     reference = _check_baselines(baselines, inputs, method, engine.uses_baselines)
     target_tensor = normalize_target(target, inputs.shape[0], inputs.device)
     require_eval_mode(model)
-    with ModelGuard(model), eager_mode():
-        try:
-            result = engine.attribute(model, inputs, target_tensor, reference)
-        except RuntimeError as error:
-            # Diagnose only after a failure, so that a valid call costs no extra forward pass;
-            # inside the guard, so that the probe leaves no trace on the model either.
-            clear = diagnose_failure(model, inputs, error)
-            if clear is None:
-                raise
-            raise clear from error
+    # Diagnose only after a failure, so that a valid call costs no extra forward pass; inside
+    # the guard, so that the probe leaves no trace on the model either.
+    with ModelGuard(model), eager_mode(), clear_model_errors(model, inputs):
+        result = engine.attribute(model, inputs, target_tensor, reference)
     check_output_finite(result.output)
     return Attribution(
         attribution=result.attribution,
@@ -131,7 +129,9 @@ class Explainer:
             additional_forward_args: Not supported; must be ``None``.
 
         Returns:
-            The attribution, or ``(attribution, delta)`` when ``return_convergence_delta``.
+            The attribution, or ``(attribution, delta)`` when ``return_convergence_delta``. The
+            delta follows Captum's sign: summed attribution minus the output gain
+            ``f(inputs) − f(baselines)``, i.e. ``−Attribution.delta``.
 
         Raises:
             InvalidInputError: If the delta is requested but the method defines none, or
@@ -154,7 +154,10 @@ class Explainer:
             return attribution
         if result.delta is None:
             raise InvalidInputError(f"method {self.method!r} defines no convergence delta")
-        return attribution, result.delta
+        # Captum's compute_convergence_delta is Σ attribution − (f(x) − f(baseline)); explain()
+        # reports what is left unexplained, the opposite sign. Callers of this class expect
+        # Captum's.
+        return attribution, -result.delta
 
     def explain(
         self, inputs: torch.Tensor, target: TargetLike = None, **kwargs: Any
@@ -175,10 +178,12 @@ def quantus_explain(
     """An ``explain_func`` for the Quantus metrics toolkit (NumPy in, NumPy out).
 
     Pass it as ``explain_func=quantus_explain`` with
-    ``explain_func_kwargs={"method": "gradient"}``.
+    ``explain_func_kwargs={"method": "gradient"}``. The inputs are converted to the dtype of
+    the model's floating-point parameters (float32 for a model without any), since Quantus
+    hands over NumPy arrays of its own dtype that its user cannot choose per call.
     """
     device = torch.device(device) if device is not None else _model_device(model)
-    x = torch.as_tensor(np.asarray(inputs), dtype=torch.float32, device=device)
+    x = torch.as_tensor(np.asarray(inputs), dtype=_model_dtype(model), device=device)
     result = explain(model, x, method, np.asarray(targets), **options)
     return result.attribution.detach().cpu().numpy()
 
@@ -197,6 +202,15 @@ def _single_tensor(value: Any, what: str) -> torch.Tensor:
 def _model_device(model: nn.Module) -> torch.device:
     parameter = next(model.parameters(), None)
     return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def _model_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter, else float32."""
+    if isinstance(model, nn.Module):
+        for parameter in model.parameters():
+            if parameter.is_floating_point():
+                return parameter.dtype
+    return torch.float32
 
 
 def _check_baselines(

@@ -22,7 +22,8 @@ def normalize_target(target: TargetLike, batch: int, device: torch.device) -> to
         device: Device of the returned tensor.
 
     Raises:
-        InvalidInputError: If the target is not integral (a string, say) or has the wrong length.
+        InvalidInputError: If the target is not integral (a string, say), is empty or has the
+            wrong length.
     """
     if target is None:
         return None
@@ -32,6 +33,14 @@ def normalize_target(target: TargetLike, batch: int, device: torch.device) -> to
         tensor = torch.as_tensor(target if isinstance(target, torch.Tensor) else np.asarray(target))
     except (TypeError, ValueError, RuntimeError) as error:  # strings, ragged lists, objects
         raise _target_form_error(target) from error
+    if tensor.numel() == 0:
+        # Checked before the dtype: NumPy makes an empty list float64, which is not the problem.
+        if batch == 0:
+            return torch.empty(0, dtype=torch.long, device=device)
+        raise InvalidInputError(
+            f"target is empty ({_short_repr(target)}); give one int for all samples, one int per "
+            f"sample ({batch}), or None for the predicted class"
+        )
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
         raise InvalidInputError(f"target must hold integers; got dtype {tensor.dtype}")
     tensor = tensor.to(device=device, dtype=torch.long).reshape(-1)
@@ -44,10 +53,13 @@ def normalize_target(target: TargetLike, batch: int, device: torch.device) -> to
     return tensor.clone()  # never the caller's tensor (or an inference tensor) itself
 
 
+def _short_repr(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _target_form_error(target: object) -> InvalidInputError:
-    text = repr(target)
-    if len(text) > 60:
-        text = text[:57] + "..."
+    text = _short_repr(target)
     return InvalidInputError(
         f"target must be None (the predicted class), an int, or one int per sample (a list, NumPy "
         f"array or integer tensor); got {text} ({type(target).__name__}), so convert it, e.g. "

@@ -7,6 +7,9 @@ do, so that every entry point refuses the same bad input in the same words.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -150,8 +153,9 @@ def run_once(
         hint: What the user should do when the model cannot run on the inputs.
 
     Raises:
-        InvalidInputError: For empty inputs, inputs the model raises on, a model that does not
-            return one tensor, or NaN/infinite outputs.
+        InvalidInputError: For empty inputs, inputs the model raises on (a
+            :class:`~explain_core.errors.ModelRunError`), a model that does not return one
+            tensor, or NaN/infinite outputs.
     """
     shape = tuple(inputs.shape)
     if inputs.numel() == 0:
@@ -162,10 +166,7 @@ def run_once(
     except ExplainError:
         raise  # the model's own clear message
     except (RuntimeError, ValueError, TypeError, IndexError) as error:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-        raise InvalidInputError(
-            f"the model cannot run on {name} of shape {shape}: {first}; {hint}"
-        ) from error
+        raise model_error(model, inputs, error, name=name, hint=hint) from error
     if not isinstance(outputs, torch.Tensor):
         check_scores(outputs)  # raises, naming what the model returned
     if outputs.is_floating_point() and not bool(torch.isfinite(outputs).all()):
@@ -191,6 +192,22 @@ def check_output_finite(output: torch.Tensor) -> None:
         )
 
 
+def refuse_inference_mode(caller: str) -> None:
+    """Refuse a call inside ``torch.inference_mode()``, where no gradient can be computed.
+
+    Args:
+        caller: The entry point named in the message, e.g. ``"explain()"``.
+
+    Raises:
+        InvalidInputError: If inference mode is enabled.
+    """
+    if torch.is_inference_mode_enabled():
+        raise InvalidInputError(
+            f"{caller} was called inside torch.inference_mode(), where no gradients can be "
+            "computed; call it outside torch.inference_mode() (torch.no_grad() is fine)"
+        )
+
+
 def diagnose_failure(
     model: nn.Module, inputs: torch.Tensor, error: RuntimeError
 ) -> ModelRunError | None:
@@ -198,9 +215,10 @@ def diagnose_failure(
 
     The methods call the model themselves, so its first forward pass cannot be wrapped. Instead,
     only after a failure, one sample is run through the plain model: if that fails too, the
-    inputs do not fit the model; if the model wrote into that sample, it works in place on its
-    input, which autograd refuses; otherwise the error is the method's or the model's own. Run
-    it inside the model guard, so that the probe leaves no trace on the model.
+    inputs do not fit the model (or the model raises on any input); if the model wrote into that
+    sample, it works in place on its input, which autograd refuses; otherwise the error is the
+    method's or the model's own. Run it inside the model guard, so that the probe leaves no trace
+    on the model.
     """
     if isinstance(error, torch.cuda.OutOfMemoryError):  # a batch too large, not a mismatch
         return None
@@ -209,7 +227,7 @@ def diagnose_failure(
         with torch.no_grad():
             model(probe)
     except RuntimeError:
-        return _input_mismatch(model, inputs, str(error))
+        return model_error(model, inputs, error)
     if probe._version > 0 and "in-place" in str(error):  # a fresh clone's version is 0
         return ModelRunError(
             "the model modifies its input in place (e.g. nn.ReLU(inplace=True) or torch.relu_ "
@@ -219,13 +237,59 @@ def diagnose_failure(
     return None
 
 
-def _input_mismatch(model: nn.Module, inputs: torch.Tensor, message: str) -> ModelRunError:
-    """Why the model cannot run on ``inputs``: a dtype it does not share, else their shape."""
-    dtypes = sorted({p.dtype for p in model.parameters() if p.is_floating_point()}, key=str)
+@contextmanager
+def clear_model_errors(model: nn.Module, inputs: torch.Tensor) -> Iterator[None]:
+    """Turn a raw torch error raised inside the block into :func:`diagnose_failure`'s message.
+
+    For entry points that, like :func:`~explain_core.explain`, run a method on the model: a
+    valid call costs nothing extra. Use it inside the model guard. Errors that already explain
+    themselves (:class:`~explain_core.errors.ExplainError`) pass unchanged.
+    """
+    try:
+        yield
+    except ExplainError:
+        raise
+    except RuntimeError as error:
+        clear = diagnose_failure(model, inputs, error)
+        if clear is None:
+            raise
+        raise clear from error
+
+
+# Words in torch's messages about inputs that do not fit a layer ("mat1 and mat2 shapes cannot
+# be multiplied", "expected input[2, 2, 8, 8] to have 1 channels", "size of tensor a (5) must
+# match", "Dimension out of range"); an error without them is not blamed on the inputs' shape.
+_SHAPE_ERROR = re.compile(r"shape|size|dimension|channel|mat1|mat2|\bdims?\b", re.IGNORECASE)
+
+
+def model_error(
+    model: Any,
+    inputs: torch.Tensor,
+    error: BaseException,
+    *,
+    name: str = "inputs",
+    hint: str = "pass inputs shaped like the model's training data",
+) -> ModelRunError:
+    """Why ``model`` raised ``error`` on ``inputs``: a dtype it lacks, their shape, or its own.
+
+    Only an error that reads like a shape mismatch is blamed on the inputs' shape (with
+    ``hint``); any other error is reported as the model's own, so that a user does not reshape
+    valid inputs to fix a bug in their forward. Raise the result ``from error``.
+    """
+    dtypes = (
+        sorted({p.dtype for p in model.parameters() if p.is_floating_point()}, key=str)
+        if isinstance(model, nn.Module)
+        else []
+    )
     if dtypes and inputs.dtype not in dtypes:
-        return _dtype_mismatch(inputs.dtype, dtypes[0], "inputs")
-    first = (message.strip().splitlines() or ["RuntimeError"])[0]
+        return _dtype_mismatch(inputs.dtype, dtypes[0], name)
+    shape = tuple(inputs.shape)
+    message = str(error).strip()
+    first = (message.splitlines() or [type(error).__name__])[0]
+    if _SHAPE_ERROR.search(message):
+        return ModelRunError(f"the model cannot run on {name} of shape {shape}: {first}; {hint}")
     return ModelRunError(
-        f"the model cannot run on inputs of shape {tuple(inputs.shape)}: {first}; pass inputs "
-        "shaped like the model's training data"
+        f"the model's forward raised {type(error).__name__}({first!r}) on {name} of shape "
+        f"{shape}; this is the model's own error, not a shape mismatch: see the chained "
+        "traceback for where its forward raised it"
     )

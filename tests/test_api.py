@@ -106,6 +106,32 @@ def test_captum_style_explainer():
         Explainer(model, "integrated_gradients", step=8)
 
 
+def test_explainer_convergence_delta_has_captums_sign():
+    from captum.attr import IntegratedGradients
+
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3)).double().eval()
+    x = 3 * torch.randn(4, 5, dtype=torch.float64)
+    ours, delta = Explainer(model, "integrated_gradients", steps=4).attribute(
+        x, target=0, return_convergence_delta=True
+    )
+    # Captum's midpoint rule samples the path where ours does: the same attribution, and its
+    # delta Σ attribution − (f(x) − f(0)).
+    theirs, captum_delta = IntegratedGradients(model).attribute(
+        x, target=0, n_steps=4, method="riemann_middle", return_convergence_delta=True
+    )
+    torch.testing.assert_close(ours, theirs)
+    gain = model(x)[:, 0] - model(torch.zeros_like(x))[:, 0]
+    by_hand = ours.sum(1) - gain.detach()
+    assert by_hand.abs().max() > 1e-3  # four steps leave a delta whose sign matters
+    torch.testing.assert_close(captum_delta, by_hand)
+    torch.testing.assert_close(delta, by_hand)
+    # explain() keeps its documented sign: the output gain the attribution leaves unexplained.
+    torch.testing.assert_close(
+        explain(model, x, "integrated_gradients", 0, steps=4).delta, -by_hand
+    )
+
+
 def test_quantus_style_function_takes_and_returns_numpy():
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 4)).eval()
     x = np.random.default_rng(0).normal(size=(3, 1, 3, 4)).astype(np.float32)
@@ -113,6 +139,18 @@ def test_quantus_style_function_takes_and_returns_numpy():
     result = quantus_explain(model, x, y, method="gradient")
     assert isinstance(result, np.ndarray) and result.shape == x.shape
     np.testing.assert_allclose(result[1], model[1].weight[1].detach().reshape(1, 3, 4).numpy())
+
+
+@pytest.mark.parametrize("given", [np.float32, np.float64])
+def test_quantus_function_converts_inputs_to_the_models_dtype(given):
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 4)).double().eval()
+    x = np.random.default_rng(0).normal(size=(3, 1, 3, 4)).astype(given)
+    result = quantus_explain(model, x, np.array([0, 1, 2]), method="gradient")
+    assert result.dtype == np.float64  # float32 inputs used to be refused for this model
+    expected = model[1].weight.detach()[[0, 1, 2]].reshape(3, 1, 3, 4).numpy()
+    np.testing.assert_allclose(result, expected)
+    # A model without parameters has no dtype to follow: float32, as before.
+    assert quantus_explain(Quadratic().eval(), x, 0, method="gradient").dtype == np.float32
 
 
 @pytest.mark.parametrize(
@@ -168,12 +206,17 @@ def test_model_guard_restores_structure_buffers_and_refuses_parameter_edits():
         model.extra = 3
     assert_same_state(before, state_fingerprint(model))
     assert model[1] is bn
+    weight = linear.weight.detach().clone()
     with (
-        pytest.raises(ModelStateError, match="modified parameters in place"),
+        pytest.raises(ModelStateError, match=r"forward modified its parameter\(s\) 0\.weight"),
         ModelGuard(model),
         torch.no_grad(),
     ):
         linear.weight.mul_(2)
+    assert torch.equal(linear.weight, weight)  # put back, not only reported
+    with pytest.raises(ModelStateError, match=r"0\.bias"), ModelGuard(model):
+        linear.bias.data = torch.zeros(3)  # another shape, through .data
+    assert_same_state(before, state_fingerprint(model))
 
 
 def test_bad_input_gets_clear_errors():

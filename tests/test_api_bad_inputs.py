@@ -10,7 +10,7 @@ import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import Explainer, InvalidInputError, explain
+from explain_core import Explainer, InvalidInputError, ModelStateError, explain
 from explain_core.plugin_manager import get_registry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -239,3 +239,107 @@ def test_baselines_that_are_not_numbers_or_tensors_are_refused():
 def test_a_model_that_is_not_a_module_is_refused():
     with pytest.raises(InvalidInputError, match=r"torch\.nn\.Module; got function"):
         explain(lambda x: x.flatten(1)[:, :3], images(), "gradient", 1)
+
+
+# ------------------------------------------------------- the model's own errors and writes
+class SecondCallFails(nn.Module):
+    """Runs once, then raises its own (non-shape) error on every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls >= 2:
+            raise RuntimeError("boom")
+        return self.fc(x)
+
+
+def test_a_models_own_error_is_not_blamed_on_the_inputs_shape():
+    model = SecondCallFails().eval()
+    with pytest.raises(InvalidInputError, match=r"forward raised RuntimeError\('boom'\)") as caught:
+        explain(model, torch.rand(4, 6), "integrated_gradients", 0)  # 2nd call: baseline output
+    message = str(caught.value)
+    assert "model's own error" in message and "training data" not in message
+    assert str(caught.value.__cause__) == "boom"  # the original, chained
+    assert isinstance(caught.value, RuntimeError)
+
+
+def test_run_once_blames_the_shape_only_for_shape_errors():
+    from explain_core.validation import run_once
+
+    def own_error(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("labels file missing")
+
+    with pytest.raises(InvalidInputError, match=r"forward raised ValueError\('labels file") as own:
+        run_once(own_error, images())
+    assert "shape" not in str(own.value).split(";")[0].replace("of shape (2, 1, 4, 4)", "")
+    with pytest.raises(InvalidInputError, match=r"cannot run on inputs of shape \(2, 3, 4, 4\)"):
+        run_once(cnn(), torch.rand(2, 3, 4, 4))
+
+
+@pytest.mark.parametrize("target", [[], np.array([], dtype=np.int64), torch.tensor([])], ids=repr)
+def test_an_empty_target_list_is_named_as_such(target):
+    with pytest.raises(InvalidInputError, match=r"target is empty.*one int per sample \(2\)"):
+        explain(cnn(), images(), "gradient", target)
+
+
+class ScalesItsWeight(nn.Module):
+    """Multiplies its own weight in place on every forward pass, as some user code does."""
+
+    def __init__(self, via_data: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.via_data = via_data
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.via_data:
+            self.fc.weight.data.mul_(1.01)  # invisible to autograd's version counter
+        else:
+            with torch.no_grad():
+                self.fc.weight.mul_(1.01)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("via_data", [True, False], ids=["data", "no_grad"])
+@pytest.mark.parametrize("method", ["gradient", "integrated_gradients", "lrp.epsilon"])
+def test_a_forward_that_changes_its_weights_is_refused_and_the_weights_put_back(method, via_data):
+    model = ScalesItsWeight(via_data).eval()
+    before = state_fingerprint(model)
+    with pytest.raises(ModelStateError, match=r"model's forward modified its parameter\(s\) fc\.w"):
+        explain(model, torch.rand(2, 6), method, 0)
+    assert_same_state(before, state_fingerprint(model))
+
+
+def test_above_the_copy_limit_in_place_changes_are_reported_not_undone(monkeypatch):
+    from explain_core import model_guard
+
+    monkeypatch.setattr(model_guard, "PARAMETER_COPY_LIMIT", 0)  # as if the model were huge
+    model = ScalesItsWeight(via_data=False).eval()
+    weight = model.fc.weight.detach().clone()
+    with pytest.raises(ModelStateError, match=r"could not be restored.*reload them"):
+        explain(model, torch.rand(2, 6), "gradient", 0)
+    assert not torch.equal(model.fc.weight, weight)  # what the model's forward did to itself
+
+
+def test_weights_are_put_back_also_when_the_forward_then_raises():
+    class ScalesThenFails(ScalesItsWeight):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            super().forward(x)
+            raise RuntimeError("later failure")
+
+    model = ScalesThenFails(via_data=True).eval()
+    weight = model.fc.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="later failure"):
+        explain(model, torch.rand(2, 6), "gradient", 0)
+    assert torch.equal(model.fc.weight, weight)
+
+
+def test_a_valid_call_leaves_parameter_versions_alone():
+    # Caches keyed on parameter versions (the modbp plan cache) must stay valid.
+    model = cnn()
+    versions = [p._version for p in model.parameters()]
+    explain(model, images(), "gradient", 1)
+    assert [p._version for p in model.parameters()] == versions

@@ -7,6 +7,7 @@ import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
+from explain_core import explain
 from explain_core.errors import InvalidInputError, ModelStateError
 from explain_core.metrics import (
     cascading_randomisation,
@@ -311,3 +312,121 @@ def test_localisation_score_accepts_numpy_arrays():
     torch.testing.assert_close(localisation_score(MAPS.numpy(), masks), expected)
     with raises("masks must be a torch.Tensor or a NumPy array; got list"):
         localisation_score(MAPS, masks.tolist())
+
+
+# ------------------------------------------- 9. inputs the model cannot run on, inference mode
+TWO_CHANNELS = torch.rand(2, 2, 8, 8)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        pytest.param(
+            lambda m: cosine_similarity_convergence(m, TWO_CHANNELS, "gradient"), id="csc"
+        ),
+        pytest.param(
+            lambda m: cosine_similarity_convergence(m, TWO_CHANNELS, "lrp.zplus"), id="csc_lrp"
+        ),
+        pytest.param(lambda m: pixel_removal_curve(m, TWO_CHANNELS, MAPS[:2], 0), id="pixels"),
+        pytest.param(lambda m: random_logit_ssim(m, fixed_maps, TWO_CHANNELS, 1), id="logit"),
+    ],
+)
+def test_inputs_the_model_cannot_run_on_get_explains_message(call):
+    model = cnn()
+    before = state_fingerprint(model)
+    with raises(r"cannot run on inputs of shape \(2, 2, 8, 8\).*1 channels") as caught:
+        call(model)
+    assert isinstance(caught.value.__cause__, RuntimeError)  # torch's error stays chained
+    assert_same_state(before, state_fingerprint(model))
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: cosine_similarity_convergence(cnn(), X, "gradient"), "cosine_similarity"),
+        (lambda: cosine_similarity_convergence(cnn(), X, "lrp.zplus"), "cosine_similarity"),
+        (lambda: random_logit_ssim(cnn(), "gradient", X, T), "random_logit_ssim"),
+        (lambda: cascading_randomisation(cnn(), "gradient", X, T, "4"), "cascading_random"),
+    ],
+    ids=["csc", "csc_lrp", "random_logit", "cascading"],
+)
+def test_gradient_metrics_inside_inference_mode_say_where_to_call_them(call, name):
+    with torch.inference_mode(), raises(rf"{name}.*inside torch\.inference_mode\(\).*outside"):
+        call()
+
+
+def test_pixel_removal_needs_no_gradient_and_runs_inside_inference_mode():
+    expected = pixel_removal_curve(cnn(), X, MAPS, T, steps=2)
+    with torch.inference_mode():  # cnn() built here has inference tensors as parameters
+        torch.testing.assert_close(pixel_removal_curve(cnn(), X, MAPS, T, steps=2), expected)
+
+
+# --------------------------------------------------- 10. method options, layers, n_classes
+def explain_maps(steps: int):
+    """Maps of integrated gradients with ``steps``, computed without the metrics' helpers."""
+
+    def maps(model, inputs, targets):
+        return explain(model, inputs, "integrated_gradients", targets, steps=steps).spatial_map()
+
+    return maps
+
+
+def test_cascading_randomisation_passes_method_options_like_random_logit():
+    model = cnn()
+    by_name = cascading_randomisation(model, "integrated_gradients", X, T, ["4", "0"], steps=4)
+    by_hand = cascading_randomisation(model, explain_maps(4), X, T, ["4", "0"])
+    default = cascading_randomisation(model, explain_maps(20), X, T, ["4", "0"])
+    for named, hand, twenty in zip(by_name, by_hand, default, strict=True):
+        np.testing.assert_allclose(named.ssim, hand.ssim)
+        assert not np.allclose(named.ssim, twenty.ssim)  # steps=4 reached the method
+    logit = random_logit_ssim(model, "integrated_gradients", X, T, steps=4)
+    np.testing.assert_allclose(logit.ssim, random_logit_ssim(model, explain_maps(4), X, T).ssim)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda **kw: cascading_randomisation(cnn(), fixed_maps, X, T, "4", **kw),
+        lambda **kw: random_logit_ssim(cnn(), fixed_maps, X, T, **kw),
+    ],
+    ids=["cascading", "random_logit"],
+)
+def test_options_are_refused_next_to_a_maps_function_and_checked_before_any_work(call):
+    with raises(r"options \(steps\) only apply to a method given by name"):
+        call(steps=4)
+
+
+def test_unknown_method_options_are_refused_before_any_work():
+    model = Counting().eval()
+    with raises("no option 'step'"):
+        cascading_randomisation(model, "integrated_gradients", X, T, ["net.4"], step=4)
+    with raises("no option 'step'"):
+        random_logit_ssim(model, "integrated_gradients", X, T, step=4)
+    assert model.calls == 0
+
+
+def test_cascading_randomisation_refuses_an_empty_layer_list():
+    with raises(r"layers is empty; name at least one layer.*\['4', '0'\]"):
+        cascading_randomisation(cnn(), fixed_maps, X, T, [])
+    with raises("layers is empty"):
+        cascading_randomisation(cnn(), "gradient", X, T, ())
+
+
+def test_random_logit_checks_n_classes_against_the_models_outputs_first():
+    with raises(r"n_classes=20 but the model has 10 outputs; give at most n_classes=10"):
+        random_logit_ssim(cnn(), "gradient", X, 2, n_classes=20)
+    with raises(r"n_classes=11 but the model has 10"):  # targets in range: still refused
+        random_logit_ssim(cnn(), fixed_maps, X, 2, n_classes=11)
+    result = random_logit_ssim(cnn(), fixed_maps, X, 2, n_classes=10)
+    assert ((result.random_targets >= 0) & (result.random_targets < 10)).all()
+
+
+def test_matrix_chain_accepts_numpy_arrays_and_other_iterables_of_ints():
+    expected = matrix_chain_convergence("vanilla", (8, 8, 8), repeats=2)
+    for widths in (np.array([8, 8, 8]), np.array([8, 8, 8], dtype=np.int32), iter([8, 8, 8])):
+        curve = matrix_chain_convergence("vanilla", widths, repeats=2)
+        np.testing.assert_array_equal(curve.median_cosine, expected.median_cosine)
+    with raises(r"widths\[1\] must be an int >= 2"):
+        matrix_chain_convergence("vanilla", np.array([8, 1, 8]))
+    with raises("at least two ints"):
+        matrix_chain_convergence("vanilla", np.array(8))

@@ -1,12 +1,14 @@
 """Faithfulness metrics: CSC, random-logit SSIM, cascading randomisation, the matrix chain."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from modbp_nets import conv_net
 from torch import nn
 
-from explain_core import explain
+from explain_core import InvalidInputError, explain
 from explain_core.metrics import (
     CSCResult,
     UnsupportedMethodError,
@@ -18,6 +20,7 @@ from explain_core.metrics import (
     random_logit_ssim,
     randomisation_layers,
     relevance_cosines,
+    signal_ssim,
 )
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -194,6 +197,77 @@ def test_map_ssim_absolute_sign():
     maps = torch.randn(3, 8, 8)
     assert map_ssim(maps, -maps).max() < 0.9  # a flipped map is not similar by SSIM
     np.testing.assert_allclose(map_ssim(maps, -maps, absolute_sign=True), 1.0)
+
+
+# ------------------------------------------------------------------ 1-d signals (N, C, L)
+def signal_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv1d(3, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 16, 5)
+    ).eval()
+
+
+def skimage_signal_ssim(first: torch.Tensor, second: torch.Tensor) -> np.ndarray:
+    """Per sample: the mean over channels of skimage's 1-d SSIM along the length (window 7)."""
+    from skimage.metrics import structural_similarity
+
+    def unit(t: torch.Tensor) -> np.ndarray:
+        a = t.detach().double().numpy()
+        return a / np.abs(a).max()
+
+    return np.array(
+        [
+            np.mean(
+                [
+                    structural_similarity(u, v, data_range=2.0, win_size=7)
+                    for u, v in zip(unit(a), unit(b), strict=True)  # channel by channel
+                ]
+            )
+            for a, b in zip(first, second, strict=True)
+        ]
+    )
+
+
+def test_signal_ssim_compares_each_channel_along_its_length():
+    first, second = torch.randn(3, 4, 20), torch.randn(3, 4, 20)
+    np.testing.assert_allclose(signal_ssim(first, second), skimage_signal_ssim(first, second))
+    np.testing.assert_allclose(signal_ssim(first, first), 1.0)
+    np.testing.assert_allclose(signal_ssim(first, -first, absolute_sign=True), 1.0)
+    one_channel = signal_ssim(first[:, 0], second[:, 0])  # (N, L): one channel
+    np.testing.assert_allclose(one_channel, skimage_signal_ssim(first[:, :1], second[:, :1]))
+
+
+def test_random_logit_ssim_on_signals_uses_1d_ssim():
+    model, x, targets = signal_net(), torch.rand(4, 3, 16), torch.tensor([0, 1, 2, 3])
+    result = random_logit_ssim(model, "gradient", x, targets)
+    original = explain(model, x, "gradient", targets).attribution
+    other = explain(model, x, "gradient", result.random_targets).attribution
+    np.testing.assert_allclose(result.ssim, skimage_signal_ssim(original, other))
+
+
+def test_cascading_randomisation_on_signals_uses_1d_ssim():
+    model, x, targets = signal_net(), torch.rand(4, 3, 16), torch.tensor([0, 1, 2, 3])
+    (step,) = cascading_randomisation(model, "input_x_gradient", x, targets, ["3"], seed=2)
+    randomised = copy.deepcopy(model)
+    torch.manual_seed(2)
+    randomised[3].reset_parameters()
+    original = explain(model, x, "input_x_gradient", targets).attribution
+    current = explain(randomised, x, "input_x_gradient", targets).attribution
+    np.testing.assert_allclose(step.ssim, skimage_signal_ssim(original, current))
+
+
+def test_signal_metrics_refuse_short_signals_and_flat_inputs():
+    with pytest.raises(InvalidInputError, match=r"at least 3 samples.*got length 2"):
+        signal_ssim(torch.rand(2, 3, 2), torch.rand(2, 3, 2))
+    with pytest.raises(InvalidInputError, match=r"must have shape \(N, C, L\)"):
+        signal_ssim(torch.rand(2, 3, 4, 4), torch.rand(2, 3, 4, 4))
+    flat = nn.Sequential(nn.Linear(6, 3)).eval()
+    with pytest.raises(InvalidInputError, match=r"not flat \(N, features\) vectors"):
+        random_logit_ssim(flat, "gradient", torch.rand(2, 6), 0)
+    with pytest.raises(InvalidInputError, match=r"\(N, C, L\) signal inputs return one \(C, L\)"):
+        random_logit_ssim(
+            signal_net(), lambda m, i, t: torch.rand(4, 2, 3, 3), torch.rand(4, 3, 16), 0
+        )
 
 
 # ----------------------------------------------------------------------------- matrix chain

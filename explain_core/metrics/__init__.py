@@ -33,6 +33,7 @@ from explain_core.metrics.randomisation import (
     cascading_randomisation,
     map_ssim,
     randomisation_layers,
+    signal_ssim,
 )
 
 __all__ = [
@@ -59,5 +60,6 @@ __all__ = [
     "register_layer_propagator",
     "relevance_cosines",
     "removed_pixel_counts",
+    "signal_ssim",
     "to_maps",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -46,16 +46,39 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
     return value
 
 
+Layout = Literal["image", "signal"]
+
+
+def input_layout(inputs: torch.Tensor) -> Layout:
+    """How the map metrics compare maps of ``inputs``: 3-d ``(N, C, L)`` inputs are signals.
+
+    torch's layout for 1-d signals (``Conv1d``) is ``(N, C, L)``; SSIM of such maps as if they
+    were ``C × L`` images would mix channels as a spatial axis, so they are compared along
+    ``L`` per channel instead. Everything else is compared as ``(N, H, W)`` image maps.
+    """
+    return "signal" if inputs.dim() == 3 else "image"
+
+
 def check_maps(
-    maps: Any, name: str, batch: int | None = None, hint: str = "Sum maps over channels first."
+    maps: Any,
+    name: str,
+    batch: int | None = None,
+    hint: str = "Sum maps over channels first.",
+    layout: Layout = "image",
 ) -> torch.Tensor:
-    """``maps`` as a tensor if they are finite ``(N, H, W)`` maps (``N == batch`` if given).
+    """``maps`` as a tensor if they are finite maps of ``layout`` (``N == batch`` if given).
+
+    Image maps are ``(N, H, W)``; signal maps ``(N, C, L)``, with ``(N, L)`` taken as one
+    channel.
 
     Raises:
         InvalidInputError: If ``maps`` is not a tensor or array of that shape, or not finite.
     """
     maps = as_tensor(maps, name)
-    expected = f"({'N' if batch is None else batch}, H, W)"
+    n = "N" if batch is None else batch
+    if layout == "signal" and maps.dim() == 2:
+        maps = maps[:, None]
+    expected = f"({n}, C, L)" if layout == "signal" else f"({n}, H, W)"
     if maps.dim() != 3 or (batch is not None and maps.shape[0] != batch):
         raise InvalidInputError(
             f"{name} must have shape {expected}; got {tuple(maps.shape)}. {hint}"
@@ -80,11 +103,20 @@ def check_target_range(target: torch.Tensor, n_outputs: int) -> None:
     select_target(torch.empty(0, n_outputs), target)
 
 
-def check_maps_result(maps: Any, batch: int) -> torch.Tensor:
+def check_maps_result(maps: Any, batch: int, layout: Layout = "image") -> torch.Tensor:
     """The result of a user's ``maps(model, inputs, targets)`` function, checked like maps."""
-    return check_maps(
-        maps,
-        "the maps function's result",
-        batch,
-        "Return one (H, W) map per sample, e.g. to_maps(attribution).",
+    hint = (
+        "For (N, C, L) signal inputs return one (C, L) map per sample, e.g. the attribution."
+        if layout == "signal"
+        else "Return one (H, W) map per sample, e.g. to_maps(attribution)."
     )
+    return check_maps(maps, "the maps function's result", batch, hint, layout)
+
+
+def check_options(maps: Any, options: dict[str, Any]) -> None:
+    """Refuse method options next to a maps function, which takes none."""
+    if options and not isinstance(maps, str):
+        raise InvalidInputError(
+            f"options ({', '.join(sorted(options))}) only apply to a method given by name; "
+            "a maps function must set its method's options itself"
+        )

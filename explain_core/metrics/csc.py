@@ -31,7 +31,7 @@ from torch import nn
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import ExplainError, InvalidInputError
 from explain_core.metrics._checks import check_int
-from explain_core.validation import check_inputs
+from explain_core.validation import check_inputs, clear_model_errors, refuse_inference_mode
 
 __all__ = [
     "AutogradPropagator",
@@ -275,11 +275,13 @@ def cosine_similarity_convergence(
     Raises:
         UnsupportedMethodError: If the method cannot propagate from an intermediate layer.
         InvalidInputError: For inputs that are not a finite floating-point batch fitting the
-            model, ``n_vectors < 2``, an unknown ``start`` or ``layouts`` that do not fit.
+            model (also inputs it cannot run on), ``n_vectors < 2``, an unknown ``start``,
+            ``layouts`` that do not fit, or a call inside ``torch.inference_mode()``.
         ModelStateError: If the model is in training mode.
     """
     from explain_core.model_guard import ModelGuard, require_eval_mode
 
+    refuse_inference_mode("cosine_similarity_convergence()")
     n_vectors = check_int(n_vectors, "n_vectors", 2)
     seed = check_int(seed, "seed", 0)
     # Non-finite inputs would give NaN relevance, counted as "undefined" cosines: refuse them.
@@ -287,7 +289,8 @@ def cosine_similarity_convergence(
     inputs = check_inputs(inputs, model)
     layouts = _check_layouts(layouts)
     require_eval_mode(model)
-    with ModelGuard(model), eager_mode():
+    # Raw torch errors (inputs that do not fit the model) get explain()'s messages.
+    with ModelGuard(model), eager_mode(), clear_model_errors(model, inputs):
         if propagator is None:
             propagator = layer_propagator(model, inputs, method, baselines=baselines, **options)
         layers = list(propagator.layers)

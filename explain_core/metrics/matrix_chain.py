@@ -9,8 +9,9 @@ small enough β.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -73,7 +74,7 @@ def _median_column_cosine(m: np.ndarray) -> float:
 
 def matrix_chain_convergence(
     kind: Kind = "nonnegative",
-    widths: Sequence[int] = VGG16_WIDTHS,
+    widths: Iterable[int] = VGG16_WIDTHS,
     *,
     alpha: float | None = None,
     beta: float = 1.0,
@@ -87,7 +88,8 @@ def matrix_chain_convergence(
             ``"nonnegative"`` (Gaussian clipped at 0), ``"positive"`` (absolute values),
             ``"stochastic"`` (positive, columns summing to 1) or ``"alpha_beta"``
             (``αW⁺ + βW⁻``, ``W⁻ = min(0, W)``).
-        widths: ``A_i`` has shape ``(widths[i-1], widths[i])``; the chain has
+        widths: Ints (a sequence, NumPy array or any iterable); ``A_i`` has shape
+            ``(widths[i-1], widths[i])``; the chain has
             ``len(widths) − 1`` matrices, the columns live in ``R^{widths[0]}``.
         alpha: For ``"alpha_beta"``; default ``1 + beta`` (LRP's α − β = 1).
         beta: For ``"alpha_beta"``.
@@ -106,9 +108,15 @@ def matrix_chain_convergence(
     """
     if kind not in KINDS:
         raise InvalidInputError(f"kind must be one of {', '.join(KINDS)}; got {kind!r}")
-    if isinstance(widths, (str, bytes)) or not isinstance(widths, Sequence) or len(widths) < 2:
+    # Any iterable of ints: a list, a tuple, a NumPy array, a range.
+    given = widths
+    if not isinstance(widths, (str, bytes)) and isinstance(widths, Iterable):
+        with contextlib.suppress(TypeError):  # a 0-d NumPy array claims to be iterable
+            widths = list(widths)
+    if not isinstance(widths, list) or len(widths) < 2:
         raise InvalidInputError(
-            f"widths must be a sequence of at least two ints (one matrix); got {widths!r}"
+            f"widths must be a sequence of at least two ints (one matrix), e.g. (64, 64, 64); "
+            f"got {given!r}"
         )
     widths = [check_int(width, f"widths[{i}]", 2) for i, width in enumerate(widths)]
     beta = check_number(beta, "beta")

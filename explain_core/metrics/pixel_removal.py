@@ -16,10 +16,10 @@ from typing import Literal
 import torch
 from torch import nn
 
-from explain_core.errors import InvalidInputError
+from explain_core.errors import ExplainError, InvalidInputError
 from explain_core.metrics._checks import check_int, check_maps, check_number
 from explain_core.targets import TargetLike, normalize_target, select_target
-from explain_core.validation import check_inputs, check_scores
+from explain_core.validation import check_inputs, check_scores, model_error
 
 __all__ = ["pixel_removal_curve", "removed_pixel_counts"]
 
@@ -97,7 +97,8 @@ def pixel_removal_curve(
 
     Raises:
         InvalidInputError: On mismatched shapes, non-finite inputs, maps or ``removed_value``,
-            targets out of range, a bad ``order`` or bad step counts.
+            inputs the model cannot run on, targets out of range, a bad ``order`` or bad step
+            counts.
         ModelStateError: If ``model_fn`` is a module in training mode.
     """
     from explain_core.model_guard import ModelGuard, require_eval_mode
@@ -144,7 +145,15 @@ def pixel_removal_curve(
         for step, count in enumerate(counts):
             removed = (rank < count).view(batch, 1, height, width)
             perturbed = inputs.masked_fill(removed, removed_value)
-            output = check_scores(model_fn(perturbed), batch)
+            try:
+                output = model_fn(perturbed)
+            except ExplainError:
+                raise
+            except (RuntimeError, ValueError, TypeError, IndexError) as error:
+                if step > 0:
+                    raise  # it ran on the inputs: a failure on a perturbed batch is its own
+                raise model_error(model_fn, inputs, error) from error
+            output = check_scores(output, batch)
             if step == 0:
                 # The unmodified input fixes the predicted class (target=None); range check.
                 target = select_target(output, target)

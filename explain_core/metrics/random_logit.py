@@ -15,16 +15,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from explain_core.errors import InvalidInputError
+from explain_core.errors import ExplainError, InvalidInputError
 from explain_core.metrics._checks import (
     as_tensor,
     check_int,
     check_maps_result,
+    check_options,
     check_target_range,
+    input_layout,
 )
-from explain_core.metrics.randomisation import map_ssim
+from explain_core.metrics.randomisation import compare_maps
 from explain_core.targets import TargetLike, normalize_target
-from explain_core.validation import check_inputs, check_scores
+from explain_core.validation import check_inputs, check_scores, model_error, refuse_inference_mode
 
 __all__ = ["RandomLogitResult", "method_maps", "random_logit_ssim", "to_maps"]
 
@@ -32,7 +34,10 @@ MapFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def to_maps(attribution: torch.Tensor) -> torch.Tensor:
-    """``(N, H, W)`` maps: channels of ``(N, C, H, W)`` summed, ``(N, H, W)`` kept.
+    """Maps for the SSIM metrics: channels of ``(N, C, H, W)`` summed, 3-d maps kept.
+
+    A 3-d attribution is an ``(N, H, W)`` map or the ``(N, C, L)`` attribution of signal
+    inputs, which the metrics compare per channel (see :func:`signal_ssim`).
 
     Raises:
         InvalidInputError: If ``attribution`` is not a 3-d or 4-d tensor (or NumPy array).
@@ -43,13 +48,22 @@ def to_maps(attribution: torch.Tensor) -> torch.Tensor:
     if attribution.dim() == 3:
         return attribution
     raise InvalidInputError(
-        f"attribution maps need shape (N, C, H, W) or (N, H, W); got {tuple(attribution.shape)}. "
-        "The map metrics compare 2-d maps: use them with image-like inputs."
+        f"attribution maps need shape (N, C, H, W) or (N, H, W), or (N, C, L) for signals; got "
+        f"{tuple(attribution.shape)}. The map metrics compare image maps and 1-d signals: use "
+        "them with image or signal inputs, not flat (N, features) vectors."
     )
 
 
 def method_maps(method: str, *, baselines: Any = None, **options: Any) -> MapFunction:
-    """A ``maps(model, inputs, targets) -> (N, H, W)`` function for a registered method."""
+    """A ``maps(model, inputs, targets)`` function for a registered method (see :func:`to_maps`).
+
+    Raises:
+        UnknownMethodError: If no plugin registers ``method``.
+        InvalidInputError: If an option does not fit the method (checked here, before any work).
+    """
+    from explain_core.plugin_manager import get_registry
+
+    get_registry()[method].create(**options)  # fail early on unknown names and options
 
     def maps(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         from explain_core.api import explain
@@ -91,56 +105,83 @@ def random_logit_ssim(
 ) -> RandomLogitResult:
     """Per-sample SSIM between the map of ``targets`` and that of a random other class.
 
+    Image inputs ``(N, C, H, W)`` are compared as ``(N, H, W)`` maps by :func:`map_ssim`;
+    signal inputs ``(N, C, L)`` as ``(N, C, L)`` maps by :func:`signal_ssim`.
+
     Args:
         model: The model in eval mode (left unchanged).
-        maps: ``maps(model, inputs, targets) -> (N, H, W)``, or a registered method name
-            (``options`` go to the method).
+        maps: ``maps(model, inputs, targets) -> (N, H, W)`` (``(N, C, L)`` for signal inputs),
+            or a registered method name (``options`` go to the method).
         inputs: Samples ``(N, ...)``, finite floating point.
         targets: True (or explained) class per sample: one int for all, or one int per sample.
-        n_classes: Number of outputs (default: read from one forward pass).
+        n_classes: Draw the other class from the first ``n_classes`` outputs (default: all of
+            the model's outputs); at most the model's number of outputs.
         seed: Seed of the random classes.
         absolute_sign: ``max(SSIM(s), SSIM(−s))`` (see :func:`map_ssim`).
         **options: Options of the method when ``maps`` is a name.
 
     Raises:
-        InvalidInputError: For inputs, targets, ``n_classes`` or maps that do not fit (e.g. a
-            maps function returning other than finite ``(N, H, W)`` maps).
+        InvalidInputError: For inputs, targets, ``n_classes``, options or maps that do not fit
+            (e.g. a maps function returning other than finite ``(N, H, W)`` maps), inputs the
+            model cannot run on, or a method name inside ``torch.inference_mode()``.
         ModelStateError: If the model is in training mode.
     """
-    from explain_core.model_guard import ModelGuard, require_eval_mode
+    from explain_core.model_guard import require_eval_mode
 
+    check_options(maps, options)
     if isinstance(maps, str):
+        refuse_inference_mode("random_logit_ssim()")
         maps = method_maps(maps, **options)
     elif not callable(maps):
         raise InvalidInputError(
             "maps must be a method name or a function maps(model, inputs, targets) -> (N, H, W); "
             f"got {type(maps).__name__}"
         )
-    elif options:
-        raise InvalidInputError("options only apply to a method given by name")
     inputs = check_inputs(inputs, model)
+    layout = input_layout(inputs)
     if targets is None:
         raise InvalidInputError(
             "targets must be given: one int for all samples or one int per sample"
         )
     targets = normalize_target(targets, inputs.shape[0], inputs.device)
     seed = check_int(seed, "seed", 0)
+    if n_classes is not None:
+        n_classes = check_int(n_classes, "n_classes", 2)  # the other class needs a second output
     # Check the mode before any forward pass: in training mode it would update BatchNorm's
     # running statistics of the user's model.
     require_eval_mode(model)
+    n_outputs = _n_outputs(model, inputs)
     if n_classes is None:
-        with ModelGuard(model), torch.no_grad():
-            n_classes = check_scores(model(inputs[:1]), 1).shape[1]
-        if n_classes < 2:
+        if n_outputs < 2:
             raise InvalidInputError(
                 f"the random-logit test needs a model with at least two outputs (the explained "
-                f"class and another); this one has {n_classes}"
+                f"class and another); this one has {n_outputs}"
             )
-    n_classes = check_int(n_classes, "n_classes", 2)  # the other class needs a second output
+        n_classes = n_outputs
+    elif n_classes > n_outputs:
+        raise InvalidInputError(
+            f"n_classes={n_classes} but the model has {n_outputs} outputs; give at most "
+            f"n_classes={n_outputs}, or leave n_classes=None to draw from all of them"
+        )
     check_target_range(targets, n_classes)
     generator = torch.Generator().manual_seed(seed)
     shift = torch.randint(1, n_classes, (len(targets),), generator=generator).to(targets.device)
     others = (targets + shift) % n_classes  # uniform over the other classes
-    original = check_maps_result(maps(model, inputs, targets), len(targets))
-    randomised = check_maps_result(maps(model, inputs, others), len(targets))
-    return RandomLogitResult(map_ssim(original, randomised, absolute_sign=absolute_sign), others)
+    original = check_maps_result(maps(model, inputs, targets), len(targets), layout)
+    randomised = check_maps_result(maps(model, inputs, others), len(targets), layout)
+    similarity = compare_maps(original, randomised, layout, absolute_sign=absolute_sign)
+    return RandomLogitResult(similarity, others)
+
+
+def _n_outputs(model: nn.Module, inputs: torch.Tensor) -> int:
+    """The model's number of outputs, from one sample; a clear error if it cannot run on it."""
+    from explain_core.model_guard import ModelGuard
+
+    with ModelGuard(model), torch.no_grad():
+        try:
+            output = model(inputs[:1])
+        except ExplainError:
+            raise
+        except (RuntimeError, ValueError, TypeError, IndexError) as error:
+            raise model_error(model, inputs, error) from error
+        return check_scores(output, 1).shape[1]

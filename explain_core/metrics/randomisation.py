@@ -17,9 +17,16 @@ import torch
 from torch import nn
 
 from explain_core.errors import InvalidInputError
-from explain_core.metrics._checks import check_int, check_maps, check_maps_result
+from explain_core.metrics._checks import (
+    Layout,
+    check_int,
+    check_maps,
+    check_maps_result,
+    check_options,
+    input_layout,
+)
 from explain_core.targets import TargetLike, normalize_target
-from explain_core.validation import check_inputs
+from explain_core.validation import check_inputs, refuse_inference_mode
 
 MapFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -54,7 +61,7 @@ def map_ssim(
     """Per-sample SSIM of two batches of ``(N, H, W)`` maps, each normalised by its max ``|·|``.
 
     The SSIM window is 7×7, or the largest odd size that fits maps smaller than that; maps need
-    at least 3×3 pixels.
+    at least 3×3 pixels. For ``(N, C, L)`` signals use :func:`signal_ssim`.
 
     Args:
         first: Reference maps (a tensor or NumPy array).
@@ -66,17 +73,9 @@ def map_ssim(
         InvalidInputError: If the maps are not finite, differ in shape, are not ``(N, H, W)``
             with ``N >= 1``, or are smaller than 3×3.
     """
-    from skimage.metrics import structural_similarity
-
     first = check_maps(first, "the first maps")
     second = check_maps(second, "the second maps")
-    if first.shape != second.shape:
-        raise InvalidInputError(
-            f"map_ssim compares maps of the same shape; got {tuple(first.shape)} and "
-            f"{tuple(second.shape)}. Compute both with the same method and inputs."
-        )
-    if len(first) == 0:
-        raise InvalidInputError("map_ssim got no maps (batch of 0); pass at least one map each")
+    _check_same_shape(first, second, "map_ssim")
     height, width = first.shape[1:]
     if min(height, width) < MIN_SSIM_SIZE:
         raise InvalidInputError(
@@ -84,22 +83,89 @@ def map_ssim(
             f"{SSIM_WINDOW}×{SSIM_WINDOW}, smaller for smaller maps); got {height}×{width} maps. "
             "Use inputs with larger spatial size."
         )
+    window = min(SSIM_WINDOW, height, width)
+    return _ssim(first, second, window - (1 - window % 2), None, absolute_sign)
+
+
+def signal_ssim(
+    first: torch.Tensor, second: torch.Tensor, *, absolute_sign: bool = False
+) -> np.ndarray:
+    """Per-sample 1-d SSIM of two batches of ``(N, C, L)`` signal maps, normalised like maps.
+
+    Each channel is compared along its length ``L`` (skimage's ``structural_similarity`` on
+    ``(C, L)`` with ``channel_axis=0``) and the channels' SSIMs are averaged; channels are never
+    slid over as if they were a spatial axis. ``(N, L)`` maps count as one channel. The window
+    is 7 samples, or the largest odd length that fits shorter signals; signals need ``L >= 3``.
+
+    Args:
+        first: Reference maps (a tensor or NumPy array).
+        second: Compared maps, of the same shape.
+        absolute_sign: Return ``max(SSIM(a, b), SSIM(a, −b))`` (see :func:`map_ssim`).
+
+    Raises:
+        InvalidInputError: If the maps are not finite, differ in shape, are not ``(N, C, L)``
+            with ``N >= 1``, or are shorter than 3.
+    """
+    first = check_maps(first, "the first maps", layout="signal")
+    second = check_maps(second, "the second maps", layout="signal")
+    _check_same_shape(first, second, "signal_ssim")
+    length = first.shape[2]
+    if length < MIN_SSIM_SIZE:
+        raise InvalidInputError(
+            f"SSIM needs signals of at least {MIN_SSIM_SIZE} samples (its window is "
+            f"{SSIM_WINDOW}, smaller for shorter signals); got length {length}. Use longer "
+            "inputs."
+        )
+    window = min(SSIM_WINDOW, length)
+    return _ssim(first, second, window - (1 - window % 2), 0, absolute_sign)
+
+
+def _check_same_shape(first: torch.Tensor, second: torch.Tensor, caller: str) -> None:
+    if first.shape != second.shape:
+        raise InvalidInputError(
+            f"{caller} compares maps of the same shape; got {tuple(first.shape)} and "
+            f"{tuple(second.shape)}. Compute both with the same method and inputs."
+        )
+    if len(first) == 0:
+        raise InvalidInputError(f"{caller} got no maps (batch of 0); pass at least one map each")
+
+
+def _ssim(
+    first: torch.Tensor,
+    second: torch.Tensor,
+    window: int,
+    channel_axis: int | None,
+    absolute_sign: bool,
+) -> np.ndarray:
+    """Per-sample SSIM of maps normalised by their max ``|·|``, so values lie in [−1, 1]."""
+    from skimage.metrics import structural_similarity
 
     def normalised(maps: torch.Tensor) -> np.ndarray:
         array = maps.detach().double().cpu().numpy()
-        scale = np.abs(array).reshape(len(array), -1).max(axis=1).reshape(-1, 1, 1)
+        scale = np.abs(array).reshape(len(array), -1).max(axis=1)
+        scale = scale.reshape(-1, *([1] * (array.ndim - 1)))
         return array / np.where(scale > 0, scale, 1.0)
 
-    a, b = normalised(first), normalised(second)
-    window = min(SSIM_WINDOW, height, width)
-    window -= 1 - window % 2  # odd, as SSIM needs a centre pixel
+    def ssim(x: np.ndarray, y: np.ndarray) -> float:
+        return structural_similarity(
+            x, y, data_range=2.0, win_size=window, channel_axis=channel_axis
+        )
+
     scores = []
-    for x, y in zip(a, b, strict=True):
-        score = structural_similarity(x, y, data_range=2.0, win_size=window)
+    for x, y in zip(normalised(first), normalised(second), strict=True):
+        score = ssim(x, y)
         if absolute_sign:
-            score = max(score, structural_similarity(x, -y, data_range=2.0, win_size=window))
+            score = max(score, ssim(x, -y))
         scores.append(score)
     return np.asarray(scores)
+
+
+def compare_maps(
+    first: torch.Tensor, second: torch.Tensor, layout: Layout, *, absolute_sign: bool = False
+) -> np.ndarray:
+    """:func:`map_ssim` for image maps, :func:`signal_ssim` for signal maps."""
+    compare = signal_ssim if layout == "signal" else map_ssim
+    return compare(first, second, absolute_sign=absolute_sign)
 
 
 def randomisation_layers(model: nn.Module) -> list[str]:
@@ -127,13 +193,18 @@ def cascading_randomisation(
     *,
     seed: int = 0,
     absolute_sign: bool = False,
+    **options: Any,
 ) -> list[RandomisationStep]:
     """Re-initialise ``layers`` in the given order on a copy and track map similarity.
 
+    Image inputs ``(N, C, H, W)`` are compared as ``(N, H, W)`` maps by :func:`map_ssim`;
+    signal inputs ``(N, C, L)`` as ``(N, C, L)`` maps by :func:`signal_ssim`.
+
     Args:
         model: The trained model in eval mode (left untouched: a deep copy is randomised).
-        maps: ``maps(model, inputs, targets) -> (N, H, W)`` attribution maps, or a registered
-            method name (its maps summed over channels, see
+        maps: ``maps(model, inputs, targets) -> (N, H, W)`` attribution maps (``(N, C, L)`` for
+            signal inputs), or a registered method name (``options`` go to the method; its maps
+            are summed over channels for images, see
             :func:`explain_core.metrics.random_logit.method_maps`).
         inputs: Model inputs ``(N, ...)``, finite floating point.
         targets: Explained class: one int for all samples, or one int per sample.
@@ -141,27 +212,32 @@ def cascading_randomisation(
             single name stands for a list of one.
         seed: Seed of the re-initialisation.
         absolute_sign: See :func:`map_ssim`.
+        **options: Options of the method when ``maps`` is a name, e.g. ``steps=20``.
 
     Returns:
         One step per layer, cumulative.
 
     Raises:
-        InvalidInputError: If a layer name does not exist or has no ``reset_parameters``, or
-            for inputs, targets or maps that do not fit.
+        InvalidInputError: If ``layers`` is empty, a layer name does not exist or has no
+            ``reset_parameters``, for inputs, targets, options or maps that do not fit, or for a
+            method name inside ``torch.inference_mode()``.
         ModelStateError: If the model is in training mode.
     """
     from explain_core.model_guard import require_eval_mode
 
+    check_options(maps, options)
     if isinstance(maps, str):
         from explain_core.metrics.random_logit import method_maps
 
-        maps = method_maps(maps)
+        refuse_inference_mode("cascading_randomisation()")
+        maps = method_maps(maps, **options)
     elif not callable(maps):
         raise InvalidInputError(
             "maps must be a method name or a function maps(model, inputs, targets) -> (N, H, W); "
             f"got {type(maps).__name__}"
         )
     inputs = check_inputs(inputs, model)
+    layout = input_layout(inputs)
     if targets is None:
         # The predicted class would change as the model is randomised: the maps must not.
         raise InvalidInputError(
@@ -169,11 +245,17 @@ def cascading_randomisation(
         )
     targets = normalize_target(targets, inputs.shape[0], inputs.device)
     layers = [layers] if isinstance(layers, str) else list(layers)
+    if not layers:
+        # An empty list would return no steps, which reads like a test that was passed.
+        raise InvalidInputError(
+            "layers is empty; name at least one layer to re-initialise, output side first, e.g. "
+            f"{randomisation_layers(model)[:3]} (randomisation_layers(model) lists them all)"
+        )
     for name in layers:
         _check_resettable(model, name)
     seed = check_int(seed, "seed", 0)
     require_eval_mode(model)
-    original = check_maps_result(maps(model, inputs, targets), len(targets))
+    original = check_maps_result(maps(model, inputs, targets), len(targets), layout)
     randomised = copy.deepcopy(model)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -183,12 +265,9 @@ def cascading_randomisation(
             for sub in _check_resettable(randomised, name):
                 sub.reset_parameters()
             done.append(name)
-            current = check_maps_result(maps(randomised, inputs, targets), len(targets))
-            steps.append(
-                RandomisationStep(
-                    tuple(done), map_ssim(original, current, absolute_sign=absolute_sign)
-                )
-            )
+            current = check_maps_result(maps(randomised, inputs, targets), len(targets), layout)
+            similarity = compare_maps(original, current, layout, absolute_sign=absolute_sign)
+            steps.append(RandomisationStep(tuple(done), similarity))
     finally:
         torch.random.set_rng_state(generator_state)
     return steps
