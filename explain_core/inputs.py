@@ -22,6 +22,11 @@ def load_input(path: str | Path, channels: int | None = None) -> torch.Tensor:
         InvalidInputError: If the file is missing, unreadable, of an unknown type, or not finite.
     """
     path = Path(path)
+    if path.is_dir():
+        raise InvalidInputError(
+            f"input {path} is a folder, not a file; give the image or .npy files themselves "
+            f"(e.g. {path / '*.png'})"
+        )
     if not path.is_file():
         raise InvalidInputError(f"input file {path} does not exist")
     suffix = path.suffix.lower()

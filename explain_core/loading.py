@@ -8,7 +8,9 @@ return an ``nn.Module``. Weights come from a safetensors file, or from a PyTorch
 
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 import pickle
 import re
 import sys
@@ -55,7 +57,9 @@ def load_factory(reference: str) -> nn.Module:
     factory: object = module
     for part in attribute.split("."):
         if not hasattr(factory, part):
-            raise ModelLoadError(f"{module_name!r} has no attribute {attribute!r}")
+            raise ModelLoadError(
+                f"{module_name!r} has no attribute {attribute!r}; {_factory_hint(factory, part)}"
+            )
         factory = getattr(factory, part)
     if not callable(factory):
         raise ModelLoadError(f"{reference} is not callable; it must be a function or class")
@@ -73,6 +77,22 @@ def load_factory(reference: str) -> nn.Module:
     return model
 
 
+def _factory_hint(owner: object, name: str) -> str:
+    """Close matches for ``name`` among the public callables of ``owner`` (a module or class)."""
+    callables = sorted(
+        n
+        for n, value in inspect.getmembers(owner, callable)
+        if not n.startswith("_") and not inspect.ismodule(value)
+    )
+    close = difflib.get_close_matches(name, callables, n=3, cutoff=0.6)
+    if close:
+        return f"did you mean {', '.join(repr(c) for c in close)}?"
+    if callables:
+        shown = ", ".join(callables[:8]) + (", …" if len(callables) > 8 else "")
+        return f"its functions and classes: {shown}"
+    return "name a function or class defined in it"
+
+
 def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """Read a state dict safely from a safetensors or PyTorch file.
 
@@ -81,6 +101,11 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             tensors (pickled objects are refused, never executed).
     """
     path = Path(path)
+    if path.is_dir():
+        raise ModelLoadError(
+            f"weights path {path} is a folder, not a file; give the weights file itself "
+            f"({', '.join(SAFETENSORS_SUFFIXES + TORCH_SUFFIXES)})"
+        )
     if not path.is_file():
         raise ModelLoadError(f"weights file {path} does not exist")
     suffix = path.suffix.lower()

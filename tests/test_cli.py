@@ -154,21 +154,32 @@ def test_no_command_prints_help(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv",
+    ("argv", "help_command"),
     [
-        ["frobnicate"],
-        ["--bogus"],
-        ["plugins", "--bogus"],
-        ["demo", "--quick", "--nope=1"],
-        ["attribute", "x.npy", "--model", "m:f", "--method", "gradient", "--out", "o", "--zzz"],
+        (["frobnicate"], "explain --help"),
+        (["--bogus"], "explain --help"),
+        (["plugins", "--bogus"], "explain plugins --help"),
+        (["demo", "--quick", "--nope=1"], "explain demo --help"),
+        (
+            ["attribute", "x.npy", "--model", "m:f", "--method", "gradient", "--out", "o", "--zzz"],
+            "explain attribute --help",
+        ),
+        (
+            ["parse-tree", "--model", "m:f", "--out", "t.svg", "--option", "x=1"],
+            "explain parse-tree --help",
+        ),
     ],
 )
-def test_usage_errors_are_one_line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_are_one_line(
+    argv: list[str], help_command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, out, err = run_cli(argv, capsys)
     assert code == 2
     assert out == ""
-    line = assert_one_line_error(err)
-    assert "explain --help" in line
+    line = assert_one_line_error(err, prefix="explain")
+    assert ": error: " in line
+    # The hint names the help that lists the options of the command given.
+    assert line.endswith(f"(see {help_command})"), line
 
 
 def test_unknown_subcommand_names_the_choices(capsys: pytest.CaptureFixture[str]) -> None:
@@ -383,6 +394,18 @@ def _failure_cases(project: Project) -> dict[str, tuple[list[str], tuple[str, ..
             [*base[:-6], "--model", "nocolon", *base[-4:], *method],
             ("package.module:factory",),
         ),
+        "factory typo": (
+            [*base[:-6], "--model", f"{project.module}:buld", *base[-4:], *method],
+            ("has no attribute 'buld'", "did you mean 'build'?"),
+        ),
+        "weights folder": (
+            [*base[:-4], "--weights", str(root), *base[-2:], *method],
+            ("is a folder, not a file", "weights file itself", ".safetensors"),
+        ),
+        "input folder": (
+            [*project.base_args(root), *method],
+            ("is a folder, not a file", "image or .npy files"),
+        ),
     }
 
 
@@ -400,6 +423,9 @@ FAILURES = (
     "unwritable out",
     "module fails to import",
     "malformed model reference",
+    "factory typo",
+    "weights folder",
+    "input folder",
 )
 
 
@@ -451,6 +477,23 @@ def test_debug_reraises_load_error(project: Project) -> None:
     argv = [*project.base_args(), "--method", "gradient", "--model", "nocolon", "--debug"]
     with pytest.raises(ModelLoadError):
         main(argv)
+
+
+def test_without_weights_a_note_says_so(
+    project: Project, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*project.base_args(), "--method", "input_x_gradient"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 0 and err == ""  # weights given: nothing to say
+    at = argv.index("--weights")
+    without = argv[:at] + argv[at + 2 :]
+    code, out, err = run_cli(without, capsys)
+    assert code == 0 and len(out.splitlines()) == 2
+    line = assert_one_line_error(err, prefix="explain: note:")
+    assert "no --weights" in line and project.reference in line and "factory" in line
+    # A failing run says only what failed.
+    code, _, err = run_cli([*without, "--target", "10"], capsys)
+    assert code == 1 and "target" in assert_one_line_error(err)
 
 
 # --- demo -------------------------------------------------------------------------------------
@@ -584,6 +627,31 @@ def test_console_script_version_and_usage_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stdout == ""
     assert_one_line_error(result.stderr)
+
+
+def test_console_script_ends_quietly_when_the_reader_goes_away(tmp_path: Path) -> None:
+    # `explain plugins | head -2`: the reader is gone before anything is written.
+    process = subprocess.Popen(
+        [str(EXPLAIN), "plugins"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    assert process.wait(timeout=120) == 1, err
+    assert err == ""  # no "Broken pipe" error, no "Exception ignored" at exit
+
+
+def test_a_broken_pipe_while_running_ends_quietly(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `explain plugins | head -2`: the listing's print fails once the reader is gone.
+    from explain_core.cli import plugins
+
+    def listing(args: object) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(plugins, "run", listing)
+    code, _, err = run_cli(["plugins"], capsys)
+    assert code == 1 and err == ""
 
 
 def test_console_script_attribute(project: Project) -> None:

@@ -7,6 +7,7 @@ under a file, and `evaluate` options checked when the command line is parsed.
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import numpy as np
@@ -190,7 +191,8 @@ def test_output_under_a_file_names_the_path(project, capsys, command) -> None:
     if command == "parse-tree":
         pytest.importorskip("networkx")
     model = ["--model", f"{project.module}:build"]
-    out = ["--out", "afile/sub/result.out"]
+    name = "result.svg" if command == "parse-tree" else "result.out"  # a picture's suffix
+    out = ["--out", f"afile/sub/{name}"]
     argv = {
         "attribute": ["attribute", "x.npy", *model, "--method", "gradient", *out],
         "check": ["check", "x.npy", *model, "--method", "gradient", *out],
@@ -201,8 +203,107 @@ def test_output_under_a_file_names_the_path(project, capsys, command) -> None:
     code, _, err = run_cli(argv, capsys)
     line = one_line(err, code)
     assert "afile is a file, not a folder" in line, line
-    assert "afile/sub" in line and ".result.out-" not in line
+    assert "afile/sub" in line and f".{name}-" not in line
     assert project.afile.read_text() == "a regular file"
+
+
+def _overwriting_cases(project: Project) -> dict[str, tuple[list[str], Path]]:
+    """Command lines whose output would be one of their inputs, and that input."""
+    root = project.root
+    state = importlib.import_module(project.module).build().state_dict()
+    save_file(state, root / "model.safetensors")
+    Image.fromarray((np.random.rand(8, 8) * 255).astype(np.uint8)).save(root / "digit.png")
+    (root / "results").mkdir()
+    save_file(state, root / "results" / "csc.safetensors")
+    weights = ["--model", f"{project.module}:build", "--weights", "model.safetensors"]
+    gradient = ["--method", "gradient"]
+    return {
+        "attribute into the inputs' folder": (
+            ["attribute", str(root / "x.npy"), *weights, *gradient, "--out", str(root)],
+            root / "x.npy",
+        ),
+        "attribute next to an image": (
+            ["attribute", "digit.png", *weights, *gradient, "--out", "."],
+            root / "digit.png",
+        ),
+        "check onto its input": (
+            ["check", "x.npy", *weights, *gradient, "--out", "x.npy"],
+            root / "x.npy",
+        ),
+        "export onto the weights": (
+            ["export", *weights, "--input-shape", "1,8,8", "--out", "model.safetensors"],
+            root / "model.safetensors",
+        ),
+        "export onto a sample": (
+            ["export", *weights, "--inputs", "x.npy", "--out", "./x.npy"],
+            root / "x.npy",
+        ),
+        "parse-tree onto its input": (
+            ["parse-tree", *weights, "--input", "digit.png", "--out", "digit.png"],
+            root / "digit.png",
+        ),
+        "evaluate onto the weights": (
+            [
+                *project.evaluate("--job", "csc", "--method", "gradient", "--out", "results"),
+                *("--weights", "results/csc.safetensors"),
+            ],
+            root / "results" / "csc.safetensors",
+        ),
+    }
+
+
+OVERWRITING = (
+    "attribute into the inputs' folder",
+    "attribute next to an image",
+    "check onto its input",
+    "export onto the weights",
+    "export onto a sample",
+    "parse-tree onto its input",
+    "evaluate onto the weights",
+)
+
+
+@pytest.mark.parametrize("case", OVERWRITING)
+def test_outputs_never_overwrite_inputs(project, capsys, case) -> None:
+    if case.startswith("export"):
+        pytest.importorskip("onnxruntime")
+    if case.startswith("parse-tree"):
+        pytest.importorskip("networkx")
+    argv, victim = _overwriting_cases(project)[case]
+    before = {p: p.read_bytes() for p in project.root.rglob("*") if p.is_file()}
+    code, out, err = run_cli(argv, capsys)
+    line = one_line(err, code)
+    assert "refusing to write" in line and f"{victim.name}, which would be overwritten" in line
+    assert "choose another --out" in line and out == ""
+    after = {p: p.read_bytes() for p in project.root.rglob("*") if p.is_file()}
+    assert after == before  # nothing written, nothing changed
+
+
+def test_an_output_linked_to_an_input_is_refused(project, capsys) -> None:
+    os.link(project.root / "x.npy", project.root / "linked.npy")  # the same file, two names
+    argv = ["check", "x.npy", "--model", f"{project.module}:build", "--method", "gradient"]
+    code, _, err = run_cli([*argv, "--out", "linked.npy"], capsys)
+    assert "refusing to write linked.npy: it is the input file x.npy" in one_line(err, code)
+
+
+@pytest.mark.parametrize(
+    "command", ["attribute", "check", "export", "evaluate", "parse-tree", "demo"]
+)
+def test_empty_out_is_a_usage_error(project, capsys, command) -> None:
+    model = ["--model", f"{project.module}:build"]
+    argv = {
+        "demo": ["demo", "--quick"],
+        "attribute": ["attribute", "x.npy", *model, "--method", "gradient"],
+        "check": ["check", "x.npy", *model, "--method", "gradient"],
+        "export": ["export", *model, "--input-shape", "1,8,8"],
+        "evaluate": project.evaluate("--job", "attributions", "--method", "gradient"),
+        "parse-tree": ["parse-tree", *model, "--class", "0"],
+    }[command]
+    before = sorted(project.root.iterdir())
+    code, _, err = run_cli([*argv, "--out", ""], capsys)
+    line = one_line(err, code, expected_code=2)
+    assert "--out: expected a file or folder name; got an empty path" in line
+    assert sorted(project.root.iterdir()) == before
 
 
 def test_any_explain_error_is_one_line_but_bugs_keep_their_traceback(

@@ -128,7 +128,7 @@ def test_missing_file(tmp_path: Path) -> None:
 
 def test_folder_is_not_a_file(tmp_path: Path) -> None:
     (tmp_path / "dir.npy").mkdir()
-    with pytest.raises(InvalidInputError, match="does not exist"):
+    with pytest.raises(InvalidInputError, match="is a folder, not a file; give the image or"):
         load_input(tmp_path / "dir.npy")
 
 

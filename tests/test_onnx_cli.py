@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,8 +85,13 @@ def test_export_explained_coda_end_to_end(project, capsys):
     ("extra", "message"),
     [
         (["--explain", "lrp.contrastive"], "method 'lrp.contrastive' cannot be exported"),
+        (
+            ["--explain", "lrp.epsilonplus"],
+            "unknown method 'lrp.epsilonplus'; did you mean 'lrp.epsilon_plus'",
+        ),
         (["--option", "levels=3"], "--option and --target-input need --explain"),
-        (["--opset", "3"], "--opset must be 7 or higher"),
+        (["--opset", "3"], "--opset must be an int from 15 to"),
+        (["--opset", "14"], "below 15, onnx cannot convert torch.onnx's opset-18 graphs"),
         (["--out", "."], "is a folder"),
     ],
 )
@@ -99,6 +105,20 @@ def test_failures_are_one_line(project, capsys, extra, message):
     assert len(lines) == 1 and lines[0].startswith("explain: error:"), err
     assert message in lines[0]
     assert not (folder / "m.onnx").exists()
+
+
+def test_opsets_onnxruntime_cannot_load_are_refused_before_exporting(project, capsys):
+    import onnxruntime as ort
+
+    from explain_onnx.export import newest_runtime_opset
+
+    newest = newest_runtime_opset()
+    folder, _, _ = project
+    argv = ["export", "--model", "no_such_module:build", "--out", "m.onnx"]  # never loaded
+    code, _, err = run_cli([*argv, "--opset", str(newest + 1)], capsys)
+    assert code == 1 and len(err.splitlines()) == 1
+    assert f"{newest} is the newest onnxruntime {ort.__version__} loads" in err
+    assert f"got {newest + 1}" in err and not (folder / "m.onnx").exists()
 
 
 def test_unknown_input_shape_is_explained(tmp_path, monkeypatch, capsys):
@@ -136,6 +156,7 @@ def test_example_runs_with_onnxruntime_alone(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path
     )
     assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # onnxruntime's CastLike constant-folding warnings are silenced
     assert result.stdout.strip().endswith("torch imported: False")
     numbers = dict(
         line.split(": ", 1) for line in result.stdout.splitlines() if line.count(": ") == 1
@@ -143,3 +164,13 @@ def test_example_runs_with_onnxruntime_alone(tmp_path):
     assert float(numbers["logits_max_abs_diff"]) <= 1e-4
     assert float(numbers["contributions_max_rel_diff"]) <= 1e-3
     assert float(numbers["completeness_max_abs_error"]) <= 1e-4
+
+
+def test_example_readme_gives_the_commands():
+    readme = (EXPORT_SCRIPT.parent / "README.md").read_text()
+    commands = re.findall(r"^\.venv/bin/python (\S+) (\S+)", readme, re.MULTILINE)
+    assert commands == [
+        ("examples/onnx_coda_export/export_coda.py", "--out"),
+        ("examples/onnx_coda_export/run_onnxruntime.py", "onnx-demo"),
+    ]
+    assert all((ROOT / script).is_file() for script, _ in commands)

@@ -21,6 +21,7 @@ from explain_core.errors import (  # noqa: E402
     ModelStateError,
     ParityError,
     RuntimeConflictError,
+    UnknownMethodError,
     UnsupportedOperatorError,
 )
 from explain_onnx import (  # noqa: E402
@@ -119,8 +120,11 @@ def test_unsupported_decomposed_operator_names_the_module(tmp_path):
 
 
 def test_unknown_method_and_bad_options(tmp_path):
-    with pytest.raises(InvalidInputError, match=r"exportable methods: coda\.contributions"):
+    # A typo is an unknown method first; a registered method that does not export says so.
+    with pytest.raises(UnknownMethodError, match=r"did you mean 'coda\.contributions'"):
         export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", explain="coda.contribution")
+    with pytest.raises(InvalidInputError, match=r"'gradient' cannot be exported .* exportable"):
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", explain="gradient")
     with pytest.raises(InvalidInputError, match=r"needs an explain_coda\.CoDANet"):
         export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", explain="coda.contributions")
     with pytest.raises(InvalidInputError, match="takes no option"):
@@ -243,10 +247,24 @@ def test_non_finite_weights_are_refused(tmp_path):
         export_onnx(model, torch.rand(2, 8), tmp_path / "m.onnx")
 
 
-@pytest.mark.parametrize("opset", [3, 6, 10_000, "18", 18.0, True])
+@pytest.mark.parametrize("opset", [3, 6, 14, 10_000, "18", 18.0, True])
 def test_opset_outside_the_supported_range_is_refused(tmp_path, opset):
-    with pytest.raises(InvalidInputError, match=r"opset must be an int from 7 to \d+"):
+    with pytest.raises(InvalidInputError, match=r"opset must be an int from 15 to \d+"):
         export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", opset=opset)
+
+
+def test_newest_runtime_opset_is_what_onnxruntime_loads(tmp_path):
+    import onnx
+
+    from explain_onnx.export import newest_runtime_opset
+
+    newest = newest_runtime_opset()
+    assert 18 <= newest <= onnx.defs.onnx_opset_version()
+    result = export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", opset=newest)
+    assert result.opset == newest and result.parity is not None  # onnxruntime ran it
+    if newest < onnx.defs.onnx_opset_version():
+        with pytest.raises(InvalidInputError, match=f"{newest} is the newest onnxruntime"):
+            export_onnx(tiny(), torch.rand(2, 8), tmp_path / "n.onnx", opset=newest + 1)
 
 
 @pytest.mark.parametrize("sizes", [(0,), (), (1, -3), (1.5,), 3])
@@ -278,10 +296,11 @@ def test_requested_opset_is_honoured_in_the_file(tmp_path):
 
 
 def test_opset_the_exporter_cannot_convert_to_is_an_error(tmp_path):
-    # torch.onnx builds opset 18 and converts down; Linear's Gemm has no adapter to opset 12,
-    # and torch.onnx then keeps 18 and only logs it.
-    with pytest.raises(ExportError, match=r"could not convert Sequential to opset 12"):
-        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx", opset=12)
+    # torch.onnx builds opset 18 and converts down; Pad has no adapter to opset 17, and
+    # torch.onnx then keeps 18 and only logs it.
+    model = nn.Sequential(nn.ZeroPad2d(1), nn.Flatten(), nn.Linear(16, 3)).eval()
+    with pytest.raises(ExportError, match=r"could not convert Sequential to opset 17"):
+        export_onnx(model, torch.rand(2, 1, 2, 2), tmp_path / "m.onnx", opset=17)
     assert not list(tmp_path.iterdir())
 
 
@@ -296,3 +315,21 @@ def test_graph_onnxruntime_cannot_load_is_an_export_error(tmp_path, monkeypatch)
     with pytest.raises(ExportError, match=r"onnxruntime .* cannot load the exported graph"):
         export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_long_onnxruntime_error_is_shortened_between_words(tmp_path, monkeypatch):
+    import explain_onnx.export as export_module
+
+    words = [f"word{i}" for i in range(300)]
+
+    class Refusing:
+        def __init__(self, path):
+            raise RuntimeError(" ".join(words))
+
+    monkeypatch.setattr(export_module, "OnnxSession", Refusing)
+    with pytest.raises(ExportError) as raised:
+        export_onnx(tiny(), torch.rand(2, 8), tmp_path / "m.onnx")
+    quoted = str(raised.value).split("): ", 1)[1].rsplit("; ", 1)[0]
+    shown = quoted.split()
+    assert shown[-1] == "…" and shown[:-1] == words[: len(shown) - 1]  # whole words only
+    assert len(quoted) <= 300

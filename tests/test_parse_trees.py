@@ -223,6 +223,16 @@ def test_text_tree_for_terminals():
     assert lines.count("L3:C1 one ‖u‖=0.20") == 1
 
 
+def test_text_tree_says_when_no_coupling_passes_the_threshold():
+    # C2's strongest coupling into class 0 is 0.95: nothing is above 0.96.
+    lines = text_tree(hand_tree(threshold=0.96)).splitlines()
+    assert lines == [
+        "L3:C0 zero ‖u‖=0.80",
+        "(no edges: no coupling is above the thresholds 0.96,0.96)",
+    ]
+    assert "no edges" not in text_tree(hand_tree(threshold=0.45))
+
+
 def test_graphml_and_node_link_json_round_trip(tmp_path: Path):
     tree = sample_parse_tree(make_data(), 0, title="round trip", keep_all_nodes=True)
     back = read_graphml(write_graphml(tree, tmp_path / "tree.graphml"))
@@ -477,8 +487,26 @@ def test_cli_errors_are_one_line(trained, tmp_path, monkeypatch, capsys):
         "import torch\n\n\ndef build():\n    return torch.nn.Flatten()\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
+    flat = f"flat_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{flat}.py").write_text(
+        "from explain_capsules import MultiLayerCapsNet\n\n\n"
+        "def build():\n    return MultiLayerCapsNet(in_features=64, hidden_layers=1)\n"
+    )
+    sample = tmp_path / "digit.npy"
+    np.save(sample, np.zeros((1, 8, 8), np.float32))
+    flat_input = ["parse-tree", "--model", f"{flat}:build", "--input", str(sample), *out]
     cases = [
         (["parse-tree", "--model", f"{plain}:build", *out], "has no routing layers"),
+        (
+            flat_input,
+            "(batch, 64); got (1, 1, 8, 8); to take such inputs, build the model with "
+            "MultiLayerCapsNet(in_features=(1, 8, 8))",
+        ),
+        (
+            [*base, "--class", "0", "--out", str(tmp_path / "t.jpg")],
+            "parse trees are drawn as svg, png, pdf; got .jpg",
+        ),
+        ([*base, "--class", "0", *out, "--format", "png"], "ends in .svg but --format is png"),
         ([*base, "--class", "11", *out], "no sample is predicted as class 11"),
         ([*base, "--input", str(tmp_path / "x.npy"), "--dataset", "digits", *out], "--dataset"),
         ([*base, "--levels", "1", *out], "--levels must be at least 2"),
@@ -488,10 +516,36 @@ def test_cli_errors_are_one_line(trained, tmp_path, monkeypatch, capsys):
         assert code == 1, err
         lines = err.splitlines()
         assert len(lines) == 1 and lines[0].startswith("explain: error:") and message in lines[0]
+        assert lines[0].count("(batch, 64)") <= 1  # the accepted shape said once
+    assert not list(tmp_path.glob("t.*"))  # no t.jpg.svg, no t.svg.png
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     code, stdout, err = run_cli([*base, "--class", "0", "--text", *out], capsys)
     assert code == 1 and "apt-get install graphviz" in err and len(err.splitlines()) == 1
     assert "L3:C0 0 ‖u‖=" in stdout and (tmp_path / "t.gv").is_file()
+
+
+@needs_dot
+def test_cli_says_when_no_coupling_passes_the_threshold(trained, tmp_path, monkeypatch, capsys):
+    model, digits, root, module, weights = trained
+    monkeypatch.chdir(root)
+    sample = tmp_path / "digit.npy"
+    np.save(sample, digits.test_images[0].numpy())
+    argv = ["parse-tree", "--model", f"{module}:build", "--weights", str(weights), "--input",
+            str(sample), "--threshold", "0.999", "--out", str(tmp_path / "t.svg")]  # fmt: skip
+    code, out, err = run_cli(argv, capsys)
+    assert code == 0, err
+    assert "1 capsules, 0 couplings" in out
+    # Independently: the strongest coupling of the last routing layer into the predicted class.
+    with torch.no_grad():
+        predicted = int(model(digits.test_images[:1]).argmax())
+    data = collect_parse_tree_data(model, digits.test_images[:1])
+    strongest = float(data.sample(0).couplings[-1][:, predicted].max())
+    assert err.splitlines() == [
+        "explain: note: the tree has no edges: no coupling is above the threshold 0.999 (the "
+        f"strongest into L3:C{predicted} is {strongest:.3g}); give a lower --threshold"
+    ]
+    code, _, err = run_cli([*argv[:-4], "--out", str(tmp_path / "t.svg")], capsys)
+    assert code == 0 and err == ""  # the default threshold keeps couplings: nothing to say
 
 
 def test_cli_help_lists_parse_tree(capsys):

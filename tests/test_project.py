@@ -126,6 +126,8 @@ def test_readme_python_examples_run(index):
     block = readme_python_blocks()[index]
     namespace: dict = {"__name__": f"readme_block_{index}"}
     exec(compile(block, f"README.md python block {index}", "exec"), namespace)
+    if "everything" in namespace:  # Parse trees: the data set's tree is a real tree
+        assert namespace["everything"].number_of_edges() > 0
     if "every" in namespace:  # the CoDA quickstart: its completeness claim holds
         every, model = namespace["every"], namespace["model"]
         torch = namespace["torch"]

@@ -8,6 +8,7 @@ works even when an installed plugin is broken.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from collections.abc import Sequence
@@ -54,14 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
             command.NAME, help=command.HELP, description=command.DESCRIPTION
         )
         command.add_arguments(subparser)
-        subparser.set_defaults(run=command.run)
+        subparser.set_defaults(run=command.run, command_parser=subparser)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the CLI and return the exit status."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a reader that went away shows here, not at exit
+    except BrokenPipeError:
+        # `explain plugins | head -2`: stop quietly. Point stdout at devnull so that Python's
+        # flush at exit does not fail again (Python docs, "Note on SIGPIPE").
+        _stdout_to_devnull()
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse blames the top-level parser; the subcommand's --help lists its options.
+        where = getattr(args, "command_parser", parser)
+        where.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.version:
         from explain_core.plugin_manager import package_version
 
@@ -73,7 +91,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning
         try:
-            return int(args.run(args) or 0)
+            code = int(args.run(args) or 0)
+        except BrokenPipeError:
+            raise  # not an error of the user's: main() ends quietly
         except KeyboardInterrupt:
             print(f"{PROGRAM}: interrupted", file=sys.stderr)
             return 130
@@ -82,6 +102,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             print(f"{PROGRAM}: error: {_describe(error)}", file=sys.stderr)
             return 1
+    if code == 0 and getattr(args, "weights", False) is None and _is_main_rank():
+        from explain_core.cli.common import note
+
+        note(
+            f"no --weights given, so {args.model} ran with the weights its factory gives it "
+            "(untrained unless the factory loads its own)"
+        )
+    return code
+
+
+def _is_main_rank() -> bool:
+    # Under torchrun (explain evaluate) only rank 0 reports.
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _stdout_to_devnull() -> None:
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (AttributeError, OSError, ValueError):  # stdout is no file (e.g. captured)
+        pass
 
 
 def _describe(error: BaseException) -> str:

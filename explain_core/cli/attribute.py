@@ -9,8 +9,10 @@ from typing import Any
 from explain_core.cli.common import (
     add_model_arguments,
     add_option_argument,
+    check_not_overwriting,
     load_model,
     method_options,
+    output_path,
     run_model,
 )
 from explain_core.errors import InvalidInputError
@@ -28,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     parser.add_argument("inputs", nargs="+", type=Path, help="image files or .npy arrays")
     add_model_arguments(parser, method=True)
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--out", type=output_path, required=True, help="output folder")
     parser.add_argument("--target", type=int, help="class to explain (default: predicted)")
     parser.add_argument(
         "--channels", type=int, choices=(1, 3), help="convert images to 1 or 3 channels"
@@ -46,6 +48,12 @@ def run(args: argparse.Namespace) -> int:
 
     options = method_options(args)
     check_output_folder(args.out)  # creates nothing: the folder appears with the first output
+    stems = _unique_stems(args.inputs)
+    check_not_overwriting(
+        [args.out / f"{stem}{suffix}" for stem in stems for suffix in (".npy", ".png")],
+        [*(("input file", path) for path in args.inputs), ("--weights file", args.weights)],
+        advice="choose another --out folder",
+    )
     model = load_model(args)
     names = [str(path) for path in args.inputs]
     batch = stack_inputs([load_input(path, args.channels) for path in args.inputs], names)
@@ -62,7 +70,6 @@ def run(args: argparse.Namespace) -> int:
             "are finite; try another method, or options that avoid divisions by zero (e.g. a "
             "larger epsilon)"
         )
-    stems = _unique_stems(args.inputs)
     for index, (path, stem) in enumerate(zip(args.inputs, stems, strict=False)):
         attribution = result.attribution[index].detach().cpu().numpy()
         npy = write_atomically(args.out / f"{stem}.npy", lambda f, a=attribution: _save_npy(f, a))

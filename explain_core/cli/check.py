@@ -31,8 +31,10 @@ from torch import nn
 from explain_core.cli.common import (
     add_model_arguments,
     add_option_argument,
+    check_not_overwriting,
     load_model,
     method_options,
+    output_path,
     run_model,
 )
 from explain_core.errors import InvalidInputError
@@ -75,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--vectors", type=int, default=5, help="random vectors per sample for CSC (default: 5)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of all random choices")
-    parser.add_argument("--out", type=Path, help="also write the card as JSON to this file")
+    parser.add_argument("--out", type=output_path, help="also write the card as JSON to this file")
 
 
 def faithfulness_card(
@@ -189,6 +191,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("give input files (images or .npy) or --dataset digits")
     if args.out is not None:
         check_output_path(args.out)  # creates nothing: the card is written only when complete
+        check_not_overwriting(
+            [args.out],
+            [*(("input file", path) for path in args.inputs), ("--weights file", args.weights)],
+        )
     model = load_model(args)
     images, labels = _load_data(args)
     outputs = run_model(model, images, min_outputs=2, hint=_size_hint(args))

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
+import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,66 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, method: bool = False
     parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
     if method:
         parser.add_argument("--method", required=True, help="registered method (explain plugins)")
+
+
+def note(message: str) -> None:
+    """Print ``explain: note: message`` on stderr: something the user should know, not an error."""
+    print(f"explain: note: {message}", file=sys.stderr)
+
+
+def output_path(text: str) -> Path:
+    """``--out``: a file or folder path; an empty one is refused.
+
+    An ``argparse`` type, so that ``--out ""`` (which ``Path`` reads as the current folder, where
+    the inputs often are) is a usage error before anything is loaded.
+
+    Raises:
+        argparse.ArgumentTypeError: For an empty path.
+    """
+    if not text:
+        raise argparse.ArgumentTypeError("expected a file or folder name; got an empty path")
+    return Path(text)
+
+
+def check_not_overwriting(
+    outputs: Iterable[Path],
+    inputs: Iterable[tuple[str, Path | None]],
+    advice: str = "choose another --out",
+) -> None:
+    """Refuse to write any of ``outputs`` where one of the command's ``inputs`` is.
+
+    Every subcommand calls this with all the files it will write before it writes or loads
+    anything, so that an output never silently replaces the image, array or weights it was
+    computed from.
+
+    Args:
+        outputs: The files the command will write.
+        inputs: ``(what, path)`` pairs naming the files it reads, e.g. ``("--weights file",
+            path)``; ``None`` paths (options not given) are skipped.
+        advice: What the user should do instead.
+
+    Raises:
+        InvalidInputError: Naming the output, the input it would replace and ``advice``.
+    """
+    sources = [(what, Path(path)) for what, path in inputs if path is not None]
+    for output in outputs:
+        for what, source in sources:
+            if _same_file(Path(output), source):
+                raise InvalidInputError(
+                    f"refusing to write {output}: it is the {what} {source}, which would be "
+                    f"overwritten; {advice}"
+                )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)  # also sees links and hard links to the same file
+    except OSError:  # one of them does not exist (yet): compare where the paths lead
+        pass
+    try:
+        return a.resolve() == b.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: the load or the write will say more
+        return False
 
 
 def add_option_argument(parser: argparse.ArgumentParser, help: str) -> None:

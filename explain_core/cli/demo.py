@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from explain_core.cli.common import output_path
 from explain_core.errors import InvalidInputError
 
 NAME = "demo"
@@ -21,7 +22,10 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     parser.add_argument(
-        "--out", type=Path, default=Path("demo-output"), help="output folder (default: %(default)s)"
+        "--out",
+        type=output_path,
+        default=Path("demo-output"),
+        help="output folder (default: %(default)s)",
     )
     parser.add_argument("--quick", action="store_true", help="small, fast settings")
     parser.add_argument("--seed", type=int, default=0, help="seed of all randomness")

@@ -16,7 +16,9 @@ from typing import Any
 from explain_core.cli.common import (
     add_model_arguments,
     add_option_argument,
+    check_not_overwriting,
     load_model,
+    output_path,
     parse_device,
     parse_options,
     run_model,
@@ -48,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--job", required=True, choices=JOB_NAMES, help="what to compute")
     parser.add_argument("--method", help="registered attribution method (all jobs but REM)")
-    parser.add_argument("--out", type=Path, required=True, help="output folder")
+    parser.add_argument("--out", type=output_path, required=True, help="output folder")
     parser.add_argument("--batch-size", type=int, default=64, help="samples per pass (64)")
     parser.add_argument(
         "--shard-size", type=int, default=256, help="samples per chunk and shard file (256)"
@@ -139,6 +141,7 @@ def _run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--limit must be >= 1; got {args.limit}")
     options = parse_options(args.option)
     check_output_folder(args.out)
+    check_not_overwriting(_outputs(args), [("--weights file", args.weights)])
     context = init_distributed(args.device)
     try:
         model, data, problem = _load(args)
@@ -168,6 +171,15 @@ def _run(args: argparse.Namespace) -> int:
     finally:
         shutdown_distributed()
     return 0
+
+
+def _outputs(args: argparse.Namespace) -> list[Path]:
+    """The files the job writes in ``--out`` (the shards' own folder aside)."""
+    from explain_core.distributed.store import INDEX_NAME
+
+    if args.job == "attributions":
+        return [args.out / INDEX_NAME]
+    return [args.out / f"{args.job}.json", args.out / f"{args.job}.safetensors"]
 
 
 def _load(args: argparse.Namespace) -> tuple[Any, Any, Exception | None]:

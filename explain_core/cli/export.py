@@ -9,7 +9,9 @@ from typing import Any
 from explain_core.cli.common import (
     add_model_arguments,
     add_option_argument,
+    check_not_overwriting,
     load_model,
+    output_path,
     parse_options,
     run_model,
 )
@@ -29,7 +31,7 @@ DESCRIPTION = (
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
     add_model_arguments(parser)
-    parser.add_argument("--out", type=Path, required=True, help="the .onnx file to write")
+    parser.add_argument("--out", type=output_path, required=True, help="the .onnx file to write")
     parser.add_argument(
         "--explain",
         metavar="METHOD",
@@ -43,7 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --explain: take the class to explain as a second input 'target' "
         "(default: explain the predicted class)",
     )
-    parser.add_argument("--opset", type=int, metavar="N", help="ONNX opset (default: exporter's)")
+    parser.add_argument(
+        "--opset",
+        type=int,
+        metavar="N",
+        help="ONNX opset, from 15 to the newest onnxruntime loads (default: the exporter's)",
+    )
     parser.add_argument(
         "--inputs",
         nargs="+",
@@ -64,15 +71,19 @@ def run(args: argparse.Namespace) -> int:
     """Export, check and report."""
     from explain_core.files import check_output_path
     from explain_onnx import export_onnx, get_explainer
+    from explain_onnx.export import check_opset
 
     options = parse_options(args.option)
     if args.explain is not None:
         get_explainer(args.explain)  # check the name before loading anything
     elif options or args.target_input:
         raise InvalidInputError("--option and --target-input need --explain METHOD")
-    if args.opset is not None and args.opset < 7:
-        raise InvalidInputError(f"--opset must be 7 or higher; got {args.opset}")
+    check_opset(args.opset, name="--opset")
     check_output_path(args.out)
+    check_not_overwriting(
+        [args.out],
+        [("--weights file", args.weights), *(("--inputs sample", p) for p in args.inputs or ())],
+    )
     model = load_model(args)
     example, real = _example_inputs(args, model)
     hint = (

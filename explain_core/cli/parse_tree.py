@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from explain_core.cli.common import add_model_arguments, load_model
+from explain_core.cli.common import (
+    add_model_arguments,
+    check_not_overwriting,
+    load_model,
+    note,
+    output_path,
+)
 from explain_core.errors import InvalidInputError
 
 DATASETS = ("digits",)
+FORMATS = ("svg", "png", "pdf")
 
 
 NAME = "parse-tree"
@@ -52,11 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--channels", type=int, choices=(1, 3), help="convert an --input image to 1 or 3 channels"
     )
-    parser.add_argument("--out", type=Path, required=True, help="picture file, e.g. tree.svg")
+    parser.add_argument(
+        "--out", type=output_path, required=True, help="picture file, e.g. tree.svg"
+    )
     parser.add_argument(
         "--format",
-        choices=("svg", "png", "pdf"),
-        help="picture format (default: from the --out suffix, else svg)",
+        choices=FORMATS,
+        help="picture format (default: from the --out suffix; without one, svg and the suffix "
+        "is added)",
     )
     parser.add_argument(
         "--threshold",
@@ -95,38 +106,89 @@ def run(args: argparse.Namespace) -> int:
     if args.levels is not None and args.levels < 2:
         raise InvalidInputError(f"--levels must be at least 2; got {args.levels}")
     require_networkx()  # fail before loading anything if the graphs extra is missing
-    check_output_path(args.out)  # the picture and its .gv source share this folder
+    picture, format = _picture(args.out, args.format)
+    check_output_path(picture)  # the picture and its .gv source share this folder
+    check_not_overwriting(
+        [picture, picture.with_suffix(".gv")],
+        [("--input file", args.input), ("--weights file", args.weights)],
+    )
     model = load_model(args)
     inputs, labels, what = _inputs(args)
     data = collect_parse_tree_data(model, inputs, levels=args.levels)
+
+    def build(threshold: float | None) -> Any:  # again at 0 to explain a tree without edges
+        if args.input is not None:
+            return parse_tree(data, sample=0, threshold=threshold, keep_all_nodes=args.all_nodes)
+        if args.cls is not None:
+            return class_parse_tree(
+                data,
+                args.cls,
+                labels=labels if args.by_label else None,
+                threshold=threshold,
+                keep_all_nodes=args.all_nodes,
+            )
+        return parse_tree(data, threshold=threshold, keep_all_nodes=args.all_nodes)
+
+    graph = build(args.threshold)
     if args.input is not None:
-        graph = parse_tree(data, sample=0, threshold=args.threshold, keep_all_nodes=args.all_nodes)
         title = f"{args.input.name}: predicted class {int(data.predicted[0])}"
     elif args.cls is not None:
-        graph = class_parse_tree(
-            data,
-            args.cls,
-            labels=labels if args.by_label else None,
-            threshold=args.threshold,
-            keep_all_nodes=args.all_nodes,
-        )
         how = "labelled" if args.by_label else "predicted as"
         title = f"{what}: mean of the {graph.graph['n_samples']} samples {how} class {args.cls}"
     else:
-        graph = parse_tree(data, threshold=args.threshold, keep_all_nodes=args.all_nodes)
         title = f"{what}: mean of all {data.n_samples} samples"
     if args.levels is not None:
         title += f", couplings in {args.levels} levels"
     graph.graph["title"] = title
     if args.text:
         print(text_tree(graph), end="")
-    rendered = render_parse_tree(graph, args.out, format=args.format)
+    rendered = render_parse_tree(graph, picture, format=format)
     edges, nodes = graph.number_of_edges(), graph.number_of_nodes()
     print(
         f"{title}: {nodes} capsules, {edges} couplings -> {rendered.path} "
         f"(DOT source {rendered.source_path})"
     )
+    if edges == 0:
+        note(_no_edges(graph, build))
     return 0
+
+
+def _picture(out: Path, format: str | None) -> tuple[Path, str]:
+    """The picture's path and format from ``--out`` and ``--format``.
+
+    Raises:
+        InvalidInputError: For a suffix other than those of ``FORMATS``, or one that
+            contradicts ``--format`` (the renderer would append its own: ``t.jpg.svg``).
+    """
+    suffix = out.suffix.lower().lstrip(".")
+    if not suffix:
+        format = format or "svg"
+        return out.with_name(f"{out.name}.{format}"), format
+    if suffix not in FORMATS:
+        raise InvalidInputError(
+            f"--out {out}: parse trees are drawn as {', '.join(FORMATS)}; got .{suffix}; end "
+            "--out in .svg, .png or .pdf"
+        )
+    if format is not None and format != suffix:
+        raise InvalidInputError(
+            f"--out {out} ends in .{suffix} but --format is {format}; end --out in .{format} "
+            "or leave --format out"
+        )
+    return out, suffix
+
+
+def _no_edges(graph: Any, build: Callable[[float | None], Any]) -> str:
+    """Why the tree has no edges, with the strongest coupling into its root(s)."""
+    roots = graph.graph["roots"].split(",")
+    thresholds = sorted(set(graph.graph["thresholds"].split(",")))
+    everything = build(0.0)  # every coupling above zero, to tell the strongest one
+    into_roots = [w for _, v, w in everything.edges(data="weight") if v in roots]
+    whom = roots[0] if len(roots) == 1 else "the class capsules"
+    strongest = f" (the strongest into {whom} is {max(into_roots):.3g})" if into_roots else ""
+    return (
+        f"the tree has no edges: no coupling is above the threshold {' / '.join(thresholds)}"
+        f"{strongest}; give a lower --threshold"
+    )
 
 
 def _inputs(args: argparse.Namespace) -> tuple[Any, Any, str]:

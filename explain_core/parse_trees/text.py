@@ -22,7 +22,8 @@ def text_tree(graph: Any, *, title: str | None = None) -> str:
         title: First line; default: the graph's ``title`` attribute, if any.
 
     Returns:
-        The tree, one capsule per line, e.g. ``└── L4:C2 C2 ‖u‖=0.73 c=0.81``.
+        The tree, one capsule per line, e.g. ``└── L4:C2 C2 ‖u‖=0.73 c=0.81``; a tree whose
+        couplings are all below the threshold ends with a line saying so.
 
     Raises:
         InvalidInputError: If ``graph`` is not a parse tree.
@@ -41,6 +42,10 @@ def text_tree(graph: Any, *, title: str | None = None) -> str:
         _children(graph, root, "", seen, lines)
     if not roots:
         lines.append("(empty tree)")
+    elif graph.number_of_edges() == 0:  # say so, rather than print bare roots
+        thresholds = graph.graph.get("thresholds")  # one per routing layer
+        above = f"thresholds {thresholds}" if thresholds else "threshold"
+        lines.append(f"(no edges: no coupling is above the {above})")
     return "\n".join(lines) + "\n"
 
 

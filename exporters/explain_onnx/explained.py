@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, UnknownMethodError
 
 ENTRY_POINT_GROUP = "explain_onnx.explainers"
 
@@ -98,10 +98,18 @@ def get_explainer(name: str) -> ExplainerSpec:
     """The explainer registered as ``name``.
 
     Raises:
-        InvalidInputError: Naming the exportable methods (closest first).
+        UnknownMethodError: If no plugin registers ``name`` either (a typo), with the closest
+            names.
+        InvalidInputError: For a registered method that does not export, naming the exportable
+            methods (closest first).
     """
     explainers = available_explainers()
     if name not in explainers:
+        from explain_core.plugin_manager import get_registry
+
+        registry = get_registry()
+        if name not in registry:  # a typo: say so before "cannot be exported"
+            raise UnknownMethodError(name, {*registry, *explainers})
         close = difflib.get_close_matches(name, explainers, n=3, cutoff=0.4)
         others = [n for n in explainers if n not in close]
         raise InvalidInputError(
@@ -122,6 +130,7 @@ def explained_module(
     """The module ``(x[, target]) → (logits, explanation)`` of ``method`` for ``model``.
 
     Raises:
+        UnknownMethodError: For a method no plugin registers.
         InvalidInputError: For a method without an ONNX explainer, or one that does not fit
             the model.
     """

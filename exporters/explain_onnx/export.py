@@ -11,11 +11,13 @@ an operator without an ONNX translation (named with the module that called it), 
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import linecache
 import logging
 import os
 import re
+import textwrap
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,10 +41,14 @@ from explain_onnx._deps import require
 from explain_onnx.adapters import exportable
 from explain_onnx.explained import explained_module, get_explainer
 from explain_onnx.parity import BATCH_SIZES, ParityReport, check_graph, check_parity
-from explain_onnx.runtime import OnnxSession
+from explain_onnx.runtime import CPU, SILENT, OnnxSession, session_options
 
 MAX_INLINE_BYTES = 1_800_000_000  # ONNX protobufs stop at 2 GB
-MIN_OPSET = 7  # the oldest opset onnxruntime runs
+# torch.onnx builds opset-18 graphs and converts them down with onnx's version converter, which
+# has no adapter below opset 15 for Shape (in every graph that reshapes with a dynamic batch
+# axis), nor below 14 for Add, Mul and Reshape. Opsets 15-17 work for some models (Conv, Linear,
+# capsule nets) but not for others (Pad, in CoDA-Nets); the export says which.
+MIN_OPSET = 15
 
 
 @dataclass
@@ -102,9 +108,10 @@ def export_onnx(
             then returns ``(logits, explanation)``.
         target_input: With ``explain``: take the class to explain as a second input (int64
             ``(batch,)``) instead of explaining the predicted class.
-        opset: ONNX opset to target, from 7 to the newest the installed onnx knows (default:
-            the exporter's). torch.onnx builds graphs at its own opset and converts them to
-            others; an opset it cannot convert the model to is refused, not silently replaced.
+        opset: ONNX opset to target, from 15 to the newest that both the installed onnx and
+            onnxruntime know (default: the exporter's). torch.onnx builds graphs at opset 18
+            and converts them to others; an opset it cannot convert the model to is refused,
+            not silently replaced.
         parity: Run the checker and compare onnxruntime with PyTorch (strongly recommended).
         real_inputs: Whether ``example_inputs`` are real samples (as opposed to random ones);
             only labels the parity report.
@@ -116,9 +123,10 @@ def export_onnx(
 
     Raises:
         ModelStateError: If a module of the model is in training mode.
+        UnknownMethodError: For a method no plugin registers (with the closest names).
         InvalidInputError: For an unwritable path, inputs the model cannot run on, a model
-            that does not return one tensor of scores, an unknown method, an opset outside
-            the supported range or bad batch sizes.
+            that does not return one tensor of scores, a method that does not export, an
+            opset outside the supported range or bad batch sizes.
         UnsupportedOperatorError: For an operator without ONNX translation.
         ExportError: If tracing, the conversion to ``opset`` or the checker fails, or
             onnxruntime cannot load the graph.
@@ -145,7 +153,7 @@ def export_onnx(
     example = check_inputs(example_inputs, model, name="example_inputs")
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module)
-    _check_opset(opset)
+    check_opset(opset)
 
     spec = get_explainer(explain) if explain is not None else None
     logits = run_once(
@@ -225,15 +233,64 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_opset(opset: Any) -> None:
+def check_opset(opset: Any, *, name: str = "opset") -> None:
+    """Refuse an opset the export cannot produce or onnxruntime cannot load, before exporting.
+
+    Args:
+        opset: The requested opset, or ``None`` for the exporter's default.
+        name: How the caller calls it in messages (the CLI: ``--opset``).
+
+    Raises:
+        InvalidInputError: Giving the range that works here.
+        MissingDependencyError: Without onnx or onnxruntime.
+    """
     newest = int(require("onnx").defs.onnx_opset_version())
     if opset is None:
         return
+    runtime = newest_runtime_opset()
+    if runtime is not None and runtime < newest:
+        newest = runtime
+        why = f"the newest onnxruntime {require('onnxruntime').__version__} loads"
+    else:
+        why = "the newest the installed onnx knows"
     if not _is_int(opset) or not MIN_OPSET <= opset <= newest:
         raise InvalidInputError(
-            f"opset must be an int from {MIN_OPSET} to {newest} (the newest the installed onnx "
-            f"knows), or None for the exporter's default; got {opset!r}"
+            f"{name} must be an int from {MIN_OPSET} to {newest} (below {MIN_OPSET}, onnx cannot "
+            f"convert torch.onnx's opset-18 graphs; {newest} is {why}); leave it out for the "
+            f"exporter's default; got {opset!r}"
         )
+
+
+@functools.cache
+def newest_runtime_opset() -> int | None:
+    """The newest default-domain opset the installed onnxruntime loads (cached), if any.
+
+    Found by loading a one-node graph at each opset the installed onnx knows, newest first:
+    onnxruntime refuses opsets newer than its release supports when it loads a graph.
+    """
+    onnx, ort = require("onnx"), require("onnxruntime")
+    helper = onnx.helper
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"])],
+        "probe",
+        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    for opset in range(int(onnx.defs.onnx_opset_version()), MIN_OPSET - 1, -1):
+        # ORT rejects the newest IR versions that onnx.helper writes by default.
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8
+        )
+        try:
+            ort.InferenceSession(
+                model.SerializeToString(),
+                sess_options=session_options(severity=SILENT),
+                providers=[CPU],
+            )
+        except Exception:  # onnxruntime raises its own Fail / InvalidGraph types
+            continue
+        return opset
+    return None
 
 
 def _open_session(path: Path, opset: int) -> OnnxSession:
@@ -245,9 +302,15 @@ def _open_session(path: Path, opset: int) -> OnnxSession:
     except Exception as error:  # onnxruntime raises its own Fail / InvalidGraph types
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         version = require("onnxruntime").__version__
+        newest = newest_runtime_opset()
+        advice = (
+            f"choose opset {newest} or lower"
+            if newest is not None and opset > newest
+            else "choose a lower opset"
+        )
         raise ExportError(
-            f"onnxruntime {version} cannot load the exported graph (opset {opset}): {first[:200]}; "
-            "choose a lower opset"
+            f"onnxruntime {version} cannot load the exported graph (opset {opset}): "
+            f"{textwrap.shorten(first, 300, placeholder=' …')}; {advice}"
         ) from error
 
 

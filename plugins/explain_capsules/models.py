@@ -369,13 +369,28 @@ class MultiLayerCapsNet(_ReconstructionMixin):
             or (x.dim() == 2 and x.shape[1] == self.in_features)
         )
         if not ok:
-            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise InvalidInputError(
-                f"MultiLayerCapsNet: expected input of shape (batch, "
-                f"{', '.join(map(str, self.image_shape))}) or (batch, {self.in_features}); "
-                f"got {got}"
-            )
+            raise InvalidInputError(self._shape_message(x))
         return x.reshape(x.shape[0], self.in_features)
+
+    def _shape_message(self, x: object) -> str:
+        """What inputs are accepted, what came, and how to build the model for it."""
+        shapes = [self.image_shape, (self.in_features,)]
+        accepted = " or ".join(
+            f"(batch, {', '.join(map(str, shape))})" for shape in dict.fromkeys(shapes)
+        )
+        if not isinstance(x, torch.Tensor):
+            return (
+                f"MultiLayerCapsNet: expected a tensor of shape {accepted}; got {type(x).__name__}"
+            )
+        message = f"MultiLayerCapsNet: expected input of shape {accepted}; got {tuple(x.shape)}"
+        if x.dim() < 2:
+            return message + "; give a batch axis first"
+        shape = tuple(x.shape[1:])
+        built = shape[0] if len(shape) == 1 else shape
+        return (
+            f"{message}; to take such inputs, build the model with "
+            f"MultiLayerCapsNet(in_features={built})"
+        )
 
     def primary_capsules(self, x: torch.Tensor) -> torch.Tensor:
         """Squashed primary capsules ``(batch, primary_caps, dim)``."""
