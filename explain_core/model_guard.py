@@ -48,16 +48,14 @@ class ModelGuard:
     """Context manager that restores a model's attributes, hooks, parameters and buffers.
 
     On exit it restores every module's attributes and training flag, removes hooks and submodules
-    that were added, puts back the original ``Parameter`` and buffer objects and the values of
-    both. A parameter whose values changed (in place, also through ``.data``, which autograd's
-    version counter does not see) is restored from a copy taken on entry, and the guard raises
-    :class:`~explain_core.errors.ModelStateError` naming it: the explainers never write into
-    parameters, so it was the model's own forward, and an explanation of weights that changed
-    while it was computed is meaningless. Copying and comparing cost about 0.25 ms per million
-    float32 parameters on one CPU core (a device-side copy on a GPU), and one more copy of the
-    parameters' memory while the guard is active; above :data:`PARAMETER_COPY_LIMIT` bytes of
-    parameters no copy is kept, and only changes that move autograd's version counter are found
-    (and reported, not undone).
+    that were added, puts back the original ``Parameter`` and buffer objects, the buffers' values
+    and a parameter's storage if ``.data`` was replaced. Parameter values are not copied: a second
+    copy of the weights on every call costs memory (on a GPU, too much for large models) and, on
+    the CPU, allocation time that measurably slowed ``benchmarks/bench_modbp_speed.py``. Instead a parameter changed in place
+    (its version counter moved, or its checksum — its sum, which also sees edits through ``.data``
+    — differs) makes the guard raise :class:`~explain_core.errors.ModelStateError`
+    naming it: the explainers never write into parameters, so it was the model's own forward,
+    and an explanation of weights that changed while it was computed is meaningless.
 
     Example:
         >>> with ModelGuard(model):
@@ -69,9 +67,9 @@ class ModelGuard:
         self.model = model
         self._records: list[_ModuleRecord] = []
         self._buffer_copies: list[tuple[torch.Tensor, int, torch.Tensor]] = []
-        self._parameter_copies: list[tuple[str, torch.Tensor, int, torch.Tensor | None]] = []
+        self._parameters: list[tuple[str, nn.Parameter, int, torch.Tensor]] = []
+        self._checksums: torch.Tensor | None = None
         self.changed_parameters: list[str] = []  # names of the parameters found changed
-        self.restored = True  # whether restore() could put their values back
 
     def __enter__(self) -> ModelGuard:
         for module in self.model.modules():
@@ -83,14 +81,10 @@ class ModelGuard:
             self._records.append(_ModuleRecord(module, dict(module.__dict__), containers))
         for buffer in _unique_tensors(self.model.buffers()):
             self._buffer_copies.append((buffer, _version(buffer), buffer.detach().clone()))
-        parameters = list(self.model.named_parameters())
-        # A copy, not only the version: a model that changes its own weights must get them back,
-        # and edits through .data leave the version counter unchanged. Above the limit a second
-        # copy of the weights could exhaust the device: only versions are checked then.
-        keep = sum(p.numel() * p.element_size() for _, p in parameters) <= PARAMETER_COPY_LIMIT
-        for name, parameter in parameters:
-            copy = parameter.detach().clone() if keep else None
-            self._parameter_copies.append((name, parameter, _version(parameter), copy))
+        for name, parameter in self.model.named_parameters():
+            # detach() shares the storage: it puts back a replaced .data without copying.
+            self._parameters.append((name, parameter, _version(parameter), parameter.detach()))
+        self._checksums = _checksums(p for _, p, _, _ in self._parameters)
         return self
 
     def __exit__(
@@ -108,28 +102,22 @@ class ModelGuard:
             f"the model's forward modified its parameter(s) {names} in place (e.g. "
             "weight.data.mul_(...) or weight.add_(...) under torch.no_grad() inside forward), so "
             "every pass of the attribution saw other weights and its result would be "
-            + (
-                "meaningless; the weights were restored to their values before the call. "
-                if self.restored
-                else "meaningless; the weights could not be restored (the model is too large to "
-                "keep a copy of them): reload them. "
-            )
-            + "Compute "
+            "meaningless, and the weights now differ from before the call: reload them. Compute "
             "with a changed copy in forward instead (F.linear(x, self.fc.weight * 1.01)), or "
             "change the weights outside forward"
         )
         if exc_type is None:
             raise ModelStateError(message)
-        # Another exception is on its way: keep it, and say what was put back (unless an inner
-        # guard already said so).
+        # Another exception is on its way: keep it, and add what happened to the weights (unless
+        # an inner guard already said so).
         if not isinstance(exc, ModelStateError) and hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(message)
 
     def restore(self) -> None:
-        """Put the recorded structure, buffer and parameter values back.
+        """Put the recorded structure, buffer values and parameter storages back.
 
-        The names of the parameters whose values had changed are left in
-        :attr:`changed_parameters`.
+        The names of the parameters whose values changed in place (which it cannot undo) are
+        left in :attr:`changed_parameters`.
         """
         for record in self._records:
             module = record.module
@@ -148,23 +136,23 @@ class ModelGuard:
                 # An inference tensor has no version: compare its values instead.
                 if _version(buffer) != version or (version < 0 and not _same_bits(buffer, copy)):
                     buffer.copy_(copy)
-            self.changed_parameters, self.restored = [], True
-            for name, parameter, version, copy in self._parameter_copies:
-                if copy is None:  # a model above PARAMETER_COPY_LIMIT: versions only
-                    if _version(parameter) != version:
-                        self.changed_parameters.append(name)
-                        self.restored = False
-                    continue
-                if _version(parameter) != version or not _same_bits(parameter, copy):
-                    if parameter.shape == copy.shape and parameter.dtype == copy.dtype:
-                        parameter.copy_(copy)  # bumps the version: caches keyed on it see it
-                    else:
-                        parameter.data = copy  # .data was replaced by another shape or dtype
-                    self.changed_parameters.append(name)
+            for _, parameter, _, original in self._parameters:
+                if parameter.data.data_ptr() != original.data_ptr() or (
+                    parameter.shape != original.shape or parameter.dtype != original.dtype
+                ):
+                    parameter.data = original  # .data was replaced: put the storage back
+        checksums = _checksums(p for _, p, _, _ in self._parameters)
+        moved = (
+            checksums != self._checksums
+            if checksums is not None and self._checksums is not None
+            else None
+        )
+        self.changed_parameters = [
+            name
+            for index, (name, parameter, version, _) in enumerate(self._parameters)
+            if _version(parameter) != version or (moved is not None and bool(moved[index]))
+        ]
 
-
-# Parameter memory up to which the guard keeps a copy of the weights (to restore them).
-PARAMETER_COPY_LIMIT = 1 << 30
 
 _MISSING = object()
 
@@ -172,6 +160,22 @@ _MISSING = object()
 def _identities(container: dict[Any, Any]) -> list[tuple[Any, int]]:
     # Compare by identity: tensors have no usable ==, and identity is what must be restored.
     return [(key, id(value)) for key, value in container.items()]
+
+
+def _checksums(parameters: Any) -> torch.Tensor | None:
+    """The sum of each parameter (in its own dtype; NaN → a fixed value) on the CPU.
+
+    One read pass and no copy of the weights (a float64 sum converts first: four times slower).
+    Complex and meta parameters count 0 (their version counter still applies). ``None`` for a
+    model without parameters.
+    """
+    sums = [
+        torch.nan_to_num(p.detach().sum().double(), nan=1.5e308).cpu()
+        if not (p.is_complex() or p.device.type == "meta")
+        else torch.zeros((), dtype=torch.float64)
+        for p in parameters
+    ]
+    return torch.stack(sums) if sums else None
 
 
 def _version(tensor: torch.Tensor) -> int:
