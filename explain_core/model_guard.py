@@ -49,13 +49,14 @@ class ModelGuard:
 
     On exit it restores every module's attributes and training flag, removes hooks and submodules
     that were added, puts back the original ``Parameter`` and buffer objects, the buffers' values
-    and a parameter's storage if ``.data`` was replaced. Parameter values are not copied: a second
-    copy of the weights on every call costs memory (on a GPU, too much for large models) and, on
-    the CPU, allocation time that measurably slowed ``benchmarks/bench_modbp_speed.py``. Instead a parameter changed in place
-    (its version counter moved, or its checksum — its sum, which also sees edits through ``.data``
-    — differs) makes the guard raise :class:`~explain_core.errors.ModelStateError`
-    naming it: the explainers never write into parameters, so it was the model's own forward,
-    and an explanation of weights that changed while it was computed is meaningless.
+    and a parameter's storage if ``.data`` was replaced. Parameter values are not copied: a
+    second copy of the weights on every call costs memory (on a GPU, too much for large models)
+    and, on the CPU, allocation time that measurably slowed ``bench_modbp_speed.py``. Instead a
+    parameter changed in place (its version counter moved, or its checksum, the sum, which also
+    sees edits through ``.data``, differs) makes the guard raise
+    :class:`~explain_core.errors.ModelStateError` naming it: the explainers never write into
+    parameters, so it was the model's own forward, and an explanation of weights that changed
+    while it was computed is meaningless.
 
     Example:
         >>> with ModelGuard(model):
