@@ -41,7 +41,7 @@ from explain_onnx._deps import require
 from explain_onnx.adapters import exportable
 from explain_onnx.explained import explained_module, get_explainer
 from explain_onnx.parity import BATCH_SIZES, ParityReport, check_graph, check_parity
-from explain_onnx.runtime import CPU, SILENT, OnnxSession, session_options
+from explain_onnx.runtime import CPU, SILENT, OnnxSession, identity_probe, session_options
 
 MAX_INLINE_BYTES = 1_800_000_000  # ONNX protobufs stop at 2 GB
 # torch.onnx builds opset-18 graphs and converts them down with onnx's version converter, which
@@ -269,21 +269,10 @@ def newest_runtime_opset() -> int | None:
     onnxruntime refuses opsets newer than its release supports when it loads a graph.
     """
     onnx, ort = require("onnx"), require("onnxruntime")
-    helper = onnx.helper
-    graph = helper.make_graph(
-        [helper.make_node("Identity", ["x"], ["y"])],
-        "probe",
-        [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
-        [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
-    )
     for opset in range(int(onnx.defs.onnx_opset_version()), MIN_OPSET - 1, -1):
-        # ORT rejects the newest IR versions that onnx.helper writes by default.
-        model = helper.make_model(
-            graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8
-        )
         try:
             ort.InferenceSession(
-                model.SerializeToString(),
+                identity_probe(opset),
                 sess_options=session_options(severity=SILENT),
                 providers=[CPU],
             )

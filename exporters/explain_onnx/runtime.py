@@ -37,12 +37,8 @@ def session_options(*, threads: int | None = None, severity: int = QUIET) -> Any
     return options
 
 
-@cache
-def cuda_usable() -> bool:
-    """Whether a CUDA session really runs here (cached): listed as available *and* used."""
-    ort = require("onnxruntime")
-    if CUDA not in ort.get_available_providers():
-        return False
+def identity_probe(opset: int) -> bytes:
+    """A serialised one-node ONNX graph (``y = Identity(x)``) at ``opset``, to probe onnxruntime."""
     onnx = require("onnx")
     helper = onnx.helper
     graph = helper.make_graph(
@@ -52,10 +48,19 @@ def cuda_usable() -> bool:
         [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
     )
     # ORT rejects the newest IR versions that onnx.helper writes by default.
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)], ir_version=8)
+    opsets = [helper.make_opsetid("", opset)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=8).SerializeToString()
+
+
+@cache
+def cuda_usable() -> bool:
+    """Whether a CUDA session really runs here (cached): listed as available *and* used."""
+    ort = require("onnxruntime")
+    if CUDA not in ort.get_available_providers():
+        return False
     try:
         probe = ort.InferenceSession(
-            model.SerializeToString(),
+            identity_probe(13),
             sess_options=session_options(severity=SILENT),
             providers=[CUDA, CPU],
         )
