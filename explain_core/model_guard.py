@@ -49,7 +49,8 @@ class ModelGuard:
 
     On exit it restores every module's attributes and training flag, removes hooks and submodules
     that were added, puts back the original ``Parameter`` and buffer objects, the buffers' values
-    and a parameter's storage if ``.data`` was replaced. Parameter values are not copied: a
+    and a parameter's storage if ``.data`` was replaced (and reports it). Parameter values are
+    not copied: a
     second copy of the weights on every call costs memory (on a GPU, too much for large models)
     and, on the CPU, allocation time that measurably slowed ``bench_modbp_speed.py``. Instead a
     parameter changed in place (its version counter moved, or its checksum, the sum, which also
@@ -103,7 +104,8 @@ class ModelGuard:
             f"the model's forward modified its parameter(s) {names} in place (e.g. "
             "weight.data.mul_(...) or weight.add_(...) under torch.no_grad() inside forward), so "
             "every pass of the attribution saw other weights and its result would be "
-            "meaningless, and the weights now differ from before the call: reload them. Compute "
+            "meaningless (a replaced .data was put back, values changed in place are not: "
+            "reload the weights). Compute "
             "with a changed copy in forward instead (F.linear(x, self.fc.weight * 1.01)), or "
             "change the weights outside forward"
         )
@@ -137,11 +139,13 @@ class ModelGuard:
                 # An inference tensor has no version: compare its values instead.
                 if _version(buffer) != version or (version < 0 and not _same_bits(buffer, copy)):
                     buffer.copy_(copy)
-            for _, parameter, _, original in self._parameters:
+            replaced = []
+            for name, parameter, _, original in self._parameters:
                 if parameter.data.data_ptr() != original.data_ptr() or (
                     parameter.shape != original.shape or parameter.dtype != original.dtype
                 ):
                     parameter.data = original  # .data was replaced: put the storage back
+                    replaced.append(name)
         checksums = _checksums(p for _, p, _, _ in self._parameters)
         moved = (
             checksums != self._checksums
@@ -151,7 +155,9 @@ class ModelGuard:
         self.changed_parameters = [
             name
             for index, (name, parameter, version, _) in enumerate(self._parameters)
-            if _version(parameter) != version or (moved is not None and bool(moved[index]))
+            if name in replaced
+            or _version(parameter) != version
+            or (moved is not None and bool(moved[index]))
         ]
 
 

@@ -206,8 +206,8 @@ def test_model_guard_restores_structure_buffers_and_refuses_parameter_edits():
         model.extra = 3
     assert_same_state(before, state_fingerprint(model))
     assert model[1] is bn
-    with ModelGuard(model):
-        linear.bias.data = torch.zeros(3)  # another storage through .data: put back
+    with pytest.raises(ModelStateError, match=r"0\.bias"), ModelGuard(model):
+        linear.bias.data = torch.zeros(3)  # another storage through .data: put back, reported
     assert_same_state(before, state_fingerprint(model))
     weight = linear.weight.detach().clone()
     with (

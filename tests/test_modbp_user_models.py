@@ -4,6 +4,9 @@ Constants added to activations, normalisation inside ``forward``, BatchNorm on t
 hooks, flags read by ``forward``, BatchNorms after ReLUs and explicit padding modules.
 """
 
+import dataclasses
+import enum
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -308,3 +311,162 @@ def test_gradient_rule_for_one_module_through_lrp_custom_equals_the_gradient_the
     everywhere = composites.lrp_z().with_rules(("0", Gradient()), ("2", Gradient()))
     got = explain(model, x, "lrp.custom", target=0, composite=everywhere).attribution
     torch.testing.assert_close(got, input_x_gradient(model, x, 0))
+
+
+class Overwritten(nn.Module):
+    """Writes into an activation: ``h[:, 0] = -1`` (setitem) or ``h[:, :2].sub_(1)`` (a view)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.fc1, self.fc2, self.fc3 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x)).clone()
+        if self.how == "setitem":
+            h[:, 0] = -1.0
+        else:
+            h[:, :2].sub_(1.0)
+        return self.fc3(F.relu(self.fc2(h)))
+
+    def reference(self, x: torch.Tensor, target: int) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        y = h.clone()
+        if self.how == "setitem":
+            y[:, 0] = -1.0
+        else:
+            y[:, :2] -= 1.0
+        a = F.relu(self.fc2(y))
+        out = self.fc3(a)
+        relevance = zplus_reference(a, self.fc3.weight, logit_relevance(out, target))
+        relevance = zplus_reference(y, self.fc2.weight, relevance)
+        if self.how == "setitem":
+            relevance[:, 0] = 0.0  # a constant took h's place: no relevance reaches h there
+        else:
+            relevance = split_by_value(h, y, relevance)
+        return zplus_reference(x, self.fc1.weight, relevance)
+
+
+class Branching(Shifted):
+    """Shifts only if some input in the batch is large: Python control flow on tensor values."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        if x.amax() > 1.0:
+            h = h + self.shift
+        return self.fc3(F.relu(self.fc2(h)))
+
+
+@pytest.mark.parametrize("how", ["setitem", "view"])
+def test_writes_into_activations_are_seen(how):
+    # h[:, 0] = -1 returns None and h[:, :2].sub_(1) changes h through a view: either makes h
+    # signed, which z⁺ must see; a blocked operation written in this way must still be refused.
+    torch.manual_seed(0)
+    model = Overwritten(how).double().eval()
+    x = torch.randn(5, 6, dtype=torch.float64)
+    got = explain(model, x, "lrp.zplus", target=1).attribution
+    with torch.no_grad():
+        torch.testing.assert_close(got, model.reference(x, 1))
+
+
+def test_blocked_operations_written_into_an_activation_are_refused():
+    class Squares(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.fc1(x)).clone()
+            h[:, 0] = h[:, 1].clone() * h[:, 2].clone()
+            return self.fc2(h)
+
+    with pytest.raises(UnsupportedModelError, match="multiplies or divides two"):
+        explain(Squares().eval(), torch.randn(3, 6), "lrp.z", target=0)
+
+
+def test_branches_on_values_are_traced_on_the_whole_batch_and_not_cached():
+    clear_plan_cache()
+    torch.manual_seed(0)
+    model = Branching().double().eval()
+    x = torch.randn(5, 6, dtype=torch.float64).clamp(-0.9, 0.9)
+    x[3, 2] = 1.5  # only a later sample takes the branch
+    got = explain(model, x, "lrp.zplus", target=1).attribution
+    with torch.no_grad():
+        torch.testing.assert_close(got, Shifted.reference(model, x, 1))
+    calm = x.clamp(-0.9, 0.9)  # now no sample takes it: a cached plan would still expect it
+    shifted = explain(model, calm, "lrp.zplus", target=1).attribution
+    plain = nn.Sequential(model.fc1, nn.ReLU(), model.fc2, nn.ReLU(), model.fc3).eval()
+    torch.testing.assert_close(shifted, explain(plain, calm, "lrp.zplus", target=1).attribution)
+
+
+class Mode(enum.Enum):
+    PLAIN = "plain"
+    SHIFTED = "shifted"
+
+
+@dataclasses.dataclass
+class Options:
+    shift: bool = False
+
+
+class Configurable(Shifted):
+    """Reads a setting of one kind or another in forward."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mode, self.options, self.flags = Mode.PLAIN, Options(), []
+        self.table, self.act = {"shift": False}, F.relu
+        self.flag = torch.tensor(False)
+
+    def shifting(self) -> bool:
+        return {
+            "enum": self.mode is Mode.SHIFTED,
+            "dataclass": self.options.shift,
+            "list": bool(self.flags),
+            "dict": self.table["shift"],
+            "tensor": bool(self.flag),
+            "function": self.act is not F.relu,
+        }[self.kind]
+
+    def toggle(self) -> None:
+        self.mode = Mode.SHIFTED
+        self.options.shift = True
+        self.flags.append("shift")
+        self.table["shift"] = True
+        self.flag.fill_(True)
+        self.act = F.relu6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.fc1(x))
+        if self.shifting():
+            h = h + self.shift
+        return self.fc3(F.relu(self.fc2(h)))
+
+
+@pytest.mark.parametrize("kind", ["enum", "dataclass", "list", "dict", "tensor", "function"])
+def test_the_plan_cache_sees_settings_of_every_common_kind(kind):
+    clear_plan_cache()
+    torch.manual_seed(0)
+    model = Configurable(kind).double().eval()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    explain(model, x, "lrp.zplus", target=1)  # cached with the setting off
+    model.toggle()
+    got = explain(model, x, "lrp.zplus", target=1).attribution
+    with torch.no_grad():
+        torch.testing.assert_close(got, Shifted.reference(model, x, 1))
+
+
+def test_a_no_grad_block_in_forward_is_a_clear_error():
+    class Frozen(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                h = F.relu(self.fc1(x))
+            return self.fc2(h)
+
+    with pytest.raises(UnsupportedModelError, match=r"torch\.no_grad\(\) block"):
+        explain(Frozen().eval(), torch.randn(3, 6), "lrp.epsilon", target=0)

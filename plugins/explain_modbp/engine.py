@@ -42,6 +42,7 @@ from torch import nn
 from explain_core.interfaces.relevance import Composite
 from explain_core.model_guard import ModelGuard
 from explain_modbp.attach import LayerRecord, _Attached, _HandlerMode
+from explain_modbp.errors import UnsupportedModelError
 from explain_modbp.ops import OpHandler
 from explain_modbp.plan_cache import expected_calls, forget_plan, planned
 from explain_modbp.tracing import Plan
@@ -217,6 +218,12 @@ class ModifiedBackprop:
             if not cached or calls == expected_calls(plan):
                 break
             forget_plan(model)  # the model ran other modules than planned: trace again
+        if grad and isinstance(output, torch.Tensor) and not output.requires_grad:
+            raise UnsupportedModelError(
+                "the model's output does not depend differentiably on its input: a "
+                "torch.no_grad() block (or .detach(), .data) in forward cuts the path relevance "
+                "must travel back along; remove it from forward"
+            )
         return ForwardPass(x, output, attached.records, plan)
 
 

@@ -22,10 +22,17 @@ _OP_ALTERNATIVES = {
     "max": "for global max pooling use F.adaptive_max_pool2d(x, 1) (or nn.AdaptiveMaxPool*d)",
     "amax": "for global max pooling use F.adaptive_max_pool2d(x, 1) (or nn.AdaptiveMaxPool*d)",
     "clamp": "for clamp(min=0) use F.relu",
+    "clamp_min": "for clamp_min(0) use F.relu",
+    "clamp_min_": "for clamp_min_(0) use F.relu(x, inplace=True)",
     "clamp_": "for clamp_(min=0) use F.relu(x, inplace=True)",
     "clip": "for clip(min=0) use F.relu",
     "threshold": "for a threshold at 0 use F.relu",
     "detach": "keep the path to the output differentiable (a detached tensor carries no relevance)",
+    **dict.fromkeys(
+        ["gt", "lt", "ge", "le", "eq", "ne", "where"],
+        "a comparison of activations (a mask, torch.where, a maximum of two tensors) has no "
+        "relevance rule; use F.relu or max pooling where that is what it computes",
+    ),
 }
 
 

@@ -90,7 +90,9 @@ LINEAR_OPS = (
     RESHAPE_OPS
     | _GATHER_OPS
     | AVGPOOL_OPS
-    | frozenset(["add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad"])
+    | frozenset(
+        ["add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad", "setitem"]
+    )
 )
 RELU_OPS = frozenset({"relu", "relu_"})
 # Other element-wise activations: LRP passes relevance through them and DeepLIFT rescales them
@@ -160,6 +162,10 @@ VALUE_FREE_OPS = frozenset(
         "new_tensor",
     ]
 )
+# Reads of tensor values into Python (raw function names): forward may branch on them.
+VALUE_READS = frozenset(
+    ["__bool__", "__int__", "__float__", "__index__", "item", "tolist", "allclose", "equal"]
+)
 # F.pad modes that copy values (the gradient is LRP-0's redistribution) or add zeros.
 PAD_MODES = frozenset({"constant", "reflect", "replicate", "circular"})
 ADD_OPS = frozenset({"add", "add_", "sub", "sub_"})
@@ -173,7 +179,7 @@ _SIGN_PRESERVING = (
     | DROPOUT_OPS
     | _GATHER_OPS
     | AVGPOOL_OPS
-    | frozenset(["add", "add_", "pad"])
+    | frozenset(["add", "add_", "pad", "setitem"])
 )
 
 

@@ -7,6 +7,8 @@ caller's composite each time.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import weakref
 from dataclasses import replace
 from typing import Any
@@ -83,12 +85,38 @@ def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
 
 
 def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
-    """The module's plain attributes: flags such as ``self.return_probs`` may steer forward."""
+    """The module's attributes that may steer ``forward``, in comparable form.
+
+    Flags and options (numbers, strings, enums, small containers and dataclasses of them),
+    functions and other objects (by identity, e.g. ``self.act = torch.tanh``) and tensor
+    attributes that are neither parameters nor buffers (by identity and version). Submodules,
+    parameters and buffers are compared elsewhere. Recursion stops at containers of objects:
+    deeper state (an object's own attributes) is not seen.
+    """
     return tuple(
-        (k, v)
-        for k, v in module.__dict__.items()
-        if isinstance(v, (bool, int, float, str, type(None))) and k != "training"
+        (key, _setting(value)) for key, value in module.__dict__.items() if key not in _INTERNAL
     )
+
+
+# nn.Module's own bookkeeping (compared elsewhere, or irrelevant to forward).
+_INTERNAL = frozenset(nn.Module().__dict__)
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), enum.Enum)
+
+
+def _setting(value: Any) -> Any:
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, torch.Tensor):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (list, tuple, set, frozenset)) and len(value) <= 64:
+        items = sorted(value, key=repr) if isinstance(value, (set, frozenset)) else value
+        return (type(value).__name__, tuple(_setting(item) for item in items))
+    if isinstance(value, dict) and len(value) <= 64:
+        return ("dict", tuple((k, _setting(v)) for k, v in value.items()))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object
+        fields = dataclasses.fields(value)
+        return ("dataclass", id(value), tuple(_setting(getattr(value, f.name)) for f in fields))
+    return ("object", id(value))  # functions, modules' helpers, anything else: by identity
 
 
 def _tensor_refs(tensors: dict[str, torch.Tensor | None]) -> tuple[tuple[Any, ...], ...]:
@@ -142,7 +170,7 @@ def planned(
         if entry is not None and _same_fingerprint(entry[0], fingerprint):
             return _resolve_rules(model, composite, entry[1]), True
     plan = trace(model, inputs, composite, extra_ops)
-    if key is not None:
+    if key is not None and not plan.value_dependent:  # a branch on values may go another way
         structure = replace(plan, order=[], rules={}, custom={})
         _PLAN_CACHE.setdefault(model, {})[key] = (fingerprint, structure)
     return plan, False

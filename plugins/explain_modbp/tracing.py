@@ -32,6 +32,7 @@ from explain_modbp.ops import (
     RELU_OPS,
     RESHAPE_OPS,
     VALUE_FREE_OPS,
+    VALUE_READS,
     op_name,
 )
 
@@ -54,6 +55,8 @@ class Plan:
         relu_after: Layers whose output feeds a ReLU.
         rules: Layer name → rule; ``custom``: module name → core rule (opaque modules).
         first_reads: What the first layer reads when no layer reads the model input directly.
+        value_dependent: ``forward`` read input-dependent values into Python (``if h.max() >
+            0``); such a plan was traced on the whole batch and is not cached.
     """
 
     order: list[str] = field(default_factory=list)
@@ -67,6 +70,7 @@ class Plan:
     trace_order: list[str] = field(default_factory=list)
     opaque_custom: list[str] = field(default_factory=list)
     first_reads: str = ""
+    value_dependent: bool = False
 
     @property
     def input_relevance_form(self) -> bool:
@@ -89,11 +93,16 @@ class _TraceMode(TorchFunctionMode):
         name = op_name(func)
         inputs = [t for t in _tensors((args, kwargs)) if id(t) in tracer.dependent]
         result = func(*args, **kwargs)
+        if inputs and getattr(func, "__name__", "") in VALUE_READS:
+            tracer.value_dependent = True  # Python control flow may branch on the values
         if not inputs or name in VALUE_FREE_OPS:
             return result
-        outputs = _tensors(result)
+        # h[i] = v writes into h (and returns None); an in-place op on a view writes into its base
+        outputs = [args[0]] if name == "setitem" else _tensors(result)
         if not outputs:
             return result
+        writes = name == "setitem" or name.endswith("_")
+        bases = [t._base for t in outputs if writes and t._base is not None]
         reshaped_input = name in RESHAPE_OPS | DROPOUT_OPS and any(
             id(t) in tracer.input_like for t in inputs
         )
@@ -102,6 +111,10 @@ class _TraceMode(TorchFunctionMode):
             and all(id(t) in tracer.nonnegative for t in inputs)
             and _no_negative_operands(name, args, kwargs, tracer.dependent)
         )
+        for base in bases:  # the rest of the base keeps its sign, the written part has this one
+            tracer.mark(base)
+            if not (nonnegative and id(base) in tracer.nonnegative):
+                tracer.nonnegative.discard(id(base))
         for out in outputs:
             tracer.mark(out)
             if reshaped_input:
@@ -110,6 +123,7 @@ class _TraceMode(TorchFunctionMode):
                 tracer.nonnegative.add(id(out))
             else:
                 tracer.nonnegative.discard(id(out))  # an in-place op may make it signed
+        outputs += bases
         tracer.record(name, inputs, outputs, tracer.problem(name, args, kwargs, inputs))
         return result
 
@@ -129,6 +143,8 @@ def _no_negative_operands(
         operands = [*args[:2], kwargs.get("other"), alpha]
     elif name in _JOIN_OPS:
         operands = list(_tensors(args[0] if args else kwargs.get("tensors", ())))
+    elif name == "setitem":
+        operands = [args[0], args[2]]  # the tensor written into and the value
     else:
         return True  # values come from the input-dependent tensor alone
     for operand in operands:
@@ -162,6 +178,7 @@ class _Tracer:
         self.nonnegative_layers: set[str] = set()
         self.steps: list[Step] = []
         self.made_by: dict[int, str] = {}
+        self.value_dependent = False
         self.reads: dict[str, str] = {}
 
     def _find_opaque(self, module: nn.Module, path: str) -> None:
@@ -490,12 +507,21 @@ def trace(
 ) -> Plan:
     """Trace ``model`` on the first sample of ``inputs`` and resolve a rule for every layer.
 
+    A model whose forward reads input-dependent values into Python (a branch on them) is traced
+    again on the whole batch, so the plan follows the path the real pass takes.
+
     Raises:
         UnsupportedModelError: For reused modules, layers without a rule and operations the
             engine cannot propagate through.
     """
     tracer = _Tracer(model, composite, extra_ops)
     plan = tracer.run(inputs[:1].detach())
+    if tracer.value_dependent and inputs.shape[0] > 1:
+        # forward reads tensor values into Python (e.g. branches on them): trace the whole
+        # batch, so the plan follows the path the real pass takes (never cached)
+        tracer = _Tracer(model, composite, extra_ops)
+        plan = tracer.run(inputs.detach())
+    plan.value_dependent = tracer.value_dependent
     plan.trace_order = list(plan.order)
     plan.opaque_custom = list(plan.custom)
     move_custom_rules(plan)
