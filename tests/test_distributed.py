@@ -141,6 +141,36 @@ HELPER_SOURCE = textwrap.dedent(
         return again, kept, after
 
 
+    class HardCrash(nn.Module):
+        """The tiny CNN, except that rank 1 dies without a word on its first full batch."""
+
+        def __init__(self):
+            super().__init__()
+            self.net = tiny_cnn()
+
+        def forward(self, x):
+            if os.environ.get("RANK") == "1" and x.shape[0] > 2:
+                os._exit(3)
+            return self.net(x)
+
+
+    def hard_crash():
+        return HardCrash().eval()
+
+
+    def unshared(out, rank):
+        """Each rank writes to its own folder, as on machines without a shared filesystem."""
+        from explain_core.distributed import evaluate
+        from explain_core.errors import DistributedError
+
+        try:
+            evaluate("attributions", tiny_cnn(), digits(), method="gradient",
+                     out_dir=Path(out) / f"unshared-{rank}", shard_size=SHARD, batch_size=BATCH)
+        except DistributedError as error:
+            return str(error)
+        return None
+
+
     def failure(out):
         from explain_core.distributed import evaluate
         from explain_core.errors import DistributedError
@@ -164,7 +194,7 @@ HELPER_SOURCE = textwrap.dedent(
             message = failure(out)
             record = {
                 "results": results, "again": again, "kept": kept, "after": after,
-                "failure": message,
+                "failure": message, "unshared": unshared(out, rank),
             }
             torch.save(record, Path(out) / f"record-{rank}.pt")
         finally:
@@ -385,6 +415,68 @@ def test_invalid_or_foreign_shards_are_recomputed(helper, tmp_path):
         load_attributions(tmp_path)
 
 
+def _attribution_bytes(path: Path) -> slice:
+    """Where the ``attribution`` tensor's bytes lie in a shard file."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    begin, end = json.loads(data[8 : 8 + length])["attribution"]["data_offsets"]
+    return slice(8 + length + begin, 8 + length + end)
+
+
+def test_a_shard_corrupted_on_disk_is_recomputed(helper, one_process, tmp_path):
+    module, _ = helper
+    model, data = module.tiny_cnn(), module.digits()
+    options = dict(method="gradient", out_dir=tmp_path, shard_size=3, batch_size=2)
+    evaluate("attributions", model, data, **options)
+    path = shard_path(tmp_path, range(3, 6))
+    corrupted = bytearray(path.read_bytes())
+    where = _attribution_bytes(path)
+    corrupted[where.start : where.start + 4] = b"\x00\x00\xc0\x7f"  # one map value -> NaN
+    corrupted[where.stop - 4 : where.stop] = b"\xff\xff\x7f\x7f"  # the last -> 3.4e38
+    path.write_bytes(bytes(corrupted))
+    again = evaluate("attributions", model, data, **options)
+    assert again.computed == (range(3, 6),)
+    assert again.reused == (range(0, 3), range(6, 7))
+    stored = load_attributions(tmp_path)
+    assert torch.isfinite(stored.attribution).all()
+    expected = load_attributions(one_process[1] / "attr")
+    for key in ("attribution", "target", "score"):
+        assert torch.equal(getattr(stored, key), getattr(expected, key)), key
+
+
+def test_identical_runs_write_identical_files(helper, tmp_path):
+    module, _ = helper
+    model, data = module.tiny_cnn(), module.digits()
+    options = dict(method="gradient", shard_size=2, batch_size=2)  # 4 shards per run
+    for name in ("a", "b"):
+        evaluate("attributions", model, data, out_dir=tmp_path / name, **options)
+    files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*.*"))
+    assert len(files) == 5  # index.json and 4 shards
+    for file in files:
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+
+
+def test_another_batch_size_recomputes_every_shard(helper, tmp_path):
+    module, _ = helper
+    model, data = module.tiny_cnn(), module.digits()
+    options = dict(method="gradient", out_dir=tmp_path, shard_size=3)
+    evaluate("attributions", model, data, batch_size=2, **options)
+    assert json.loads((tmp_path / "index.json").read_text())["batch_size"] == 2
+    again = evaluate("attributions", model, data, batch_size=3, **options)
+    assert again.reused == () and len(again.computed) == 3
+    assert json.loads((tmp_path / "index.json").read_text())["batch_size"] == 3
+
+
+def test_an_output_folder_that_is_not_shared_is_refused(two_processes):
+    (first, second), out = two_processes
+    assert "does not exist on rank 0" in first["unshared"]
+    assert "shards/shard-000000003-000000006.safetensors that rank 1" in first["unshared"]
+    assert "rank 0 could not write the results" in second["unshared"]
+    for record in (first, second):
+        assert "every rank can see" in record["unshared"]
+    assert not (out / "unshared-0" / "index.json").exists()
+
+
 def test_a_failure_on_one_rank_reaches_every_rank(two_processes):
     (first, second), _ = two_processes
     for record in (first, second):
@@ -465,6 +557,64 @@ def test_cli_under_torchrun_matches_one_process(helper, tmp_path, capsys):
 
     scores = [load_file(str(tmp_path / d / "localisation.safetensors")) for d in ("one", "two")]
     assert torch.equal(scores[0]["score"], scores[1]["score"])
+
+
+def test_cli_reports_a_rank_that_died_in_one_line(helper, tmp_path):
+    _, folder = helper
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            import torch.distributed as dist
+            from explain_core.cli import main
+
+            rank = int(os.environ["RANK"])
+            dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}", rank=rank,
+                                    world_size=2)
+            sys.exit(main(sys.argv[2:]))
+            """
+        )
+    )
+    args = [
+        "evaluate", "--model", f"{HELPER}:hard_crash", "--dataset", "digits", "--limit", "7",
+        "--job", "attributions", "--method", "gradient", "--batch-size", "3",
+        "--shard-size", "3", "--threads", "1", "--out", str(tmp_path / "out"),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), *sys.path]),
+           "WORLD_SIZE": "2"}  # fmt: skip
+    command = [sys.executable, str(driver), str(tmp_path / "rendezvous"), *args]
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    processes = [
+        subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, **pipes)
+        for r in range(2)
+    ]
+    (_, err0), (_, _) = (p.communicate(timeout=120) for p in processes)
+    assert processes[1].returncode == 3  # it died hard, saying nothing
+    assert processes[0].returncode == 1
+    lines = err0.strip().splitlines()
+    assert len(lines) == 1, err0[-3000:]
+    assert lines[0].startswith("explain: error: another rank stopped while rank 0 was waiting")
+
+
+def test_cli_size_errors_name_the_option_once_per_machine(monkeypatch, capsys):
+    from explain_core.cli import main
+
+    argv = ["evaluate", "--model", "x:y", "--dataset", "digits", "--job", "attributions",
+            "--method", "gradient", "--out", "o"]  # fmt: skip
+    for option in ("--shard-size", "--batch-size"):
+        with pytest.raises(SystemExit) as stop:
+            main([*argv, option, "0"])
+        assert stop.value.code == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1
+        assert f"argument {option}: expected an int >= 1" in err
+    # Under torchrun every process parses the command line; one message per machine is enough.
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit) as stop:
+        main([*argv, "--shard-size", "0"])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err == ""
 
 
 def test_cli_usage_errors(capsys):

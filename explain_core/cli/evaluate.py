@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from explain_core.cli.common import (
     add_model_arguments,
@@ -51,9 +51,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", required=True, choices=JOB_NAMES, help="what to compute")
     parser.add_argument("--method", help="registered attribution method (all jobs but REM)")
     parser.add_argument("--out", type=output_path, required=True, help="output folder")
-    parser.add_argument("--batch-size", type=int, default=64, help="samples per pass (64)")
     parser.add_argument(
-        "--shard-size", type=int, default=256, help="samples per chunk and shard file (256)"
+        "--batch-size", type=_positive_int, default=64, help="samples per pass (64)"
+    )
+    parser.add_argument(
+        "--shard-size",
+        type=_positive_int,
+        default=256,
+        help="samples per chunk and shard file (256)",
     )
     parser.add_argument("--limit", type=int, help="only the first N samples")
     parser.add_argument("--image-size", type=int, default=8, help="digits: side length (8)")
@@ -90,6 +95,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vectors", type=int, default=5, help="csc: random vectors (5)")
     group.add_argument("--seed", type=int, default=0, help="csc: base seed (0)")
     group.add_argument("--start", help="csc: layer whose output is randomised (default: last)")
+    _usage_errors_once_per_machine(parser)
+
+
+def _usage_errors_once_per_machine(parser: argparse.ArgumentParser) -> None:
+    """Let only the first process of each machine print a usage error.
+
+    Under torchrun every process parses the same command line, so each would print the same
+    message; the others still exit with status 2. Per machine rather than rank 0 only, so that a
+    problem of one machine (e.g. ``--device cuda`` where it has no GPU) is still reported.
+    """
+    report = parser.error
+
+    def error(message: str) -> NoReturn:
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            parser.exit(2)
+        report(message)
+
+    parser.error = error  # type: ignore[method-assign]
+
+
+def _positive_int(text: str) -> int:
+    """``--batch-size``, ``--shard-size``: an int >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, e.g. 64; got {text!r}")
+    return value
 
 
 def _fraction(text: str) -> float:

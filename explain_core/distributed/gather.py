@@ -33,21 +33,44 @@ __all__ = [
 
 
 def all_gather_objects(obj: Any, context: DistributedContext) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, on every rank."""
+    """Every rank's ``obj`` (picklable), in rank order, on every rank.
+
+    Raises:
+        DistributedError: If another rank stopped (crashed, was killed) instead of taking part.
+    """
     if not context.distributed:
         return [obj]
     out: list[Any] = [None] * context.world_size
-    dist.all_gather_object(out, obj)
+    try:
+        dist.all_gather_object(out, obj)
+    except RuntimeError as error:
+        raise _peer_stopped(context) from error
     return out
 
 
 def gather_to_main(obj: Any, context: DistributedContext, dst: int = 0) -> list[Any] | None:
-    """Every rank's ``obj`` in rank order on rank ``dst``; ``None`` on the other ranks."""
+    """Every rank's ``obj`` in rank order on rank ``dst``; ``None`` on the other ranks.
+
+    Raises:
+        DistributedError: If another rank stopped (crashed, was killed) instead of taking part.
+    """
     if not context.distributed:
         return [obj]
     out: list[Any] | None = [None] * context.world_size if context.rank == dst else None
-    dist.gather_object(obj, out, dst=dst)
+    try:
+        dist.gather_object(obj, out, dst=dst)
+    except RuntimeError as error:
+        raise _peer_stopped(context) from error
     return out
+
+
+def _peer_stopped(context: DistributedContext) -> DistributedError:
+    # A rank that exits hard (killed, out of memory, os._exit) reports nothing itself; the
+    # backend's own error is many lines about sockets, so name what happened (--debug shows it).
+    return DistributedError(
+        f"another rank stopped while rank {context.rank} was waiting for it (it crashed or was "
+        "killed); its own output, or torchrun's summary, says why"
+    )
 
 
 def gather_chunk_results(

@@ -136,7 +136,8 @@ def evaluate(
 
     Raises:
         InvalidInputError: For an unknown job, missing method, masks or output folder, bad sizes.
-        DistributedError: If a rank failed or the ranks' samples do not partition the data.
+        DistributedError: If a rank failed or stopped, the ranks' samples do not partition the
+            data, or (``attributions``) rank 0 cannot see a shard another rank wrote.
     """
     if job not in JOBS:
         raise InvalidInputError(f"unknown job {job!r}; choose from {', '.join(JOBS)}")
@@ -204,11 +205,16 @@ def evaluate(
     failure: BaseException | None = None
     if context.is_main and config.out_dir is not None:
         try:
-            files = _write_outputs(job, config, n, context, summary, per_sample, details)
+            writers = {
+                piece.start: rank
+                for rank in range(context.world_size)
+                for piece in assign_chunks(chunks, rank, context.world_size, mode)
+            }
+            files = _write_outputs(job, config, n, context, summary, per_sample, details, writers)
         except Exception as problem:  # tell the other ranks instead of leaving them waiting
             failure = problem
     # Doubles as the barrier: nobody returns before rank 0 has written (or failed to).
-    statuses = all_gather_objects(None if failure is None else repr(failure), context)
+    statuses = all_gather_objects(None if failure is None else _one_line(failure), context)
     if failure is not None:
         raise failure
     if statuses[0] is not None:
@@ -229,8 +235,12 @@ def evaluate(
     )
 
 
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def _run_key(model: nn.Module, config: JobConfig, name: str, n: int) -> str:
-    """Hash of the model weights, method, options, target mode and data size."""
+    """Hash of the model weights, method, options, target mode, batch size and data size."""
     hasher = hashlib.sha256()
     for key, tensor in sorted(model.state_dict().items()):
         hasher.update(key.encode())
@@ -243,6 +253,8 @@ def _run_key(model: nn.Module, config: JobConfig, name: str, n: int) -> str:
         "data": name,
         "n": n,
         "shard_size": config.shard_size,
+        # Batched methods (e.g. integrated gradients) differ in the last bits between batch sizes.
+        "batch_size": config.batch_size,
     }
     hasher.update(json.dumps(settings, sort_keys=True).encode())
     return hasher.hexdigest()
@@ -274,8 +286,9 @@ def _write_outputs(
     summary: dict[str, Any],
     per_sample: dict[str, torch.Tensor],
     details: Any,
+    writers: dict[int, int],
 ) -> tuple[Path, ...]:
-    from explain_core.distributed.store import FORMAT, VERSION, write_index
+    from explain_core.distributed.store import FORMAT, VERSION, check_listed_shards, write_index
     from explain_core.files import write_atomically
 
     assert config.out_dir is not None
@@ -288,9 +301,12 @@ def _write_outputs(
         "target": config.target,
         "n_samples": n,
         "shard_size": config.shard_size,
+        "batch_size": config.batch_size,
         "world_size": context.world_size,
     }
     if job == "attributions":
+        # The index must not vouch for shards rank 0 cannot read (a folder that is not shared).
+        check_listed_shards(out_dir, details, writers)
         index = {
             "format": FORMAT,
             "version": VERSION,

@@ -8,22 +8,26 @@ Layout of an output folder::
 
 Each shard holds ``attribution`` ``(n, *sample_shape)``, ``index`` (the global sample indices),
 ``target`` and ``score`` (the explained class and its output), and metadata naming its range and
-the *run key* (a hash of the model weights, method, options and data). Shards are written to a
-temporary file and renamed, so a shard that exists is complete. After an interruption, a rerun
-keeps every shard whose metadata, run key and shapes check out and computes only the others.
+the *run key* (a hash of the model weights, method, options, batch size and data) and a SHA-256
+of its own tensors. Shards are written to a temporary file and renamed, so a shard that exists is
+complete; their bytes depend only on their content (the metadata is written in sorted order), so
+identical runs write identical files. After an interruption, a rerun keeps every shard whose
+metadata, run key, shapes and tensor digest check out and computes only the others.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import struct
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from explain_core.distributed.jobs import tensor_digest
 from explain_core.errors import DistributedError
 from explain_core.files import write_atomically
 
@@ -32,6 +36,7 @@ __all__ = [
     "INDEX_NAME",
     "SHARD_FOLDER",
     "StoredAttributions",
+    "check_listed_shards",
     "load_attributions",
     "read_index",
     "read_valid_shard",
@@ -44,6 +49,10 @@ FORMAT = "explain-attributions"
 VERSION = 1
 INDEX_NAME = "index.json"
 SHARD_FOLDER = "shards"
+SHARED_FOLDER_ADVICE = (
+    "--out (out_dir) must be one folder that every rank can see (a shared filesystem when the "
+    "ranks run on several machines)"
+)
 
 
 def shard_path(out_dir: str | Path, piece: range) -> Path:
@@ -60,10 +69,13 @@ def write_shard(
 ) -> dict[str, Any]:
     """Write one shard atomically and return its index entry.
 
-    ``extra`` metadata (e.g. a hash of the chunk's inputs) must match again on resume.
+    ``extra`` metadata (e.g. a hash of the chunk's inputs) must match again on resume. The
+    metadata also holds ``tensors_sha256``, a digest of the tensors, so that a shard whose bytes
+    changed on disk is never reused.
     """
     from safetensors.torch import save
 
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     metadata = {
         "format": FORMAT,
         "version": str(VERSION),
@@ -71,11 +83,41 @@ def write_shard(
         "stop": str(piece.stop),
         "run_key": run_key,
         **(extra or {}),
+        "tensors_sha256": tensors_sha256(cpu),
     }
-    data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, metadata)
+    data = _sorted_metadata(save(cpu, metadata))
     path = shard_path(out_dir, piece)
     write_atomically(path, data)
     return _entry(out_dir, path, piece, data)
+
+
+def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the names, dtypes, shapes and bytes of ``tensors``, in name order.
+
+    A digest of the file cannot live inside the file; one of the tensors can, and it covers every
+    byte of tensor data (a flipped bit in a map, a NaN written over a value).
+    """
+    hasher = hashlib.sha256()
+    for name in sorted(tensors):
+        hasher.update(name.encode())
+        tensor_digest(hasher, tensors[name])
+    return hasher.hexdigest()
+
+
+def _sorted_metadata(data: bytes) -> bytes:
+    """``data`` (a safetensors file) with its ``__metadata__`` keys in sorted order.
+
+    safetensors keeps the metadata in a hash map, so the same call writes its keys in a different
+    order each time; sorting them makes identical shards identical byte for byte (and their
+    SHA-256 in ``index.json`` too). The header keeps its length, padding and tensor offsets.
+    """
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    if "__metadata__" in header:
+        header["__metadata__"] = dict(sorted(header["__metadata__"].items()))
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes with spaces
+    return struct.pack("<Q", len(text)) + text + data[8 + length :]
 
 
 def _entry(out_dir: str | Path, path: Path, piece: range, data: bytes) -> dict[str, Any]:
@@ -96,7 +138,8 @@ def read_valid_shard(
 ) -> dict[str, Any] | None:
     """The index entry of an existing, complete shard of this run, or ``None``.
 
-    A shard is valid when it parses, its metadata names this range and run key, ``index`` is
+    A shard is valid when it parses, its metadata names this range and run key, its tensors match
+    the ``tensors_sha256`` of its metadata (bytes changed on disk are caught), ``index`` is
     ``piece`` and ``attribution`` has ``len(piece)`` rows (of ``sample_shape`` when given), and
     the ``extra`` metadata matches.
     """
@@ -115,6 +158,8 @@ def read_valid_shard(
     expected |= {"start": str(piece.start), "stop": str(piece.stop), **(extra or {})}
     if any(metadata.get(k) != v for k, v in expected.items()):
         return None
+    if metadata.get("tensors_sha256") != tensors_sha256(tensors):
+        return None  # corrupted on disk, or written before shards carried a digest
     attribution, index = tensors.get("attribution"), tensors.get("index")
     if attribution is None or index is None or attribution.shape[0] != len(piece):
         return None
@@ -123,6 +168,47 @@ def read_valid_shard(
     if not torch.equal(index, torch.arange(piece.start, piece.stop, dtype=index.dtype)):
         return None
     return _entry(out_dir, path, piece, data)
+
+
+def check_listed_shards(
+    out_dir: str | Path, entries: Iterable[Mapping[str, Any]], writers: Mapping[int, int]
+) -> None:
+    """Check, before ``index.json`` vouches for them, that the shards are here and unchanged.
+
+    Rank 0 runs this on the entries every rank reported: a shard another rank wrote to a folder
+    rank 0 cannot see (no shared filesystem) is missing or different here.
+
+    Args:
+        out_dir: The output folder as this process sees it.
+        entries: Index entries (``file``, ``start``, ``sha256``).
+        writers: Which rank wrote or checked the shard starting at each index.
+
+    Raises:
+        DistributedError: Naming the first shard that is missing or differs, and the fix.
+    """
+    for entry in entries:
+        path = Path(out_dir) / entry["file"]
+        rank = writers.get(entry["start"], "?")
+        try:
+            digest = _file_sha256(path)
+        except FileNotFoundError:
+            problem = "does not exist on rank 0"
+        else:
+            if digest == entry["sha256"]:
+                continue
+            problem = "differs on rank 0"
+        raise DistributedError(
+            f"shard {path} that rank {rank} wrote or checked {problem}, so no index.json was "
+            f"written; {SHARED_FOLDER_ADVICE}, and only one run may write to it at a time"
+        )
+
+
+def _file_sha256(path: Path) -> str:
+    hasher = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            hasher.update(block)
+    return hasher.hexdigest()
 
 
 def write_index(out_dir: str | Path, index: Mapping[str, Any]) -> Path:
@@ -143,8 +229,8 @@ def read_index(out_dir: str | Path) -> dict[str, Any]:
         index = json.loads(path.read_text())
     except FileNotFoundError:
         raise DistributedError(
-            f"{path} does not exist: the attribution run did not finish; run it again with the "
-            "same arguments to complete the missing shards"
+            f"{path} does not exist: the attribution run did not finish (run it again with the "
+            f"same arguments to complete the missing shards; {SHARED_FOLDER_ADVICE})"
         ) from None
     except json.JSONDecodeError as error:
         raise DistributedError(f"{path} is not valid JSON: {error}") from None
