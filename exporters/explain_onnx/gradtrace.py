@@ -6,8 +6,16 @@
 inputs, so nothing becomes a fake constant, and the batch size stays symbolic), then export that
 graph like any module. The traced graph holds autograd's backward operators; those without an
 ONNX translation are decomposed here into forward operators (a convolution's input gradient is a
-transposed convolution, adaptive average pooling's is two averaging matrices, max pooling's a
-scatter-add), so the exported graph has standard ONNX operators only.
+transposed convolution, adaptive average pooling's is two averaging matrices, replicate padding's
+one 0/1 matrix per padded axis, max pooling's a scatter-add), so the exported graph has standard
+ONNX operators only.
+
+The traced graph is a ``GraphModule`` holding the tensors created inside the model's forward
+(``torch.tensor(0.5)``, a mask built with ``torch.ones``) as attributes ``_tensor_constant0``, ….
+It is kept as the submodule ``traced``, not ``graph``: torch.export rebuilds the module from
+qualified names when it decomposes the exported program, and ``graph._tensor_constant0`` would
+resolve through ``GraphModule.graph`` (the ``torch.fx.Graph``) of the rebuilt root instead of the
+submodule, losing the constants.
 """
 
 from __future__ import annotations
@@ -106,10 +114,35 @@ def _avg_pool2d_backward(
     return out if grad.dim() == 4 else out.squeeze(0)
 
 
+def _replication_pad_backward(
+    grad: torch.Tensor, inputs: torch.Tensor, padding: Sequence[int]
+) -> torch.Tensor:
+    """Replicate padding's input gradient: edge values summed back, one padded axis at a time.
+
+    Replicate padding reads input index ``clamp(o - left, 0, size - 1)`` at output index ``o``
+    of each padded axis (``padding`` is ``(left, right)`` of the last axis first, as in
+    ``F.pad``); its adjoint multiplies that axis with the ``(size_out, size_in)`` 0/1 matrix of
+    this map, which sums the gradient of every replicated position into its edge value.
+    """
+    dims = len(padding) // 2
+    for i in range(dims):
+        axis = grad.dim() - dims + i
+        left = padding[2 * (dims - 1 - i)]
+        right = padding[2 * (dims - 1 - i) + 1]
+        size = inputs.shape[axis]
+        source = torch.arange(-left, size + right, device=grad.device).clamp(0, size - 1)
+        reads = source[:, None] == torch.arange(size, device=grad.device)[None]
+        grad = (grad.movedim(axis, -1) @ reads.to(grad.dtype)).movedim(-1, axis)
+    return grad
+
+
 BACKWARD_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     aten.convolution_backward.default: _convolution_backward,
     aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
     aten.avg_pool2d_backward.default: _avg_pool2d_backward,
+    aten.replication_pad1d_backward.default: _replication_pad_backward,
+    aten.replication_pad2d_backward.default: _replication_pad_backward,
+    aten.replication_pad3d_backward.default: _replication_pad_backward,
 }
 
 
@@ -122,11 +155,16 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
 
 
 class TracedGradientGraph(nn.Module):
-    """A traced gradient function with the model's tensors as buffers; see the module docs."""
+    """A traced gradient function with the model's tensors as buffers; see the module docs.
+
+    Attributes:
+        traced: The traced ``GraphModule`` (with the forward's tensor constants); named so
+            that torch.export's rebuilt module does not confuse it with ``GraphModule.graph``.
+    """
 
     def __init__(self, graph: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.graph = graph
+        self.traced = graph
         self._names = list(tensors)
         for index, name in enumerate(self._names):
             self.register_buffer(f"tensor_{index}", tensors[name])
@@ -134,7 +172,7 @@ class TracedGradientGraph(nn.Module):
     def forward(self, x: torch.Tensor, target: torch.Tensor | None = None) -> Any:
         """Run the traced function on ``x`` (and ``target``, if it was traced with one)."""
         tensors = {name: getattr(self, f"tensor_{i}") for i, name in enumerate(self._names)}
-        return self.graph(tensors, x) if target is None else self.graph(tensors, x, target)
+        return self.traced(tensors, x) if target is None else self.traced(tensors, x, target)
 
 
 def input_gradient_graph(

@@ -26,7 +26,8 @@ relevance (the ``x⁻`` terms are zero), which the parity check confirms on ever
 Exportable: every method of the plugin defined by one composite (``lrp.z``, ``lrp.epsilon``,
 ``lrp.zplus``, ``lrp.alpha_beta``/``lrp.alpha2beta1``, ``lrp.gamma``, ``lrp.w2``, ``lrp.flat``,
 ``lrp.epsilon_plus``, ``lrp.cmp``, ``excitation_bp``, ``excitation_bp.contrastive``) for models
-the engine supports (Linear/Conv/BatchNorm, ReLU, pooling, flatten, additions, …). Not
+the engine supports (Linear/Conv/BatchNorm, ReLU, pooling, zero/reflect/replicate/circular
+padding, flatten, additions, tensors made inside ``forward``, …). Not
 exportable: ``lrp.zb`` (its bounds check branches on values), ``lrp.contrastive`` (two backward
 passes; not one composite).
 """
