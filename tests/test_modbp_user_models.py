@@ -470,3 +470,25 @@ def test_a_no_grad_block_in_forward_is_a_clear_error():
 
     with pytest.raises(UnsupportedModelError, match=r"torch\.no_grad\(\) block"):
         explain(Frozen().eval(), torch.randn(3, 6), "lrp.epsilon", target=0)
+
+
+@pytest.mark.parametrize("prop", ["T", "data"])
+def test_tensor_properties_are_operations_of_their_own(prop):
+    class Property(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.relu(self.fc1(x))
+            return self.fc2(h.T.T if prop == "T" else h.data)
+
+    torch.manual_seed(0)
+    model = Property().double().eval()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    if prop == "T":  # a transpose: linear, LRP-0 stays Input×Gradient
+        got = explain(model, x, "lrp.z", target=0).attribution
+        torch.testing.assert_close(got, input_x_gradient(model, x, 0))
+    else:
+        with pytest.raises(UnsupportedModelError, match=r"'data'.*not \.data"):
+            explain(model, x, "lrp.z", target=0)

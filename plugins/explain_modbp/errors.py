@@ -28,6 +28,7 @@ _OP_ALTERNATIVES = {
     "clip": "for clip(min=0) use F.relu",
     "threshold": "for a threshold at 0 use F.relu",
     "detach": "keep the path to the output differentiable (a detached tensor carries no relevance)",
+    "data": "use the tensor itself, not .data (which is detached and carries no relevance)",
     **dict.fromkeys(
         ["gt", "lt", "ge", "le", "eq", "ne", "where"],
         "a comparison of activations (a mask, torch.where, a maximum of two tensors) has no "

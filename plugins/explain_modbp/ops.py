@@ -48,6 +48,8 @@ RESHAPE_OPS = frozenset(
         "permute",
         "transpose",
         "t",
+        "T",
+        "mT",
         "contiguous",
         "clone",
         "movedim",
@@ -184,8 +186,13 @@ _SIGN_PRESERVING = (
 
 
 def op_name(func: Callable[..., Any]) -> str:
-    """``Tensor.__iadd__`` → ``add_``, ``Tensor.__radd__`` → ``add``, ``F.relu`` → ``relu``."""
+    """``Tensor.__iadd__`` → ``add_``, ``Tensor.__radd__`` → ``add``, ``F.relu`` → ``relu``.
+
+    Properties are named by themselves: ``h.T`` → ``T``, ``h.data`` → ``data``.
+    """
     name = getattr(func, "__name__", repr(func))
+    if name == "__get__":  # a property: h.T, h.mT, h.data
+        return getattr(getattr(func, "__self__", None), "__name__", "get")
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
         if name == "truediv":
