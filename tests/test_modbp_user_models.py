@@ -457,19 +457,26 @@ def test_the_plan_cache_sees_settings_of_every_common_kind(kind):
         torch.testing.assert_close(got, Shifted.reference(model, x, 1))
 
 
-def test_a_no_grad_block_in_forward_is_a_clear_error():
+@pytest.mark.parametrize("cut", ["all", "one branch", "one module"])
+def test_a_no_grad_block_in_forward_is_a_clear_error(cut):
+    # Cutting one of two branches would silently lose that branch's relevance.
     class Frozen(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.fc1, self.fc2 = nn.Linear(6, 8), nn.Linear(8, 3)
+            self.fc1, self.side, self.fc2 = nn.Linear(6, 8), nn.Linear(6, 8), nn.Linear(8, 3)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
-                h = F.relu(self.fc1(x))
+                h = self.fc1(x) if cut == "one module" else F.relu(self.fc1(x))
+            if cut != "all":
+                h = h + self.side(x)
             return self.fc2(h)
 
-    with pytest.raises(UnsupportedModelError, match=r"torch\.no_grad\(\) block"):
-        explain(Frozen().eval(), torch.randn(3, 6), "lrp.epsilon", target=0)
+    model = Frozen().eval()
+    before = state_fingerprint(model)
+    with pytest.raises(UnsupportedModelError, match=r"'fc1' \(Linear\) runs under torch\.no_grad"):
+        explain(model, torch.randn(3, 6), "lrp.epsilon", target=0)
+    assert_same_state(before, state_fingerprint(model))
 
 
 @pytest.mark.parametrize("prop", ["T", "data"])

@@ -237,6 +237,8 @@ class _Tracer:
         It is raised only if the operation's result reaches the model output: an operation in a
         user's hook that only logs (``out.detach()``, ``out.norm()``) does not matter.
         """
+        if not torch.is_grad_enabled():
+            return self.no_grad_problem(name)
         problem = None
         if name in _PRODUCT_OPS | {"rmul", "rdiv"}:
             if len(inputs) > 1 or (
@@ -274,6 +276,18 @@ class _Tracer:
             f"operation {name!r} in module {path!r} ({type_name}) {problem}: the "
             f"modified-backpropagation engine cannot see through it and will not fall back "
             f"to the gradient. {op_hint(name, type_name, leaf=self._is_leaf(path))}"
+        )
+
+    def no_grad_problem(self, op: str | None = None) -> str:
+        """The error for operation ``op`` (or the current module) run under ``torch.no_grad()``."""
+        path, type_name = self.where()
+        subject = f"module {path!r} ({type_name})"
+        if op is not None:
+            subject = f"operation {op!r} in {subject}"
+        return (
+            f"{subject} runs under torch.no_grad() (or inference mode) inside forward, which "
+            "cuts the path relevance travels back along: remove that block (the engine will not "
+            "fall back to the gradient)"
         )
 
     def _is_leaf(self, path: str) -> bool:
@@ -332,7 +346,8 @@ class _Tracer:
                     self.nonnegative.discard(id(t))
                     if isinstance(module, AFFINE_TYPES):
                         self.producer[id(t)] = name
-                self.record(name, inputs, _tensors(output), None, module=True)
+                problem = None if torch.is_grad_enabled() else self.no_grad_problem()
+                self.record(name, inputs, _tensors(output), problem, module=True)
                 if isinstance(module, AFFINE_TYPES):
                     self.order.append(name)
         if not self.opaque_depth and self.stack and self.stack[-1] == name:
@@ -350,7 +365,9 @@ class _Tracer:
                 "tensor to get a relevance rule"
             )
         layer = AffineLayer.from_module(name, module)
-        expected = layer.forward(tensors[0], bias=layer.bias)
+        output = output.detach()
+        with torch.no_grad():
+            expected = layer.forward(tensors[0].detach(), bias=layer.bias)
         scale = 1e-4 if output.dtype in (torch.float16, torch.bfloat16) else 1e-9
         tolerance = 1e-3 if output.dtype in (torch.float16, torch.bfloat16) else 1e-4
         if expected.shape != output.shape or not torch.allclose(
@@ -371,7 +388,9 @@ class _Tracer:
                 handles.append(module.register_forward_hook(self.post_hook))
             self.mark(x)
             self.input_like.add(id(x))
-            with torch.no_grad(), _TraceMode(self):
+            # With gradients on, as the real pass runs: a torch.no_grad() block inside forward
+            # shows as operations run without them (see problem()).
+            with torch.enable_grad(), _TraceMode(self):
                 output = self.model(x)
         finally:
             for handle in handles:
