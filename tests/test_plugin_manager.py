@@ -23,7 +23,13 @@ from explain_gradients.methods import Gradient
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "third_party_plugin"
-GRADIENT_METHODS = ["dynamic.contributions", "gradient", "input_x_gradient", "integrated_gradients"]
+GRADIENT_METHODS = [
+    "dynamic.contributions",
+    "gradient",
+    "input_x_gradient",
+    "integrated_gradients",
+    "smoothgrad",
+]
 
 
 # --- helpers -------------------------------------------------------------------------------------
@@ -183,7 +189,7 @@ def test_autoload_off_loads_only_builtins(sign_target: Path, setting: str) -> No
     assert done.returncode == 0, done.stderr
     assert _plugin_line(done.stdout, "sign") is None
     assert "sign.gradient_sign" not in done.stdout
-    assert _plugin_line(done.stdout, "explain_gradients").endswith("(built-in) - 4 methods")
+    assert _plugin_line(done.stdout, "explain_gradients").endswith("(built-in) - 5 methods")
     assert "input_x_gradient" in done.stdout
     assert "warning" not in done.stderr
 

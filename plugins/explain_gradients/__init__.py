@@ -1,6 +1,6 @@
 """Built-in plugin: gradient-based methods for any differentiable PyTorch model.
 
-Registers ``gradient``, ``input_x_gradient``, ``integrated_gradients`` and
+Registers ``gradient``, ``input_x_gradient``, ``integrated_gradients``, ``smoothgrad`` and
 ``dynamic.contributions`` through the same hooks third-party plugins use.
 """
 
@@ -13,6 +13,7 @@ from explain_gradients.methods import (
     Gradient,
     InputXGradient,
     IntegratedGradients,
+    SmoothGrad,
 )
 
 
@@ -29,6 +30,12 @@ def explain_register_methods() -> list[MethodSpec]:
             IntegratedGradients,
             "gradient",
             "Integrated Gradients along the straight path from a baseline (midpoint rule)",
+        ),
+        MethodSpec(
+            "smoothgrad",
+            SmoothGrad,
+            "gradient",
+            "SmoothGrad: the gradient averaged over noisy copies of the input (seeded)",
         ),
         MethodSpec(
             "dynamic.contributions",
