@@ -57,7 +57,7 @@ def explain(
             on the inputs gets a :class:`~explain_core.errors.ModelRunError` that blames their
             shape only for a shape error, with the model's error chained.
         ModelStateError: If the model is in training mode, or its forward changes its own
-            parameters in place (they are restored first).
+            parameters in place (found, named and not undone; see ``ModelGuard``).
     """
     if not isinstance(method, str):
         raise InvalidInputError(

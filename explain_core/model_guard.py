@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -137,7 +136,7 @@ class ModelGuard:
         with torch.no_grad():
             for buffer, version, copy in self._buffer_copies:
                 # An inference tensor has no version: compare its values instead.
-                if _version(buffer) != version or (version < 0 and not _same_bits(buffer, copy)):
+                if _version(buffer) != version or (version < 0 and not _same_values(buffer, copy)):
                     buffer.copy_(copy)
             replaced = []
             for name, parameter, _, original in self._parameters:
@@ -190,24 +189,9 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
-# Integer dtypes of each element size, to compare floats bit for bit (NaN equals NaN).
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _same_bits(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
-    """Whether ``tensor`` still holds exactly the values of ``copy`` (same shape and dtype)."""
-    if tensor.device.type == "meta":
-        return True  # no values to change
-    tensor = tensor.detach()
-    if tensor.shape != copy.shape or tensor.dtype != copy.dtype:
-        return False
-    bits = _BITS.get(tensor.element_size())
-    if bits is not None and not tensor.is_complex() and tensor.layout == torch.strided:
-        tensor, copy = tensor.view(bits), copy.view(bits)
-        if tensor.device.type == "cpu":
-            # NumPy compares about four times faster than torch.equal on the CPU.
-            return bool(np.array_equal(tensor.numpy(), copy.numpy()))
-    return torch.equal(tensor, copy)
+def _same_values(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
+    """Whether ``tensor`` still holds the values of ``copy`` (a NaN differs: copied back)."""
+    return tensor.device.type == "meta" or torch.equal(tensor.detach(), copy)
 
 
 def _unique_tensors(tensors: Any) -> list[torch.Tensor]:

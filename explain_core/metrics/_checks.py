@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from explain_core.errors import InvalidInputError
-from explain_core.targets import select_target
+from explain_core.targets import normalize_target, select_target
 
 
 def check_int(value: Any, name: str, minimum: int) -> int:
@@ -111,6 +111,15 @@ def check_maps_result(maps: Any, batch: int, layout: Layout = "image") -> torch.
         else "Return one (H, W) map per sample, e.g. to_maps(attribution)."
     )
     return check_maps(maps, "the maps function's result", batch, hint, layout)
+
+
+def required_targets(targets: Any, inputs: torch.Tensor) -> torch.Tensor:
+    """``targets`` as one class per sample; ``None`` (the predicted class) is refused."""
+    if targets is None:
+        raise InvalidInputError(
+            "targets must be given: one int for all samples or one int per sample"
+        )
+    return normalize_target(targets, inputs.shape[0], inputs.device)
 
 
 def check_options(maps: Any, options: dict[str, Any]) -> None:

@@ -23,9 +23,10 @@ from explain_core.metrics._checks import (
     check_options,
     check_target_range,
     input_layout,
+    required_targets,
 )
 from explain_core.metrics.randomisation import compare_maps
-from explain_core.targets import TargetLike, normalize_target
+from explain_core.targets import TargetLike
 from explain_core.validation import check_inputs, check_scores, model_error, refuse_inference_mode
 
 __all__ = ["RandomLogitResult", "method_maps", "random_logit_ssim", "to_maps"]
@@ -52,6 +53,26 @@ def to_maps(attribution: torch.Tensor) -> torch.Tensor:
         f"{tuple(attribution.shape)}. The map metrics compare image maps and 1-d signals: use "
         "them with image or signal inputs, not flat (N, features) vectors."
     )
+
+
+def resolve_maps(maps: str | MapFunction, options: dict[str, Any], caller: str) -> MapFunction:
+    """The function a metric's ``maps`` argument names: a method (with ``options``) or itself.
+
+    Raises:
+        InvalidInputError: For options next to a function, anything else than a name or a
+            function, or a method name inside ``torch.inference_mode()`` (``caller`` names the
+            metric).
+    """
+    check_options(maps, options)
+    if isinstance(maps, str):
+        refuse_inference_mode(caller)
+        return method_maps(maps, **options)
+    if not callable(maps):
+        raise InvalidInputError(
+            "maps must be a method name or a function maps(model, inputs, targets) -> (N, H, W); "
+            f"got {type(maps).__name__}"
+        )
+    return maps
 
 
 def method_maps(method: str, *, baselines: Any = None, **options: Any) -> MapFunction:
@@ -128,22 +149,10 @@ def random_logit_ssim(
     """
     from explain_core.model_guard import require_eval_mode
 
-    check_options(maps, options)
-    if isinstance(maps, str):
-        refuse_inference_mode("random_logit_ssim()")
-        maps = method_maps(maps, **options)
-    elif not callable(maps):
-        raise InvalidInputError(
-            "maps must be a method name or a function maps(model, inputs, targets) -> (N, H, W); "
-            f"got {type(maps).__name__}"
-        )
+    maps = resolve_maps(maps, options, "random_logit_ssim()")
     inputs = check_inputs(inputs, model)
     layout = input_layout(inputs)
-    if targets is None:
-        raise InvalidInputError(
-            "targets must be given: one int for all samples or one int per sample"
-        )
-    targets = normalize_target(targets, inputs.shape[0], inputs.device)
+    targets = required_targets(targets, inputs)
     seed = check_int(seed, "seed", 0)
     if n_classes is not None:
         n_classes = check_int(n_classes, "n_classes", 2)  # the other class needs a second output

@@ -22,11 +22,11 @@ from explain_core.metrics._checks import (
     check_int,
     check_maps,
     check_maps_result,
-    check_options,
     input_layout,
+    required_targets,
 )
-from explain_core.targets import TargetLike, normalize_target
-from explain_core.validation import check_inputs, refuse_inference_mode
+from explain_core.targets import TargetLike
+from explain_core.validation import check_inputs
 
 MapFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -223,27 +223,14 @@ def cascading_randomisation(
             method name inside ``torch.inference_mode()``.
         ModelStateError: If the model is in training mode.
     """
+    from explain_core.metrics.random_logit import resolve_maps  # it imports this module
     from explain_core.model_guard import require_eval_mode
 
-    check_options(maps, options)
-    if isinstance(maps, str):
-        from explain_core.metrics.random_logit import method_maps
-
-        refuse_inference_mode("cascading_randomisation()")
-        maps = method_maps(maps, **options)
-    elif not callable(maps):
-        raise InvalidInputError(
-            "maps must be a method name or a function maps(model, inputs, targets) -> (N, H, W); "
-            f"got {type(maps).__name__}"
-        )
+    maps = resolve_maps(maps, options, "cascading_randomisation()")
     inputs = check_inputs(inputs, model)
     layout = input_layout(inputs)
-    if targets is None:
-        # The predicted class would change as the model is randomised: the maps must not.
-        raise InvalidInputError(
-            "targets must be given: one int for all samples or one int per sample"
-        )
-    targets = normalize_target(targets, inputs.shape[0], inputs.device)
+    # Not the predicted class: it would change as the model is randomised, the maps must not.
+    targets = required_targets(targets, inputs)
     layers = [layers] if isinstance(layers, str) else list(layers)
     if not layers:
         # An empty list would return no steps, which reads like a test that was passed.

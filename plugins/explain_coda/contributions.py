@@ -27,7 +27,7 @@ from explain_core.interfaces.dynamic_linear import (
 )
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import normalize_target, select_target
-from explain_core.validation import check_inputs
+from explain_core.validation import check_inputs, refuse_inference_mode
 
 Classes = Sequence[int] | torch.Tensor | Literal["all"]
 Unit = int | tuple[int, int, int]
@@ -130,12 +130,8 @@ def explicit_matrix(model: CoDANet, inputs: torch.Tensor, classes: Classes = "al
 
 def _check_call(model: nn.Module, inputs: torch.Tensor, name: str) -> torch.Tensor:
     """A private copy of ``inputs`` if they fit ``model`` and gradients can be computed."""
-    # The wording of explain(): autograd's own error ("does not require grad") says nothing.
-    if torch.is_inference_mode_enabled():
-        raise InvalidInputError(
-            f"{name} was called inside torch.inference_mode(), where no gradients can be "
-            "computed; call it outside torch.inference_mode() (torch.no_grad() is fine)"
-        )
+    # As explain(): autograd's own error ("does not require grad") says nothing.
+    refuse_inference_mode(name)
     require_dau_model(model)
     inputs = check_inputs(inputs, model)  # dtype and device against the model, as explain()
     if isinstance(model, CoDANet):

@@ -22,7 +22,7 @@ from explain_core.checkpoints import load_training_checkpoint, save_training_che
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.dynamic_linear import dynamic_linear_rows
 from explain_core.training import EpochHistory, train_resumable
-from explain_core.validation import check_inputs
+from explain_core.validation import check_inputs, refuse_inference_mode
 
 CHECKPOINT_NAME = "checkpoint.safetensors"
 
@@ -103,11 +103,7 @@ def train_coda(
         ModelLoadError: If the checkpoint in ``checkpoint_dir`` was written by another kind of
             model, a model with other settings (e.g. temperature) or another configuration.
     """
-    if torch.is_inference_mode_enabled():
-        raise InvalidInputError(
-            "train_coda() was called inside torch.inference_mode(), where no gradients can be "
-            "computed; call it outside torch.inference_mode()"
-        )
+    refuse_inference_mode("train_coda()")
     labels = _check_training_data(model, images, labels)
     checkpoint = None if checkpoint_dir is None else _checkpoint_file(checkpoint_dir)
 
