@@ -1,8 +1,10 @@
-"""Traced gradient graphs: replicate padding's backward and tensors created inside ``forward``.
+"""Traced gradient graphs: replicate padding's backward, tensors created inside ``forward``, and
+max pooling written without onnxruntime's slow indices output.
 
-Both used to fail every explained export (LRP composites and Input×Gradient): replicate padding's
-backward operator has no ONNX translation, and the traced graph's tensor constants were lost when
-torch.export rebuilt the module. Each export is compared with ``explain()`` on a held-back batch.
+The first two used to fail every explained export (LRP composites and Input×Gradient): replicate
+padding's backward operator has no ONNX translation, and the traced graph's tensor constants were
+lost when torch.export rebuilt the module. Each export is compared with ``explain()`` on a
+held-back batch; the max-pooling decompositions also against PyTorch's own kernels, ties included.
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import onnx  # noqa: E402
 
 from explain_core import explain  # noqa: E402
 from explain_onnx import OnnxSession, export_onnx  # noqa: E402
-from explain_onnx.gradtrace import _replication_pad_backward  # noqa: E402
+from explain_onnx.gradtrace import (  # noqa: E402
+    _max_pool2d_with_indices,
+    _max_pool2d_with_indices_backward,
+    _replication_pad_backward,
+)
 from explain_onnx.parity import relative_difference  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -150,3 +156,112 @@ def test_tensor_constants_of_forward_are_exported(tmp_path, kind, method):
     with torch.no_grad():
         plain = model.fc(torch.relu(model.conv(held_back)).flatten(1))
     assert np.abs(logits - plain.numpy()).max() > 1e-2
+
+
+# --- max pooling over tiling windows --------------------------------------------------------
+
+
+def tied_values(shape: tuple[int, ...], dtype: torch.dtype, nan: bool = False) -> torch.Tensor:
+    """Small integers, so most windows hold their maximum more than once (and NaNs if asked)."""
+    torch.manual_seed(5)
+    x = torch.randint(-1, 2, shape).to(dtype)
+    if nan:
+        x[0, 0, 0, 1] = x[1, 1, 3, 2] = x[1, 1, 3, 3] = float("nan")
+    return x
+
+
+@pytest.mark.parametrize(
+    "shape, kernel, stride, ceil_mode",
+    [
+        ((2, 3, 8, 8), [2, 2], [2, 2], False),
+        ((2, 3, 8, 8), [2, 2], [], False),  # stride left out: the kernel's
+        ((2, 3, 9, 7), [2, 2], [2, 2], False),  # a last row and column no window reads
+        ((2, 3, 8, 9), [2, 3], [2, 3], False),  # not square
+        ((2, 3, 9, 9), [3, 3], [3, 3], True),  # ceil mode where it changes nothing
+        ((2, 2, 6, 6), [1, 1], [1, 1], False),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_max_pool_decomposition_is_pytorchs_kernel_with_ties(
+    shape, kernel, stride, ceil_mode, dtype
+):
+    x = tied_values(shape, dtype).requires_grad_(True)
+    values, indices = torch.ops.aten.max_pool2d_with_indices(
+        x, kernel, stride, [0, 0], [1, 1], ceil_mode
+    )
+    ours, our_indices = _max_pool2d_with_indices(
+        x.detach(), kernel, stride, [0, 0], [1, 1], ceil_mode
+    )
+    assert torch.equal(ours, values.detach())
+    assert torch.equal(our_indices, indices)  # the first maximum of every window, as PyTorch's
+    grad = torch.randn_like(values)
+    (expected,) = torch.autograd.grad(values, x, grad)
+    actual = _max_pool2d_with_indices_backward(
+        grad, x.detach(), kernel, stride, [0, 0], [1, 1], ceil_mode, indices
+    )
+    assert torch.equal(actual, expected)
+
+
+def test_max_pool_decomposition_picks_nans_as_pytorch_does():
+    x = tied_values((2, 2, 4, 4), torch.float32, nan=True)
+    values, indices = torch.ops.aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
+    ours, our_indices = _max_pool2d_with_indices(x, [2, 2], [2, 2])
+    torch.testing.assert_close(ours, values, equal_nan=True, rtol=0, atol=0)
+    assert torch.equal(our_indices, indices)
+
+
+@pytest.mark.parametrize(
+    "kernel, stride, padding, dilation, ceil_mode",
+    [
+        ([3, 3], [2, 2], [0, 0], [1, 1], False),  # overlapping windows
+        ([2, 2], [2, 2], [1, 1], [1, 1], False),  # padded
+        ([2, 2], [2, 2], [0, 0], [2, 2], False),  # dilated
+        ([2, 2], [2, 2], [0, 0], [1, 1], True),  # ceil mode adds a partial window
+    ],
+)
+def test_max_pool_decomposition_leaves_other_windows_to_pytorchs(
+    kernel, stride, padding, dilation, ceil_mode
+):
+    x = torch.randn(1, 2, 7, 7)
+    args = (kernel, stride, padding, dilation, ceil_mode)
+    assert _max_pool2d_with_indices(x, *args) is NotImplemented
+    grad = torch.randn(1, 2, 3, 3)
+    assert _max_pool2d_with_indices_backward(grad, x, *args, grad.long()) is NotImplemented
+
+
+class TiedPooling(nn.Module):
+    """Convolution, ReLU, max pooling, where the pooled maps are flat on flat image regions."""
+
+    def __init__(self, kernel: tuple[int, int], size: tuple[int, int]) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        nn.init.constant_(self.conv.bias, 0.3)  # flat regions give equal, positive activations
+        self.pool = nn.MaxPool2d(kernel)
+        pooled = (size[0] // kernel[0]) * (size[1] // kernel[1])
+        self.fc = nn.Linear(4 * pooled, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(torch.relu(self.conv(x))).flatten(1))
+
+
+def flat_regions(batch: int, size: tuple[int, int], seed: int) -> torch.Tensor:
+    """Images that are zero but for one bright rectangle: most pooling windows hold ties."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.zeros(batch, 1, *size)
+    for image in x:
+        top, left = torch.randint(0, size[0] - 3, (2,), generator=generator)
+        image[:, top : top + 3, left : left + 3] = torch.rand(3, 3, generator=generator) + 0.5
+    return x
+
+
+@pytest.mark.parametrize("method", [*METHODS, "lrp.zplus"])
+@pytest.mark.parametrize("kernel, size", [((2, 2), (8, 8)), ((2, 3), (9, 10))])
+def test_tied_max_pooling_exports_with_parity(tmp_path, method, kernel, size):
+    model = TiedPooling(kernel, size).eval()
+    path = tmp_path / "pooling.onnx"
+    result = export_onnx(model, flat_regions(4, size, seed=7), path, explain=method)
+    assert result.parity is not None and result.parity.passed
+    assert_matches_explain(path, model, flat_regions(5, size, seed=8), method)
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert "MaxPool" not in ops and "ScatterElements" not in ops, ops

@@ -162,12 +162,14 @@ class CoDAContributionsGraph(nn.Module):
         inputs, weights = [], []
         h = x
         for layer in model.layers:
-            weight = layer.dynamic_weight(h)  # (B, out, patch_dim, oh, ow)
-            batch, _, patch_dim, oh, ow = weight.shape
+            # Patch-major (B, patch_dim, out, oh, ow): both contractions below are a broadcast
+            # product and a sum over one axis, with no transpose of this, the largest tensor.
+            weight = layer.patch_major_weight(h)
+            batch, patch_dim, _, oh, ow = weight.shape
             patches = F.unfold(h, layer.kernel_size, padding=layer.padding, stride=layer.stride)
             inputs.append(h)
             weights.append(weight)
-            h = (patches.view(batch, 1, patch_dim, oh, ow) * weight).sum(2)
+            h = (patches.view(batch, patch_dim, 1, oh, ow) * weight).sum(1)
         logits = h.sum(dim=(2, 3)) / model.temperature + model.logit_bias
         chosen = target if target is not None else logits.argmax(dim=1)
         classes = torch.arange(logits.shape[1], device=x.device)
@@ -176,7 +178,7 @@ class CoDAContributionsGraph(nn.Module):
         for layer, h_in, weight in zip(
             reversed(model.layers), reversed(inputs), reversed(weights), strict=True
         ):
-            patch_grad = torch.einsum("bohw,bophw->bphw", grad, weight)
+            patch_grad = (grad.unsqueeze(1) * weight).sum(2)  # (B, patch_dim, oh, ow)
             grad = F.fold(
                 patch_grad.flatten(2),
                 output_size=tuple(h_in.shape[2:]),

@@ -7,8 +7,8 @@ inputs, so nothing becomes a fake constant, and the batch size stays symbolic), 
 graph like any module. The traced graph holds autograd's backward operators; those without an
 ONNX translation are decomposed here into forward operators (a convolution's input gradient is a
 transposed convolution, adaptive average pooling's is two averaging matrices, replicate padding's
-one 0/1 matrix per padded axis, max pooling's a scatter-add), so the exported graph has standard
-ONNX operators only.
+one 0/1 matrix per padded axis, max pooling's a scatter-add, or comparisons where its windows
+tile the input), so the exported graph has standard ONNX operators only.
 
 The traced graph is a ``GraphModule`` holding the tensors created inside the model's forward
 (``torch.tensor(0.5)``, a mask built with ``torch.ones``) as attributes ``_tensor_constant0``, ….
@@ -136,10 +136,109 @@ def _replication_pad_backward(
     return grad
 
 
+def _tiling_windows(
+    inputs: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+) -> tuple[int, int] | None:
+    """``(kh, kw)`` where max pooling's windows tile the (cropped) input; ``None`` otherwise."""
+    kernel = [*kernel_size] * (2 // len(kernel_size))
+    steps = [*(stride or kernel)] * (2 // len(stride or kernel))
+    height, width = inputs.shape[-2:]
+    tiles = steps == kernel and not any(padding) and all(d == 1 for d in dilation)
+    if not tiles or inputs.dim() != 4 or (ceil_mode and (height % kernel[0] or width % kernel[1])):
+        return None
+    return kernel[0], kernel[1]
+
+
+def _window_offsets(inputs: torch.Tensor, kh: int, kw: int) -> list[tuple[int, int, int]]:
+    """``(row, column, flat offset)`` of each element of a window, in PyTorch's scan order."""
+    width = inputs.shape[-1]
+    return [(a, b, a * width + b) for a in range(kh) for b in range(kw)]
+
+
+def _window_corners(inputs: torch.Tensor, kh: int, kw: int) -> torch.Tensor:
+    """``(oh, ow)``: the flat plane index of every window's first element."""
+    height, width = inputs.shape[-2:]
+    rows = torch.arange(height // kh, device=inputs.device) * (kh * width)
+    cols = torch.arange(width // kw, device=inputs.device) * kw
+    return rows[:, None] + cols[None]
+
+
+def _max_pool2d_with_indices(
+    inputs: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int] = (),
+    padding: Sequence[int] = (0,),
+    dilation: Sequence[int] = (1,),
+    ceil_mode: bool = False,
+) -> Any:
+    """Max pooling over windows that tile the input, one strided slice per window element.
+
+    onnxruntime's ``MaxPool`` with an indices output is many times slower than the pooling
+    itself (a third of an explained VGG's time). Here each element of the windows is a strided
+    slice of the input, and a running maximum over them keeps the first maximum, as PyTorch's
+    kernel does (a NaN wins, as there); the indices are PyTorch's, flat per plane.
+    """
+    kernel = _tiling_windows(inputs, kernel_size, stride, padding, dilation, ceil_mode)
+    if kernel is None:
+        return NotImplemented
+    kh, kw = kernel
+    height, width = inputs.shape[-2:]
+    rows, cols = (height // kh) * kh, (width // kw) * kw
+    values = offset = None
+    for a, b, flat in _window_offsets(inputs, kh, kw):
+        element = inputs[..., a:rows:kh, b:cols:kw]
+        if values is None:
+            values, offset = element, torch.full_like(element, flat, dtype=torch.long)
+            continue
+        better = (element > values) | element.isnan()
+        values = torch.where(better, element, values)
+        offset = torch.where(better, flat, offset)
+    return values, _window_corners(inputs, kh, kw) + offset
+
+
+def _max_pool2d_with_indices_backward(
+    grad: torch.Tensor,
+    inputs: torch.Tensor,
+    kernel_size: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    ceil_mode: bool,
+    indices: torch.Tensor,
+) -> Any:
+    """Each window's gradient to its maximum's element: comparisons, not a scatter-add."""
+    kernel = _tiling_windows(inputs, kernel_size, stride, padding, dilation, ceil_mode)
+    if kernel is None:
+        return NotImplemented
+    kh, kw = kernel
+    height, width = inputs.shape[-2:]
+    offset = indices - _window_corners(inputs, kh, kw)
+    zero = grad.new_zeros(())
+    elements = [
+        torch.where(offset == flat, grad, zero) for _, _, flat in _window_offsets(inputs, kh, kw)
+    ]
+    stacked = torch.stack(elements, 2)  # (N, C, kh·kw, oh, ow)
+    if kh == kw:  # pixel_shuffle is one DepthToSpace
+        tiled = torch.nn.functional.pixel_shuffle(stacked.flatten(1, 2), kh)
+    else:
+        batch, channels, _, oh, ow = stacked.shape
+        tiled = stacked.view(batch, channels, kh, kw, oh, ow).permute(0, 1, 4, 2, 5, 3)
+        tiled = tiled.reshape(batch, channels, oh * kh, ow * kw)
+    uncovered = (0, width - tiled.shape[-1], 0, height - tiled.shape[-2])
+    return torch.nn.functional.pad(tiled, uncovered) if any(uncovered) else tiled
+
+
 BACKWARD_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     aten.convolution_backward.default: _convolution_backward,
     aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
     aten.avg_pool2d_backward.default: _avg_pool2d_backward,
+    aten.max_pool2d_with_indices.default: _max_pool2d_with_indices,
+    aten.max_pool2d_with_indices_backward.default: _max_pool2d_with_indices_backward,
     aten.replication_pad1d_backward.default: _replication_pad_backward,
     aten.replication_pad2d_backward.default: _replication_pad_backward,
     aten.replication_pad3d_backward.default: _replication_pad_backward,

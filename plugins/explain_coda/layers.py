@@ -168,12 +168,19 @@ class DAUConv2d(DynamicLinear):
 
         This materialises the large weight tensor; use it for inspection and small inputs.
         """
+        return self.patch_major_weight(x).transpose(1, 2)
+
+    def patch_major_weight(self, x: torch.Tensor) -> torch.Tensor:
+        """``W(x)`` laid out as computed: ``(batch, patch_dim, out_channels, h, w)``.
+
+        :meth:`dynamic_weight` is its transposed view; graphs (ONNX) that contract it over either
+        axis read this layout directly instead of materialising the transpose.
+        """
         self._check_input(x)
         reduced = self.dim_reduction(self.weight_input(x))
         batch, _, h, w = reduced.shape
         raw = self.weightings(reduced).view(batch, self.patch_dim, self.out_channels, h, w)
-        raw = raw * scale_from_squared_norm(raw.pow(2).sum(1, keepdim=True), self.nonlinearity)
-        return raw.transpose(1, 2)
+        return raw * scale_from_squared_norm(raw.pow(2).sum(1, keepdim=True), self.nonlinearity)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``(batch, in_channels, H, W) → (batch, out_channels, h, w)``."""
