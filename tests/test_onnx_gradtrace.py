@@ -27,7 +27,10 @@ from explain_onnx import OnnxSession, export_onnx  # noqa: E402
 from explain_onnx.gradtrace import (  # noqa: E402
     _max_pool2d_with_indices,
     _max_pool2d_with_indices_backward,
+    _nan_to_num,
+    _nan_to_num_,
     _replication_pad_backward,
+    _transposed_convolution,
 )
 from explain_onnx.parity import relative_difference  # noqa: E402
 
@@ -264,4 +267,78 @@ def test_tied_max_pooling_exports_with_parity(tmp_path, method, kernel, size):
     assert result.parity is not None and result.parity.passed
     assert_matches_explain(path, model, flat_regions(5, size, seed=8), method)
     ops = {node.op_type for node in onnx.load(str(path)).graph.node}
-    assert "MaxPool" not in ops and "ScatterElements" not in ops, ops
+    assert "MaxPool" not in ops, ops
+
+
+# --- transposed convolutions as convolutions ------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "dims, channels, groups, padding, dilation",
+    [
+        (2, (16, 32), 1, 1, 1),
+        (2, (16, 32), 1, 0, 1),
+        (2, (32, 16), 4, 2, 1),  # grouped, padding up to the kernel's reach
+        (2, (16, 16), 1, 1, 2),  # dilated
+        (1, (16, 24), 2, 1, 1),
+        (3, (16, 16), 1, 1, 1),
+    ],
+)
+def test_transposed_convolution_as_convolution_is_pytorchs(
+    dims, channels, groups, padding, dilation
+):
+    torch.manual_seed(9)
+    out_channels, in_channels = channels  # of the transposed convolution
+    x = torch.randn(2, in_channels, *[7] * dims, dtype=torch.float64)
+    weight = torch.randn(in_channels, out_channels // groups, *[3] * dims, dtype=torch.float64)
+    bias = torch.randn(out_channels, dtype=torch.float64)
+    args = ([1] * dims, [padding] * dims, [dilation] * dims, True, [0] * dims, groups)
+    expected = torch.ops.aten.convolution(x, weight, bias, *args)
+    actual = _transposed_convolution(x, weight, bias, *args)
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "out_channels, stride, padding, output_padding",
+    [(3, 1, 1, 0), (16, 2, 1, 1), (16, 1, 3, 0)],  # few channels, strided, padding beyond reach
+)
+def test_other_transposed_convolutions_stay(out_channels, stride, padding, output_padding):
+    x, weight = torch.randn(1, 16, 5, 5), torch.randn(16, out_channels, 3, 3)
+    args = ([stride] * 2, [padding] * 2, [1, 1], True, [output_padding] * 2, 1)
+    assert _transposed_convolution(x, weight, None, *args) is NotImplemented
+
+
+def test_explained_graph_leaves_onnxruntime_its_constants(tmp_path):
+    """No ``CastLike`` (which onnxruntime cannot fold) and no ``ConvTranspose`` of many channels."""
+    torch.manual_seed(10)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(16 * 8 * 8, 3),
+    ).eval()  # fmt: skip
+    path = tmp_path / "vgg.onnx"
+    export_onnx(model, torch.rand(4, 3, 8, 8), path, explain="lrp.epsilon_plus")
+    assert_matches_explain(path, model, torch.rand(5, 3, 8, 8), "lrp.epsilon_plus")
+    nodes = onnx.load(str(path)).graph.node
+    assert not [node.name for node in nodes if node.op_type == "CastLike"]
+    transposed = [node for node in nodes if node.op_type == "ConvTranspose"]
+    assert len(transposed) == 2  # only the input layer's (3 channels; signed form: W⁺ and W⁻)
+
+
+# --- nan_to_num -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0.0, -2.5])
+def test_nan_to_num_to_one_number_is_pytorchs(value):
+    x = torch.tensor([1.0, -0.0, float("nan"), float("inf"), -float("inf"), 3e38, -1e-45])
+    expected = torch.nan_to_num(x, value, value, value)
+    assert torch.equal(_nan_to_num(x, value, value, value), expected)
+    inplace = x.clone()
+    assert _nan_to_num_(inplace, value, value, value) is inplace
+    assert torch.equal(inplace, expected)
+
+
+@pytest.mark.parametrize("values", [(None, None, None), (0.0, 1.0, 0.0), (0.0, 0.0, None)])
+def test_nan_to_num_with_several_numbers_stays(values):
+    x = torch.tensor([float("nan"), float("inf")])
+    assert _nan_to_num(x, *values) is NotImplemented
+    assert _nan_to_num_(x, *values) is NotImplemented

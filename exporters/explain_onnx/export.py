@@ -40,6 +40,7 @@ from explain_core.validation import check_inputs, run_once
 from explain_onnx._deps import require
 from explain_onnx.adapters import exportable
 from explain_onnx.explained import explained_module, get_explainer
+from explain_onnx.foldable import cast_like_as_cast
 from explain_onnx.parity import BATCH_SIZES, ParityReport, check_graph, check_parity
 from explain_onnx.runtime import CPU, SILENT, OnnxSession, identity_probe, session_options
 
@@ -481,6 +482,7 @@ def _save(onnx_program: Any, path: Path, model: nn.Module) -> None:
         )
     with _quiet():
         onnx_program.save(str(path), external_data=False)
+    cast_like_as_cast(path)
 
 
 @contextlib.contextmanager

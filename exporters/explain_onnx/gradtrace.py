@@ -7,8 +7,10 @@ inputs, so nothing becomes a fake constant, and the batch size stays symbolic), 
 graph like any module. The traced graph holds autograd's backward operators; those without an
 ONNX translation are decomposed here into forward operators (a convolution's input gradient is a
 transposed convolution, adaptive average pooling's is two averaging matrices, replicate padding's
-one 0/1 matrix per padded axis, max pooling's a scatter-add, or comparisons where its windows
-tile the input), so the exported graph has standard ONNX operators only.
+one 0/1 matrix per padded axis, max pooling's a scatter-add), so the exported graph has
+standard ONNX operators only. A few more are rewritten into operators onnxruntime runs faster
+(max pooling without ``MaxPool``'s indices output, stride-1 transposed convolutions as
+convolutions, ``nan_to_num`` as one comparison); each is exact.
 
 The traced graph is a ``GraphModule`` holding the tensors created inside the model's forward
 (``torch.tensor(0.5)``, a mask built with ``torch.ones``) as attributes ``_tensor_constant0``, ….
@@ -27,6 +29,9 @@ import torch
 from torch import nn
 
 aten = torch.ops.aten
+
+# Output channels from which a transposed convolution is exported as a convolution.
+BLOCKED_CHANNELS = 16
 
 
 def _convolution_backward(
@@ -60,6 +65,43 @@ def _convolution_backward(
             grad, weight, None, stride, padding, dilation, True, extra, groups
         )
     return grad_input, None, None
+
+
+def _transposed_convolution(
+    inputs: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+) -> Any:
+    """A stride-1 transposed convolution as the convolution with the flipped, transposed kernel.
+
+    The two sum the same products. onnxruntime runs ``Conv`` with constant weights in its
+    blocked-layout kernels and ``ConvTranspose`` in a plain one, 1.3–1.6× slower for the
+    backward of every LRP rule; for fewer than 16 output channels (an image's 3) the blocks are
+    mostly padding and the plain kernel is faster.
+    """
+    kernel = weight.shape[2:]
+    reach = [d * (k - 1) for d, k in zip(dilation, kernel, strict=True)]
+    if (
+        not transposed
+        or weight.shape[1] * groups < BLOCKED_CHANNELS
+        or any(s != 1 for s in stride)
+        or any(output_padding)
+        or any(p > r for p, r in zip(padding, reach, strict=True))
+    ):
+        return NotImplemented
+    dims = len(kernel)
+    grouped = weight.unflatten(0, (groups, -1)).transpose(1, 2).flatten(0, 1)
+    flipped = grouped.flip(list(range(2, 2 + dims)))
+    opposite = [r - p for p, r in zip(padding, reach, strict=True)]
+    return aten.convolution(
+        inputs, flipped, bias, [1] * dims, opposite, dilation, False, [0] * dims, groups
+    )
 
 
 def _output_padding(
@@ -211,29 +253,47 @@ def _max_pool2d_with_indices_backward(
     ceil_mode: bool,
     indices: torch.Tensor,
 ) -> Any:
-    """Each window's gradient to its maximum's element: comparisons, not a scatter-add."""
-    kernel = _tiling_windows(inputs, kernel_size, stride, padding, dilation, ceil_mode)
-    if kernel is None:
+    """Each window's gradient to its maximum's element: a scatter, each index written once.
+
+    Windows that tile the input have distinct maxima, so nothing needs adding up (autograd's
+    scatter-add, ``ScatterElements`` with a reduction, is the slower kernel in onnxruntime).
+    """
+    if _tiling_windows(inputs, kernel_size, stride, padding, dilation, ceil_mode) is None:
         return NotImplemented
-    kh, kw = kernel
-    height, width = inputs.shape[-2:]
-    offset = indices - _window_corners(inputs, kh, kw)
-    zero = grad.new_zeros(())
-    elements = [
-        torch.where(offset == flat, grad, zero) for _, _, flat in _window_offsets(inputs, kh, kw)
-    ]
-    stacked = torch.stack(elements, 2)  # (N, C, kh·kw, oh, ow)
-    if kh == kw:  # pixel_shuffle is one DepthToSpace
-        tiled = torch.nn.functional.pixel_shuffle(stacked.flatten(1, 2), kh)
-    else:
-        batch, channels, _, oh, ow = stacked.shape
-        tiled = stacked.view(batch, channels, kh, kw, oh, ow).permute(0, 1, 4, 2, 5, 3)
-        tiled = tiled.reshape(batch, channels, oh * kh, ow * kw)
-    uncovered = (0, width - tiled.shape[-1], 0, height - tiled.shape[-2])
-    return torch.nn.functional.pad(tiled, uncovered) if any(uncovered) else tiled
+    planes = grad.new_zeros(inputs.shape).flatten(-2)
+    return planes.scatter(-1, indices.flatten(-2), grad.flatten(-2)).view(inputs.shape)
+
+
+def _nan_to_num(
+    inputs: torch.Tensor,
+    nan: float | None = None,
+    posinf: float | None = None,
+    neginf: float | None = None,
+) -> Any:
+    """Non-finite values to one number, as one comparison (the LRP rules' ``0/0 → 0``).
+
+    The general translation tests NaN, +inf and −inf separately: six operators on every
+    layer's largest tensors instead of three.
+    """
+    if nan is None or not nan == posinf == neginf:
+        return NotImplemented
+    return torch.where(inputs.abs() < float("inf"), inputs, nan)
+
+
+def _nan_to_num_(
+    inputs: torch.Tensor,
+    nan: float | None = None,
+    posinf: float | None = None,
+    neginf: float | None = None,
+) -> Any:
+    replaced = _nan_to_num(inputs, nan, posinf, neginf)
+    return replaced if replaced is NotImplemented else inputs.copy_(replaced)
 
 
 BACKWARD_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
+    aten.convolution.default: _transposed_convolution,
+    aten.nan_to_num.default: _nan_to_num,
+    aten.nan_to_num_.default: _nan_to_num_,
     aten.convolution_backward.default: _convolution_backward,
     aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
     aten.avg_pool2d_backward.default: _avg_pool2d_backward,
