@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -10,9 +12,10 @@ from torch import nn
 
 from explain_core.attribution import Attribution
 from explain_core.eager import eager_mode, uncompiled
-from explain_core.errors import InvalidInputError
+from explain_core.errors import ExplainError, InvalidInputError
 from explain_core.model_guard import ModelGuard, require_eval_mode
 from explain_core.plugin_manager import get_registry
+from explain_core.registry import MethodError, MethodSpec, check_method_result
 from explain_core.targets import TargetLike, normalize_target
 from explain_core.validation import (
     check_inputs,
@@ -33,9 +36,12 @@ def explain(
 ) -> Attribution:
     """Explain ``model`` at ``inputs`` with a registered method.
 
-    The model must be in eval mode. It is left exactly as it was: outputs, parameters, buffers,
-    hooks and attributes, also when the method raises. A ``torch.compile``'d model (or submodule)
-    runs eagerly during attribution, with the same weights.
+    The model must be in eval mode. It is left exactly as it was: outputs, parameters (with
+    their ``.grad`` and ``requires_grad``), buffers (BatchNorm's running statistics too), hooks
+    and attributes, also when the method raises; parameter values changed in place are reported,
+    not undone. A ``torch.compile``'d model (or submodule) runs eagerly during attribution, with
+    the same weights. What the method returns is checked: the attribution has the inputs' shape
+    (every built-in method returns that shape), and all returned tensors come back detached.
 
     Args:
         model: Any ``nn.Module`` returning ``(batch, n_outputs)`` scores.
@@ -56,8 +62,12 @@ def explain(
             tensor, or a call inside ``torch.inference_mode()``. A model whose forward raises
             on the inputs gets a :class:`~explain_core.errors.ModelRunError` that blames their
             shape only for a shape error, with the model's error chained.
-        ModelStateError: If the model is in training mode, or its forward changes its own
-            parameters in place (found, named and not undone; see ``ModelGuard``).
+        ModelStateError: If the model is in training mode, or its parameters change in place
+            during the call (found, named and not undone; see ``ModelGuard``): by its forward, or
+            by a third-party method.
+        MethodError: If the method's factory builds no ``Method``, it returns no valid
+            ``MethodResult`` (a wrong type or shape, non-integer targets), or a third-party
+            method raises (its error chained), naming the method and its plugin.
     """
     if not isinstance(method, str):
         raise InvalidInputError(
@@ -78,9 +88,15 @@ def explain(
     target_tensor = normalize_target(target, inputs.shape[0], inputs.device)
     require_eval_mode(model)
     # Diagnose only after a failure, so that a valid call costs no extra forward pass; inside
-    # the guard, so that the probe leaves no trace on the model either.
-    with ModelGuard(model), eager_mode(), clear_model_errors(model, inputs):
-        result = engine.attribute(model, inputs, target_tensor, reference)
+    # the guard, so that the probe leaves no trace on the model either (its buffers included).
+    with (
+        ModelGuard(model, during=_third_party_call(spec)),
+        eager_mode(),
+        _named_plugin_errors(spec),
+        clear_model_errors(model, inputs),
+    ):
+        returned = engine.attribute(model, inputs, target_tensor, reference)
+    result = check_method_result(returned, inputs, spec.label)
     check_output_finite(result.output)
     return Attribution(
         attribution=result.attribution,
@@ -90,6 +106,34 @@ def explain(
         delta=result.delta,
         extras=result.extras,
     )
+
+
+def _third_party_call(spec: MethodSpec) -> str | None:
+    """The call for the guard's message; ``None`` for built-ins, which never write weights."""
+    return None if spec.builtin else f"explain(..., {spec.name!r}) (plugin {spec.plugin!r})"
+
+
+@contextmanager
+def _named_plugin_errors(spec: MethodSpec) -> Iterator[None]:
+    """Turn an error escaping a third-party method into one naming the method and plugin.
+
+    The user cannot fix a plugin's bug, so it gets a one-line error on the command line (with
+    the original chained) instead of a traceback; a built-in method's error is a bug of this
+    package and keeps its type and traceback.
+    """
+    try:
+        yield
+    except ExplainError:
+        raise
+    except Exception as error:
+        if spec.builtin:
+            raise
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise MethodError(
+            f"{spec.label} raised {type(error).__name__}: {first}; the error comes from the "
+            "method or from the model's forward it called (the chained traceback says where, "
+            "--debug on the command line)"
+        ) from error
 
 
 class Explainer:

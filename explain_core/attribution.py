@@ -12,6 +12,8 @@ import torch
 class Attribution:
     """Attribution maps for a batch, with the context they were computed in.
 
+    Every tensor is detached from autograd's graph (``explain()`` detaches what a method returns).
+
     Attributes:
         attribution: Relevance of every input element, same shape as the inputs.
         method: Registered name of the method that produced it.

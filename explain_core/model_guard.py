@@ -47,16 +47,25 @@ class ModelGuard:
     """Context manager that restores a model's attributes, hooks, parameters and buffers.
 
     On exit it restores every module's attributes and training flag, removes hooks and submodules
-    that were added, puts back the original ``Parameter`` and buffer objects, the buffers' values
-    and a parameter's storage if ``.data`` was replaced (and reports it). Parameter values are
-    not copied: a
-    second copy of the weights on every call costs memory (on a GPU, too much for large models)
-    and, on the CPU, allocation time that measurably slowed ``bench_modbp_speed.py``. Instead a
-    parameter changed in place (its version counter moved, or its checksum, the sum, which also
-    sees edits through ``.data``, differs) makes the guard raise
-    :class:`~explain_core.errors.ModelStateError` naming it: the explainers never write into
-    parameters, so it was the model's own forward, and an explanation of weights that changed
+    that were added, puts back the original ``Parameter`` and buffer objects, the values of every
+    buffer that changed (BatchNorm's kernel updates its running statistics in place without
+    moving their version counter, so values are compared, not versions), each parameter's
+    ``requires_grad`` flag and ``.grad`` (the same tensor object, or ``None``: the gradients are
+    set aside on entry, so a ``.backward()`` inside accumulates into fresh tensors, never into
+    the caller's), and a parameter's storage if ``.data`` was replaced (and reports it).
+    Parameter values are not copied: a second copy of the weights on every call costs memory
+    (on a GPU, too much for large models) and, on the CPU, allocation time that measurably
+    slowed ``bench_modbp_speed.py``. Instead a parameter changed in place (its version counter
+    moved, or its checksum, the sum, which also sees edits through ``.data``, differs) makes the
+    guard raise :class:`~explain_core.errors.ModelStateError` naming it: the built-in explainers
+    never write into parameters, so it was the model's own forward (or, with ``during``, the
+    forward or the third-party code named there), and an explanation of weights that changed
     while it was computed is meaningless.
+
+    Args:
+        model: The model to guard.
+        during: What runs inside the guard besides the model's forward, for the error message
+            (e.g. ``"explain(..., 'x.method') (plugin 'x')"``); ``None`` blames the forward.
 
     Example:
         >>> with ModelGuard(model):
@@ -64,12 +73,15 @@ class ModelGuard:
         >>> # the hook is gone again
     """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, *, during: str | None = None) -> None:
         self.model = model
+        self.during = during
         self._records: list[_ModuleRecord] = []
-        self._buffer_copies: list[tuple[torch.Tensor, int, torch.Tensor]] = []
+        self._buffer_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._parameters: list[tuple[str, nn.Parameter, int, torch.Tensor]] = []
+        self._autograd: list[tuple[nn.Parameter, bool, torch.Tensor | None]] = []
         self._checksums: torch.Tensor | None = None
+        self._replaced: set[str] = set()  # kept over calls: a second restore() finds them back
         self.changed_parameters: list[str] = []  # names of the parameters found changed
 
     def __enter__(self) -> ModelGuard:
@@ -81,11 +93,15 @@ class ModelGuard:
             }
             self._records.append(_ModuleRecord(module, dict(module.__dict__), containers))
         for buffer in _unique_tensors(self.model.buffers()):
-            self._buffer_copies.append((buffer, _version(buffer), buffer.detach().clone()))
+            self._buffer_copies.append((buffer, buffer.detach().clone()))
         for name, parameter in self.model.named_parameters():
             # detach() shares the storage: it puts back a replaced .data without copying.
             self._parameters.append((name, parameter, _version(parameter), parameter.detach()))
         self._checksums = _checksums(p for _, p, _, _ in self._parameters)
+        for _, parameter, _, _ in self._parameters:
+            self._autograd.append((parameter, parameter.requires_grad, parameter.grad))
+            # Set aside: a backward pass inside would add into the caller's gradient in place.
+            parameter.grad = None
         return self
 
     def __exit__(
@@ -98,16 +114,7 @@ class ModelGuard:
         changed = self.changed_parameters
         if not changed:
             return
-        names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" * (len(changed) > 5))
-        message = (
-            f"the model's forward modified its parameter(s) {names} in place (e.g. "
-            "weight.data.mul_(...) or weight.add_(...) under torch.no_grad() inside forward), so "
-            "every pass of the attribution saw other weights and its result would be "
-            "meaningless (a replaced .data was put back, values changed in place are not: "
-            "reload the weights). Compute "
-            "with a changed copy in forward instead (F.linear(x, self.fc.weight * 1.01)), or "
-            "change the weights outside forward"
-        )
+        message = self._changed_message(changed)
         if exc_type is None:
             raise ModelStateError(message)
         # Another exception is on its way: keep it, and add what happened to the weights (unless
@@ -115,11 +122,33 @@ class ModelGuard:
         if not isinstance(exc, ModelStateError) and hasattr(exc, "add_note"):  # Python >= 3.11
             exc.add_note(message)
 
-    def restore(self) -> None:
-        """Put the recorded structure, buffer values and parameter storages back.
+    def _changed_message(self, changed: list[str]) -> str:
+        names = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" * (len(changed) > 5))
+        undo = (
+            "(a replaced .data was put back, values changed in place are not: reload the weights)"
+        )
+        if self.during is not None:
+            # Third-party code ran beside the forward: either may have written the weights.
+            return (
+                f"parameter(s) {names} changed in place during {self.during}: by the model's "
+                "forward or by the method, so the attribution saw other weights and its result "
+                f"would be meaningless {undo}. If the model's forward changes its weights, "
+                "compute with a changed copy instead (F.linear(x, self.fc.weight * 1.01)); "
+                "otherwise report it to the plugin's authors"
+            )
+        return (
+            f"the model's forward modified its parameter(s) {names} in place (e.g. "
+            "weight.data.mul_(...) or weight.add_(...) under torch.no_grad() inside forward), so "
+            "every pass of the attribution saw other weights and its result would be "
+            f"meaningless {undo}. Compute with a changed copy in forward instead "
+            "(F.linear(x, self.fc.weight * 1.01)), or change the weights outside forward"
+        )
 
-        The names of the parameters whose values changed in place (which it cannot undo) are
-        left in :attr:`changed_parameters`.
+    def restore(self) -> None:
+        """Put the recorded structure, buffer values, gradients and parameter storages back.
+
+        Safe to call more than once. The names of the parameters whose values changed in place
+        (which it cannot undo) are left in :attr:`changed_parameters`.
         """
         for record in self._records:
             module = record.module
@@ -134,17 +163,19 @@ class ModelGuard:
                     current.clear()
                     current.update(saved)
         with torch.no_grad():
-            for buffer, version, copy in self._buffer_copies:
-                # An inference tensor has no version: compare its values instead.
-                if _version(buffer) != version or (version < 0 and not _same_values(buffer, copy)):
-                    buffer.copy_(copy)
-            replaced = []
+            for buffer, copy in self._buffer_copies:
+                _restore_values(buffer, copy)
             for name, parameter, _, original in self._parameters:
                 if parameter.data.data_ptr() != original.data_ptr() or (
                     parameter.shape != original.shape or parameter.dtype != original.dtype
                 ):
                     parameter.data = original  # .data was replaced: put the storage back
-                    replaced.append(name)
+                    self._replaced.add(name)
+            for parameter, requires_grad, grad in self._autograd:
+                if parameter.requires_grad != requires_grad:
+                    parameter.requires_grad_(requires_grad)
+                if parameter.grad is not grad:
+                    parameter.grad = grad
         checksums = _checksums(p for _, p, _, _ in self._parameters)
         moved = (
             checksums != self._checksums
@@ -154,7 +185,7 @@ class ModelGuard:
         self.changed_parameters = [
             name
             for index, (name, parameter, version, _) in enumerate(self._parameters)
-            if name in replaced
+            if name in self._replaced
             or _version(parameter) != version
             or (moved is not None and bool(moved[index]))
         ]
@@ -189,9 +220,27 @@ def _version(tensor: torch.Tensor) -> int:
     return -1 if tensor.is_inference() else tensor._version
 
 
+def _restore_values(buffer: torch.Tensor, copy: torch.Tensor) -> None:
+    """Copy ``copy`` back into ``buffer`` if its values (or its storage's shape) changed."""
+    if buffer.shape != copy.shape or buffer.dtype != copy.dtype or buffer.device != copy.device:
+        buffer.data = copy  # .data was replaced by another shape: put a tensor of the old one
+    elif not _same_values(buffer, copy):
+        buffer.copy_(copy)  # only then: a write moves the version that caches key on
+
+
 def _same_values(tensor: torch.Tensor, copy: torch.Tensor) -> bool:
-    """Whether ``tensor`` still holds the values of ``copy`` (a NaN differs: copied back)."""
-    return tensor.device.type == "meta" or torch.equal(tensor.detach(), copy)
+    """Whether ``tensor`` still holds the values of ``copy``; NaN equals NaN in the same place."""
+    if tensor.device.type == "meta":
+        return True
+    tensor = tensor.detach()
+    if torch.equal(tensor, copy):
+        return True
+    if not (tensor.is_floating_point() or tensor.is_complex()):
+        return False
+    nan = tensor.isnan()
+    return torch.equal(nan, copy.isnan()) and torch.equal(
+        tensor.masked_fill(nan, 0), copy.masked_fill(nan, 0)
+    )
 
 
 def _unique_tensors(tensors: Any) -> list[torch.Tensor]:

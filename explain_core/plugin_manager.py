@@ -2,20 +2,28 @@
 
 Built-in plugins (:data:`BUILTIN_PLUGINS`) are registered through the same hooks as third-party
 ones; third-party plugins come from the ``explain.plugins`` entry-point group. Every plugin is
-imported, registered and called in its own ``try``: one that fails is reported as a warning and
-listed by ``explain plugins``, and everything else keeps working.
+imported, registered and called in its own ``try``: one that fails (it raises, even
+``SystemExit``, or its hooks return anything but the documented objects) is reported as a warning
+and listed by ``explain plugins``, and everything else keeps working. A third-party method named
+like a built-in one is left out with a warning; two third-party plugins registering the same name
+make :attr:`PluginManager.registry` raise :class:`~explain_core.errors.DuplicateMethodError`
+naming both. A second distribution declaring an entry-point name already loaded is reported, not
+loaded.
 
 The environment variable ``EXPLAIN_PLUGINS`` controls autoloading of third-party plugins:
 unset loads all of them, an empty value (or ``none``) loads none, and a comma-separated list of
-entry-point names loads only those.
+entry-point names loads only those. The ONNX exporter's ``explain_onnx.explainers`` entry points
+follow the same setting (:func:`selected_entry_points`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
+import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import metadata
@@ -37,6 +45,9 @@ BUILTIN_PLUGINS: tuple[str, ...] = (
 """Modules of the plugins that ship with the package, loaded like entry points but always on."""
 
 ENV_VARIABLE = "EXPLAIN_PLUGINS"
+BUILTIN_SOURCE = "built-in"
+# Entry-point groups whose names EXPLAIN_PLUGINS selects (the ONNX exporter's explainers too).
+SELECTABLE_GROUPS = (hookspecs.ENTRY_POINT_GROUP, "explain_onnx.explainers")
 
 
 class PluginWarning(UserWarning):
@@ -51,8 +62,10 @@ class PluginInfo:
         name: Plugin name (the entry-point name, or the module name of a built-in).
         version: Version of the distribution that provides it.
         source: ``"built-in"`` or ``"entry point of <distribution>"``.
-        error: Why the plugin failed to load or register, or ``None``.
+        error: Why the plugin failed to load or register (one line), or ``None``.
         methods: Names of the methods it registers.
+        problems: Methods of it that were left out while the rest of it works (a name a
+            built-in plugin has, or that another plugin registers too), one line each.
     """
 
     name: str
@@ -60,6 +73,12 @@ class PluginInfo:
     source: str
     error: str | None = None
     methods: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def builtin(self) -> bool:
+        """Whether the plugin ships with the package."""
+        return self.source == BUILTIN_SOURCE
 
 
 class PluginManager:
@@ -70,14 +89,16 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
         self._registry: MethodRegistry | None = None
+        self._clashes: list[str] = []
+        self._warned: set[str] = set()  # problems found again on every rebuild warn once
 
     def load(self, builtins: Sequence[str] = BUILTIN_PLUGINS, entry_points: bool = True) -> None:
         """Register the built-in plugins and, unless switched off, the entry-point plugins."""
         version = package_version()
         for module_name in builtins:
-            self._load_one(module_name, version, "built-in", lambda m=module_name: _import(m))
+            self._load_one(module_name, version, BUILTIN_SOURCE, lambda m=module_name: _import(m))
         if entry_points:
-            for entry_point in _selected_entry_points():
+            for entry_point in selected_entry_points():
                 dist = entry_point.dist
                 self._load_one(
                     entry_point.name,
@@ -96,17 +117,40 @@ class PluginManager:
     def registry(self) -> MethodRegistry:
         """Method name → specification over all plugins that registered successfully.
 
+        A third-party method named like a built-in one is left out with a
+        :class:`PluginWarning` (the built-in keeps the name).
+
         Raises:
-            DuplicateMethodError: If two plugins register the same method name.
+            DuplicateMethodError: If two third-party plugins (or two built-in ones) register
+                the same method name.
+        """
+        registry = self.registry_without_clashes()
+        if self._clashes:
+            raise DuplicateMethodError("; also ".join(self._clashes))
+        return registry
+
+    def registry_without_clashes(self) -> MethodRegistry:
+        """The registry without the names that plugins clash on, for listings.
+
+        ``explain plugins`` must list the plugins also when two of them clash, so that the user
+        can find the culprit; each clash is in the ``problems`` of the plugins involved.
         """
         if self._registry is None:
-            self._registry = self._build_registry()
+            self._registry, self._clashes = self._build_registry()
         return self._registry
 
     def demo_steps(self) -> list[Any]:
-        """Demo steps from all plugins, in their declared order."""
+        """Demo steps from all plugins, in their declared order.
+
+        A plugin whose ``explain_demo_steps`` raises or returns anything but ``DemoStep``
+        objects fails alone, with a :class:`PluginWarning`.
+        """
+        from explain_core.demo import DemoStep
+
         steps: list[Any] = []
-        for plugin_name, results in self._call_each("explain_demo_steps"):
+        for plugin_name, results in self._call_each(
+            "explain_demo_steps", DemoStep, "explain_core.demo.DemoStep"
+        ):
             for step in results:
                 step.plugin = plugin_name
                 steps.append(step)
@@ -114,9 +158,14 @@ class PluginManager:
 
     def _load_one(self, name: str, version: str, source: str, load: Callable[[], object]) -> None:
         if name in self.plugins:  # never let a newcomer displace a plugin that already works
-            clash = PluginInfo(f"{name} ({source})", version, source)
-            self.plugins[clash.name] = clash
-            self._fail(clash, f"not loaded: a plugin named {name!r} is already loaded")
+            loaded = self.plugins[name]
+            clash = PluginInfo(name, version, source)
+            self.plugins[self._spare_key(f"{name} ({source})")] = clash
+            self._fail(
+                clash,
+                f"not loaded: a plugin named {name!r} is already loaded ({loaded.source}); "
+                "rename or uninstall one of them",
+            )
             return
         info = PluginInfo(name, version, source)
         self.plugins[name] = info
@@ -125,9 +174,17 @@ class PluginManager:
             if self.pm.is_registered(plugin):
                 raise ValueError(f"the same plugin object is already registered as {name!r}")
             self.pm.register(plugin, name=name)
-        except Exception as error:
-            self._fail(info, f"failed to load: {type(error).__name__}: {error}")
+        except (Exception, SystemExit) as error:  # sys.exit() in a plugin must not end the host
+            self._fail(info, f"failed to load: {_describe(error)}")
         self._registry = None
+
+    def _spare_key(self, key: str) -> str:
+        """``key``, numbered if taken: every rejected twin keeps its own listing entry."""
+        spare, number = key, 1
+        while spare in self.plugins:
+            number += 1
+            spare = f"{key} #{number}"
+        return spare
 
     def _check_pending(self) -> None:
         # A misspelled hook name only surfaces here; drop the offending plugin, keep the rest.
@@ -138,76 +195,218 @@ class PluginManager:
             except pluggy.PluginValidationError as error:
                 name = self.pm.get_name(error.plugin) or str(error.plugin)
                 self.pm.unregister(error.plugin)
-                info = self.plugins.setdefault(name, PluginInfo(name, "unknown", "registered"))
-                self._fail(info, str(error))
+                self._fail(self._info(name), str(error))
+
+    def _info(self, name: str) -> PluginInfo:
+        """The loaded plugin registered under ``name`` (one put into ``pm`` directly, too)."""
+        return self.plugins.setdefault(name, PluginInfo(name, "unknown", "registered"))
 
     def _fail(self, info: PluginInfo, reason: str) -> None:
-        info.error = reason
+        info.error = _one_line(reason)
         warnings.warn(
-            f"explain plugin {info.name!r} ({info.source}) {reason}; the other plugins still work",
+            f"explain plugin {info.name!r} ({info.source}) {info.error}; the other plugins still "
+            "work",
             PluginWarning,
             stacklevel=3,
         )
 
-    def _call_each(self, hook_name: str) -> list[tuple[str, Sequence[Any]]]:
-        """Call one hook plugin by plugin, so a failure is attributed and isolated."""
-        results = []
+    def _call_each(
+        self, hook_name: str, item_type: type, expected: str
+    ) -> list[tuple[str, list[Any]]]:
+        """Call one hook plugin by plugin, so a failure is attributed and isolated.
+
+        A plugin whose hook raises, or returns anything but a list of ``item_type``, fails as
+        a whole; the results of the others come back, in registration order.
+        """
+        collected: dict[str, list[Any]] = {}
         for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
-            info = self.plugins.get(impl.plugin_name)
-            if info is not None and info.error:
+            info = self._info(impl.plugin_name)
+            if info.error:
                 continue
             try:
-                results.append((impl.plugin_name, list(impl.function() or ())))
-            except Exception as error:
-                if info is not None:
-                    self._fail(info, f"raised in {hook_name}: {type(error).__name__}: {error}")
-        return results
-
-    def _build_registry(self) -> MethodRegistry:
-        specs: dict[str, MethodSpec] = {}
-        for plugin_name, results in self._call_each("explain_register_methods"):
-            for spec in results:
-                if spec.name in specs:
-                    raise DuplicateMethodError(
-                        f"method {spec.name!r} is registered by two plugins, "
-                        f"{specs[spec.name].plugin!r} and {plugin_name!r}; uninstall one of them "
-                        f"or restrict loading with {ENV_VARIABLE}=<names>"
-                    )
-                specs[spec.name] = MethodSpec(
-                    spec.name, spec.factory, spec.family, spec.summary, plugin_name
+                returned = impl.function()
+                items = _as_list(returned)
+            except (Exception, SystemExit) as error:
+                self._fail(info, f"raised in {hook_name}: {_describe(error)}")
+                continue
+            problem = _items_problem(returned, items, item_type)
+            if items is None or problem is not None:
+                self._fail(
+                    info,
+                    f"returned {problem} from {hook_name}, where a list of {expected} is "
+                    "expected, so it is not used",
                 )
+                continue
+            collected.setdefault(impl.plugin_name, []).extend(items)
+        # A plugin with several implementations may have failed in a later one.
+        return [(name, items) for name, items in collected.items() if not self._info(name).error]
+
+    def _build_registry(self) -> tuple[MethodRegistry, list[str]]:
+        claims: dict[str, list[MethodSpec]] = {}
+        for plugin_name, results in self._call_each(
+            "explain_register_methods", MethodSpec, "explain_core.MethodSpec"
+        ):
+            info = self._info(plugin_name)
+            problem = _specs_problem(results)
+            if problem is not None:
+                self._fail(info, f"{problem}, so it is not used")
+                continue
+            for spec in results:
+                # plugin and builtin come from where it was loaded, never from the plugin.
+                claimed = dataclasses.replace(spec, plugin=plugin_name, builtin=info.builtin)
+                claims.setdefault(spec.name, []).append(claimed)
         for info in self.plugins.values():
-            info.methods = sorted(n for n, s in specs.items() if s.plugin == info.name)
-        return MethodRegistry(specs)
+            info.problems = []
+        specs: dict[str, MethodSpec] = {}
+        clashes = []
+        for name, claimants in claims.items():
+            builtins = [spec for spec in claimants if spec.builtin]
+            if len(claimants) == 1:
+                specs[name] = claimants[0]
+            elif len(builtins) == 1:  # a third-party plugin must not disable a built-in method
+                specs[name] = builtins[0]
+                for spec in claimants:
+                    if not spec.builtin:
+                        self._skip_shadowing(spec, builtins[0].plugin)
+            else:
+                clashes.append(self._clash(name, [spec.plugin for spec in claimants]))
+        for info in self.plugins.values():
+            names = (n for n, s in specs.items() if s.plugin == info.name)
+            # A rejected twin has the same name as the loaded plugin but none of its methods.
+            info.methods = sorted(names) if self.plugins.get(info.name) is info else []
+        return MethodRegistry(specs), clashes
+
+    def _skip_shadowing(self, spec: MethodSpec, builtin: str) -> None:
+        problem = (
+            f"method {spec.name!r} skipped: the built-in plugin {builtin!r} registers that name "
+            "and keeps it"
+        )
+        info = self._info(spec.plugin)
+        info.problems.append(problem)
+        message = (
+            f"explain plugin {info.name!r} ({info.source}): {problem}; its other methods still work"
+        )
+        if message not in self._warned:  # the registry is rebuilt after every registration
+            self._warned.add(message)
+            warnings.warn(message, PluginWarning, stacklevel=5)
+
+    def _clash(self, name: str, plugins: list[str]) -> str:
+        quoted = [repr(plugin) for plugin in plugins]
+        count = "two" if len(plugins) == 2 else str(len(plugins))
+        message = (
+            f"method {name!r} is registered by {count} plugins, {', '.join(quoted[:-1])} and "
+            f"{quoted[-1]}; uninstall one of them or restrict loading with "
+            f"{ENV_VARIABLE}=<names>"
+        )
+        for plugin in plugins:
+            self._info(plugin).problems.append(message)
+        return message
 
 
 def _import(module_name: str) -> ModuleType:
     return importlib.import_module(module_name)
 
 
-def _selected_entry_points() -> list[metadata.EntryPoint]:
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _describe(error: BaseException) -> str:
+    if isinstance(error, SystemExit):
+        return f"SystemExit: it called sys.exit({error.code!r})"
+    return f"{type(error).__name__}: {error}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _as_list(returned: Any) -> list[Any] | None:
+    """A hook's result as a list (``None`` counts as empty), or ``None`` if it is no list."""
+    if returned is None:
+        return []
+    if isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, Mapping)):
+        return list(returned)  # a list, a tuple or e.g. a generator
+    return None
+
+
+def _items_problem(returned: Any, items: list[Any] | None, item_type: type) -> str | None:
+    """What is wrong with a hook's result (``items``: it as a list), or ``None``."""
+    if items is None:
+        return f"{type(returned).__name__} {_short(returned)} instead of a list"
+    for index, item in enumerate(items):
+        if not isinstance(item, item_type):
+            return f"{type(item).__name__} {_short(item)} as item {index}"
+    return None
+
+
+def _specs_problem(specs: list[MethodSpec]) -> str | None:
+    """What is wrong with one plugin's method specifications, or ``None``."""
+    seen: set[str] = set()
+    for spec in specs:
+        if not isinstance(spec.name, str) or not spec.name.strip():
+            return f"registers a method named {spec.name!r} (expected a non-empty str)"
+        if spec.name in seen:
+            return f"registers {spec.name!r} twice"
+        seen.add(spec.name)
+        if not callable(spec.factory):
+            return (
+                f"registers {spec.name!r} with the factory {_short(spec.factory)} (expected a "
+                "callable that builds an explain_core.Method, usually the Method subclass)"
+            )
+        for attribute in ("family", "summary"):
+            value = getattr(spec, attribute)
+            if not isinstance(value, str):
+                return (
+                    f"registers {spec.name!r} with the {attribute} {_short(value)} (expected a str)"
+                )
+    return None
+
+
+def selected_entry_points(
+    group: str = hookspecs.ENTRY_POINT_GROUP, *, warn_missing: bool = True
+) -> list[metadata.EntryPoint]:
+    """The entry points of ``group`` that ``EXPLAIN_PLUGINS`` selects (all while it is unset).
+
+    Args:
+        group: Entry-point group, e.g. ``"explain.plugins"`` or ``"explain_onnx.explainers"``.
+        warn_missing: Warn about selected names that are not installed (for the plugin group;
+            other groups need not have every name).
+    """
     setting = os.environ.get(ENV_VARIABLE)
-    found = list(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP))
+    found = _unique(metadata.entry_points(group=group))
     if setting is None:
-        return _unique_by_name(found)
+        return found
     wanted = {name.strip() for name in setting.split(",") if name.strip()} - {"none"}
-    missing = wanted - {ep.name for ep in found}
+    missing = wanted - {ep.name for ep in found} if warn_missing else set()
+    if missing:
+        # A name may select only an entry point of another group (e.g. ONNX explainers).
+        missing -= {ep.name for g in SELECTABLE_GROUPS for ep in metadata.entry_points(group=g)}
     if missing:
         warnings.warn(
             f"{ENV_VARIABLE} names plugins that are not installed: {', '.join(sorted(missing))}",
             PluginWarning,
             stacklevel=3,
         )
-    return _unique_by_name([ep for ep in found if ep.name in wanted])
+    return [ep for ep in found if ep.name in wanted]
 
 
-def _unique_by_name(entry_points: list[metadata.EntryPoint]) -> list[metadata.EntryPoint]:
+def _unique(entry_points: Iterable[metadata.EntryPoint]) -> list[metadata.EntryPoint]:
     # The same distribution can be visible twice on sys.path (e.g. an editable install plus a
-    # build directory); load each entry point name once.
-    unique: dict[str, metadata.EntryPoint] = {}
+    # build directory): load its entry point once. Two distributions declaring the same name
+    # are both kept, so that the second is reported as a clash instead of silently dropped.
+    unique: dict[tuple[str, str, str], metadata.EntryPoint] = {}
     for entry_point in entry_points:
-        unique.setdefault(entry_point.name, entry_point)
+        unique.setdefault(
+            (entry_point.name, entry_point.value, _dist_key(entry_point)), entry_point
+        )
     return list(unique.values())
+
+
+def _dist_key(entry_point: metadata.EntryPoint) -> str:
+    dist = entry_point.dist
+    return re.sub(r"[-_.]+", "-", dist.name).lower() if dist is not None else ""
 
 
 def package_version() -> str:

@@ -7,24 +7,34 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NoReturn
 
 import torch
 from torch import nn
 
-from explain_core.errors import InvalidInputError, UnknownMethodError
+from explain_core.errors import ExplainError, InvalidInputError, UnknownMethodError
 from explain_core.option_types import check_option_types
+
+
+class MethodError(ExplainError, RuntimeError):
+    """A plugin's method that broke the :class:`Method` contract or raised; names both.
+
+    A factory that builds no :class:`Method`, a result that is no valid :class:`MethodResult`,
+    or (for third-party plugins) an error escaping ``attribute()``, chained as the cause.
+    """
 
 
 @dataclass(frozen=True)
 class MethodResult:
     """What a method computes; :func:`explain_core.explain` wraps it into an ``Attribution``.
 
+    ``explain()`` checks every result (:func:`check_method_result`) and detaches its tensors.
+
     Attributes:
-        attribution: Same shape as the inputs.
+        attribution: Same shape as the inputs (every built-in method returns that shape).
         output: Model output, detached, ``(batch, n_outputs)``.
         target: Explained output per sample, int64 ``(batch,)``.
-        delta: Completeness or convergence delta per sample, or ``None``.
+        delta: Completeness or convergence delta per sample ``(batch,)``, or ``None``.
         extras: Method-specific values.
     """
 
@@ -76,6 +86,7 @@ class MethodSpec:
         family: Method family, for listings (``"gradient"``, ``"lrp"``, ``"coda"``).
         summary: One line describing the method.
         plugin: Name of the plugin that registered it; filled in by the registry.
+        builtin: Whether that plugin ships with the package; filled in by the registry.
     """
 
     name: str
@@ -83,9 +94,19 @@ class MethodSpec:
     family: str
     summary: str
     plugin: str = ""
+    builtin: bool = False
+
+    @property
+    def label(self) -> str:
+        """``method 'name' (plugin 'p')``, for messages."""
+        return f"method {self.name!r}" + (f" (plugin {self.plugin!r})" if self.plugin else "")
 
     def options(self) -> dict[str, Any]:
-        """Option name → default value (``inspect.Parameter.empty`` when required)."""
+        """Option name → default value (``inspect.Parameter.empty`` when required).
+
+        Raises:
+            MethodError: If the factory's parameters cannot be read (e.g. a builtin type).
+        """
         if dataclasses.is_dataclass(self.factory):
             return {
                 f.name: (
@@ -94,7 +115,14 @@ class MethodSpec:
                 for f in dataclasses.fields(self.factory)
                 if f.init
             }
-        parameters = inspect.signature(self.factory).parameters.values()
+        try:
+            parameters = inspect.signature(self.factory).parameters.values()
+        except (TypeError, ValueError):
+            raise MethodError(
+                f"{self.label} has the factory {self.factory!r}, whose options cannot be read; "
+                "a MethodSpec's factory must build an explain_core.Method (usually the Method "
+                "subclass itself): report it to the plugin's authors"
+            ) from None
         keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         return {p.name: p.default for p in parameters if p.kind in keyword}
 
@@ -107,6 +135,7 @@ class MethodSpec:
 
         Raises:
             InvalidInputError: If an option is unknown, of the wrong type, not finite or invalid.
+            MethodError: If the factory does not build a :class:`Method`.
         """
         known = self.options()
         unknown = sorted(set(options) - set(known))
@@ -118,9 +147,83 @@ class MethodSpec:
             )
         check_option_types(self.name, self.factory, options, known)
         try:
-            return self.factory(**options)
+            method = self.factory(**options)
         except (TypeError, ValueError) as error:
             raise InvalidInputError(f"invalid options for method {self.name!r}: {error}") from error
+        if not isinstance(method, Method):
+            raise MethodError(
+                f"{self.label}: its factory built {type(method).__name__}; expected an "
+                "explain_core.Method (a MethodSpec's factory is usually the Method subclass): "
+                "report it to the plugin's authors"
+            )
+        return method
+
+
+def check_method_result(result: Any, inputs: torch.Tensor, label: str) -> MethodResult:
+    """``result`` with its tensors detached, if it keeps the :class:`MethodResult` contract.
+
+    The attribution must have the inputs' shape, the output ``(batch, n_outputs)`` rows, the
+    target one integer per sample within ``[0, n_outputs)``, and the delta (if any) one value
+    per sample. The target comes back as int64.
+
+    Args:
+        result: What a method's ``attribute()`` returned.
+        inputs: The inputs it explained, ``(batch, ...)``.
+        label: The method in messages, e.g. ``"method 'x' (plugin 'p')"``.
+
+    Raises:
+        MethodError: Naming the method, what it returned and what was expected.
+    """
+    if not isinstance(result, MethodResult):
+        _broken(label, f"returned {type(result).__name__}; expected explain_core.MethodResult")
+    batch = inputs.shape[0]
+    shape = tuple(inputs.shape)
+    _check_tensor(label, "attribution", result.attribution, shape, f"the inputs' shape {shape}")
+    _check_tensor(label, "output", result.output, (batch, -1), f"shape ({batch}, n_outputs)")
+    _check_tensor(label, "target", result.target, (batch,), f"shape ({batch},)")
+    _check_target(label, result.target, result.output.shape[1])
+    if result.delta is not None:
+        _check_tensor(label, "delta", result.delta, (batch,), f"shape ({batch},) or None")
+    if not isinstance(result.extras, dict):
+        _broken(label, f"returned extras of type {type(result.extras).__name__}; expected a dict")
+    return MethodResult(
+        attribution=result.attribution.detach(),
+        output=result.output.detach(),
+        target=result.target.detach().long(),
+        delta=None if result.delta is None else result.delta.detach(),
+        extras={
+            key: value.detach() if isinstance(value, torch.Tensor) else value
+            for key, value in result.extras.items()
+        },
+    )
+
+
+def _broken(label: str, what: str) -> NoReturn:
+    raise MethodError(f"{label} {what}; report it to the plugin's authors")
+
+
+def _check_tensor(label: str, name: str, value: Any, shape: tuple[int, ...], wanted: str) -> None:
+    """A tensor of ``shape`` (-1: any size on that axis), else :class:`MethodError`."""
+    name = f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+    if not isinstance(value, torch.Tensor):
+        _broken(
+            label,
+            f"returned {name} of type {type(value).__name__}; expected a torch.Tensor of {wanted}",
+        )
+    sizes = zip(shape, value.shape, strict=False)  # compared only when the ranks agree
+    if value.dim() != len(shape) or any(n not in (-1, m) for n, m in sizes):
+        _broken(label, f"returned {name} of shape {tuple(value.shape)}; expected {wanted}")
+
+
+def _check_target(label: str, target: torch.Tensor, n_outputs: int) -> None:
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        _broken(label, f"returned a target of dtype {target.dtype}; expected integer class indices")
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= n_outputs):
+        _broken(
+            label,
+            f"returned targets {target.tolist()[:8]} outside [0, {n_outputs - 1}], the model's "
+            "outputs",
+        )
 
 
 class MethodRegistry(Mapping[str, MethodSpec]):

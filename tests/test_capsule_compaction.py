@@ -213,3 +213,18 @@ def test_compact_cuts_rem_masks_like_their_parameters() -> None:
         apply_masks(small)  # fits, and changes nothing
         torch.testing.assert_close(small(x), expected, rtol=1e-5, atol=1e-6)
     MagnitudePruner(small, 0.7, scope="layer").prune_to(0.7)  # pruning goes on
+
+
+def test_compaction_rescales_rem_saliency_by_the_ratio_of_types() -> None:
+    # Documented in compact() and capsule_saliency(): Eq. 16 averages over the types left.
+    from explain_capsules import capsule_saliency
+
+    net = _pruned()  # types 0 and 2 are zero capsules: 4 types -> 2
+    x = torch.rand(3, 1, 16, 16)
+    small, _ = compact(net, x[:1])
+    assert small.primary.capsule_types == 2
+    torch.testing.assert_close(small(x), net(x), atol=1e-6, rtol=1e-5)
+    original, _, target = capsule_saliency(net, x, levels=11)
+    compacted, _, same_target = capsule_saliency(small, x, levels=11)
+    assert torch.equal(target, same_target)
+    torch.testing.assert_close(compacted, original * 4 / 2, atol=1e-6, rtol=1e-5)

@@ -266,3 +266,43 @@ def test_recording_errors(inputs):
 
     with pytest.raises(ValueError, match="ran more than once"):
         record_parse_tree_data(Twice(), inputs)
+
+
+# ------------------------------------------------------------------------------- the model is kept
+
+
+def grid_shapes(model: nn.Module) -> dict[str, object]:
+    return {name: m.__dict__.get("grid_shape") for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("analysis", ["saliency", "record", "collect"])
+def test_analyses_leave_a_model_that_never_ran_as_it_was(inputs, analysis):
+    from conftest import assert_same_state, state_fingerprint
+
+    from explain_core.parse_trees import collect_parse_tree_data
+
+    run = {
+        "saliency": capsule_saliency,
+        "record": record_parse_tree_data,
+        "collect": collect_parse_tree_data,
+    }[analysis]
+    model = TinyCapsNet().train()
+    before, shapes = state_fingerprint(model), grid_shapes(model)
+    assert shapes["primary"] is None  # set by a forward pass only
+    run(model, inputs)
+    assert grid_shapes(model) == shapes
+    assert_same_state(before, state_fingerprint(model))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_inputs_of_another_dtype_are_a_clear_error(inputs, dtype):
+    from explain_core.errors import InvalidInputError
+    from explain_core.parse_trees import collect_parse_tree_data
+
+    model = TinyCapsNet().eval()
+    message = rf"inputs are {dtype} but the parameters of TinyCapsNet are torch\.float32"
+    for record in (record_parse_tree_data, collect_parse_tree_data):
+        with pytest.raises(InvalidInputError, match=message + r".*inputs\.to\(torch\.float32\)"):
+            record(model, inputs.to(dtype))
+    with pytest.raises(InvalidInputError, match=r"floating point; got dtype torch\.int64"):
+        collect_parse_tree_data(model, (inputs * 255).long())

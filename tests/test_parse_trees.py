@@ -4,6 +4,7 @@ the missing-`dot` behaviour, exports and the `explain parse-tree` command."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -569,3 +570,253 @@ def test_explain_executable_end_to_end(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     assert f"-> {tmp_path / 'tree.svg'}" in result.stdout
     assert (tmp_path / "tree.svg").read_text().lstrip().startswith("<?xml")
+
+
+# --- rendering: failing dot, labels, paths, depths ---------------------------------------------
+
+
+def fake_dot(folder: Path, message: str) -> str:
+    """A `dot` that exists but fails, as a graphviz without the PDF plugin does."""
+    folder.mkdir()
+    script = folder / "dot"
+    script.write_text(f"#!/bin/sh\necho 'Warning: ignored' >&2\necho '{message}' >&2\nexit 1\n")
+    script.chmod(0o755)
+    return str(folder)
+
+
+def test_a_failing_dot_is_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys):
+    from explain_core.errors import ExplainError
+    from explain_core.parse_trees import GraphvizRenderError
+
+    monkeypatch.setenv("PATH", fake_dot(tmp_path / "bin", 'Format: "pdf" not recognized'))
+    with pytest.raises(GraphvizRenderError) as caught:
+        render_parse_tree(hand_tree(), tmp_path / "t.pdf")
+    message = str(caught.value)
+    assert isinstance(caught.value, ExplainError) and "\n" not in message
+    assert 'failed to draw t.pdf (exit status 1): Format: "pdf" not recognized.' in message
+    assert "`dot -T?` lists the formats" in message and "Warning" not in message
+    assert caught.value.source_path == tmp_path / "t.gv" and (tmp_path / "t.gv").is_file()
+    assert not (tmp_path / "t.pdf").exists()
+    assert capsys.readouterr().err == ""  # dot's stderr is in the message, not above it
+
+
+def test_cli_says_in_one_line_that_dot_failed(trained, tmp_path, monkeypatch, capsys):
+    _, _, root, module, weights = trained
+    monkeypatch.chdir(root)
+    path = fake_dot(tmp_path / "bin", 'Format: "pdf" not recognized')
+    monkeypatch.setenv("PATH", path)
+    argv = ["parse-tree", "--model", f"{module}:build", "--weights", str(weights), "--class",
+            "0", "--out", str(tmp_path / "t.pdf")]  # fmt: skip
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert err.startswith("explain: error: the graphviz `dot` program failed to draw t.pdf")
+
+
+def dot_layout(source: str) -> tuple[dict, str]:
+    """dot's own layout of ``source`` (JSON) and what it wrote on stderr."""
+    done = subprocess.run(
+        [DOT, "-Tjson"], input=source.encode(), capture_output=True, check=True, timeout=60
+    )
+    return json.loads(done.stdout), done.stderr.decode()
+
+
+@needs_dot
+def test_nodes_fit_their_labels_without_warnings():
+    names = ["airplane", "automobile", "bird"]
+    c = torch.tensor([[0.8, 0.1, 0.1]] * 3 + [[0.1, 0.8, 0.1]] * 1200)
+    tree = build_parse_tree([c], [torch.rand(1203), torch.tensor([0.9, 0.2, 0.1])], [0, 1],
+                            class_names=names, keep_all_nodes=True)  # fmt: skip
+    layout, stderr = dot_layout(to_dot(tree))
+    assert "too small for label" not in stderr
+    for node in layout["objects"]:
+        texts = [op for draw in node.get("_ldraw_", []) for op in [draw] if op["op"] == "T"]
+        if not texts or ":C" not in node["name"]:
+            continue
+        # dot's own measure of the label against the node's width (inches → points)
+        assert float(node["width"]) * 72 >= texts[0]["width"], node["name"]
+    widths = {n["name"]: float(n["width"]) for n in layout["objects"] if ":C" in n["name"]}
+    assert widths["L2:C1"] > widths["L2:C2"] > 0.41  # "automobile" wider than "bird" (0.42)
+
+
+@needs_dot
+def test_pictures_are_byte_identical_across_runs(tmp_path: Path):
+    tree = hand_tree(keep_all_nodes=True)
+    for suffix in ("svg", "png"):
+        a = render_parse_tree(tree, tmp_path / f"a.{suffix}").path.read_bytes()
+        b = render_parse_tree(tree, tmp_path / f"b.{suffix}").path.read_bytes()
+        assert a == b
+
+
+def test_picture_paths_that_are_not_files_are_refused(tmp_path: Path):
+    from explain_core.files import OutputPathError
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    with pytest.raises(OutputPathError, match=r"cannot write .*folder: it is a folder; give a"):
+        render_parse_tree(hand_tree(), folder)
+    with pytest.raises(InvalidInputError, match=r"path is empty; give a file name such as"):
+        render_parse_tree(hand_tree(), "")
+    with pytest.raises(InvalidInputError, match=r"path is empty"):
+        render_side_by_side([("a", hand_tree())], "")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder"]
+
+
+def test_pictures_of_one_stem_share_their_source(tmp_path: Path, monkeypatch):
+    # Documented: the source is named after the stem, so t.png's source replaces t.svg's.
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    for name, roots in (("t.svg", (0,)), ("t.png", (1,))):
+        with pytest.raises(GraphvizNotFoundError) as caught:
+            render_parse_tree(hand_tree(roots=roots), tmp_path / name)
+        assert caught.value.source_path == tmp_path / "t.gv"
+    (root,) = [
+        line for line in (tmp_path / "t.gv").read_text().splitlines() if "doublecircle" in line
+    ]
+    assert root.lstrip().startswith('"L3:C1"')  # the second picture's root
+
+
+def rank_rows(source: str) -> dict[str, set[str]]:
+    """The DOT names in every ``rank=same`` subgraph, by subgraph name."""
+    rows = {}
+    for name, body in re.findall(r'subgraph "([^"]+)" \{(.*?)\n\t\}', source, re.S):
+        rows[name] = set(re.findall(r'"([^"]+)"', body))
+    return rows
+
+
+def test_side_by_side_trees_of_different_depths_share_the_class_row():
+    deep = hand_tree(keep_all_nodes=True)  # 3 layers
+    shallow = build_parse_tree([C2], A[1:], [0], class_names=["zero", "one"])  # 2 layers
+    rows = rank_rows(to_dot([("deep", deep), ("shallow", shallow)]))
+    assert {"t1/L3:C0", "t1/L3:C1", "t2/L2:C0", "t1/layer:3", "t2/layer:2"} <= rows["row 0"]
+    assert {"t1/L2:C0", "t2/L1:C0", "t1/layer:2", "t2/layer:1"} <= rows["row 1"]
+    assert {"t1/L1:C0", "t1/layer:1"} <= rows["row 2"] and not any(
+        name.startswith("t2/") for name in rows["row 2"]
+    )
+
+
+@needs_dot
+def test_side_by_side_class_rows_are_drawn_at_one_height(tmp_path: Path):
+    deep = hand_tree(keep_all_nodes=True)
+    shallow = build_parse_tree([C2], A[1:], [0], class_names=["zero", "one"])
+    rendered = render_side_by_side([("deep", deep), ("shallow", shallow)], tmp_path / "p.svg")
+    heights = {}
+    for group in ET.parse(rendered.path).getroot().iter(f"{SVG}g"):
+        if group.get("class") == "node":
+            shape = next(group.iter(f"{SVG}ellipse"), None)  # inside the tooltip's link
+            if shape is not None:
+                heights[group.find(f"{SVG}title").text] = float(shape.get("cy"))
+    assert heights["t1/L3:C0"] == heights["t2/L2:C0"]
+    assert heights["t1/L2:C0"] == heights["t2/L1:C0"] != heights["t1/L1:C0"]
+
+
+# --- compare_parse_trees: everything checked first -------------------------------------------
+
+
+def test_compare_checks_every_tree_before_drawing(tmp_path: Path):
+    data = make_data()  # predicted 0, 1, 0
+    only_zero = ParseTreeData.from_tensors(data.couplings, data.activations, torch.zeros(3).long())
+    out = tmp_path / "cmp"
+    with pytest.raises(InvalidInputError, match=r"^recording 2 \(B\): no sample is predicted as "
+                       r"class 1; classes present: \[0\]$"):  # fmt: skip
+        compare_parse_trees([data, only_zero], out, titles=("A", "B"), samples=[0], classes=[1])
+    with pytest.raises(InvalidInputError, match="sample index 3 is out of range for 3"):
+        compare_parse_trees([data, only_zero], out, titles=("A", "B"), samples=[0, 3])
+    with pytest.raises(InvalidInputError, match="unknown picture format 'jpg'"):
+        compare_parse_trees([data, only_zero], out, titles=("A", "B"), samples=[0], format="jpg")
+    assert not out.exists()  # nothing written by any of them
+
+
+def test_compare_names_negative_samples_by_their_index(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # the sources are written all the same
+    data = make_data()
+    results = compare_parse_trees(
+        [data, data], tmp_path, titles=("A", "B"), samples=[-1, 0], require_dot=False
+    )
+    assert [r.key for r in results] == ["sample-2", "sample-0"]
+    assert results[0].graphs[0].graph["sample"] == 2
+    assert sorted(p.name for p in tmp_path.glob("*.gv")) == ["sample-0.gv", "sample-2.gv"]
+
+
+# --- the command line: quantised routing, pruned weights, folders ------------------------------
+
+
+@needs_dot
+def test_cli_records_the_quantised_model_on_request(trained, tmp_path, monkeypatch, capsys):
+    from explain_capsules.rem import quantised_routing
+
+    model, digits, root, module, weights = trained
+    monkeypatch.chdir(root)
+    base = ["parse-tree", "--model", f"{module}:build", "--weights", str(weights), "--text",
+            "--levels", "3", "--dataset", "digits"]  # fmt: skip
+    code, out, err = run_cli(
+        [*base, "--quantised-routing", "--out", str(tmp_path / "q.svg")], capsys
+    )
+    assert code == 0, err
+    assert "couplings in 3 levels, routed with them" in out
+    with quantised_routing(model, levels=3):
+        routed = collect_parse_tree_data(model, digits.test_images, levels=3)
+    plain = collect_parse_tree_data(model, digits.test_images, levels=3)
+    assert not torch.equal(routed.predicted, plain.predicted)  # K = 3 changes predictions
+    expected = text_tree(parse_tree(routed)).splitlines()
+    assert out.splitlines()[1 : 1 + len(expected)] == expected
+    code, out, err = run_cli([*base, "--out", str(tmp_path / "p.svg")], capsys)
+    assert code == 0 and "routed with them" not in out
+    assert out.splitlines()[1 : 1 + len(expected)] != expected
+    assert all(layer.coupling_transform is None for layer in model.routing)  # put back
+
+
+def test_cli_refuses_quantised_routing_without_levels_and_folders(trained, tmp_path, monkeypatch,
+                                                                   capsys):  # fmt: skip
+    _, _, root, module, weights = trained
+    monkeypatch.chdir(root)
+    base = ["parse-tree", "--model", f"{module}:build", "--weights", str(weights)]
+    folder = tmp_path / "pictures"
+    folder.mkdir()
+    cases = [
+        ([*base, "--quantised-routing", "--out", str(tmp_path / "t.svg")],
+         "--quantised-routing needs --levels K (the number of levels)"),
+        ([*base, "--class", "0", "--out", str(folder)],
+         f"--out {folder} is a folder; give a picture file, e.g. --out {folder / 'tree.svg'}"),
+    ]  # fmt: skip
+    for argv, message in cases:
+        code, _, err = run_cli(argv, capsys)
+        assert code == 1 and err.splitlines() == [f"explain: error: {message}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pictures"]
+
+
+PRUNED_FACTORY = """
+from explain_capsules import DRCapsNet, MagnitudePruner
+
+
+def plain():
+    return DRCapsNet(image_size=8, conv_channels=4, primary_types=2, primary_dim=4, class_dim=4,
+                     conv_kernel=3, primary_kernel=3, primary_stride=1)
+
+
+def pruned():
+    model = plain()
+    MagnitudePruner(model, 0.5)
+    return model
+"""
+
+
+def test_cli_says_how_to_load_pruned_weights(tmp_path, monkeypatch, capsys):
+    from explain_capsules import MagnitudePruner
+    from explain_core.loading import load_model
+
+    module = f"pruned_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(PRUNED_FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    model = __import__(module).plain()
+    MagnitudePruner(model, 0.5).prune_to(0.5)
+    weights = tmp_path / "pruned.safetensors"
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
+    argv = ["parse-tree", "--model", f"{module}:plain", "--weights", str(weights), "--class", "0",
+            "--out", str(tmp_path / "t.svg")]  # fmt: skip
+    code, _, err = run_cli(argv, capsys)
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert "pruned.safetensors holds pruned weights with REM pruning masks (class_capsules" in err
+    assert "MagnitudePruner(model, 0.8)" in err and "remove_masks(model)" in err
+    # The way it names: a factory that builds the pruner loads them.
+    loaded = load_model(f"{module}:pruned", weights)
+    assert torch.equal(loaded.class_capsules.weight_mask, model.class_capsules.weight_mask)

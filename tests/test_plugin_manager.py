@@ -312,13 +312,15 @@ def test_registered_plugin_adds_methods() -> None:
     assert len(manager.registry) == len(GRADIENT_METHODS) + 2
 
 
-def test_duplicate_method_names_both_plugins() -> None:
+def test_a_third_party_name_clashing_with_a_builtin_leaves_the_builtin() -> None:
     manager = _builtin_manager()
     manager.register(_Plugin("copy.unique", "gradient"), "copycat")
-    with pytest.raises(DuplicateMethodError, match="'gradient'") as raised:
-        _ = manager.registry
-    message = str(raised.value)
-    assert "'explain_gradients'" in message and "'copycat'" in message
+    with pytest.warns(PluginWarning, match="'gradient' skipped.*'explain_gradients'"):
+        registry = manager.registry
+    assert registry["gradient"].plugin == "explain_gradients"
+    assert registry["copy.unique"].plugin == "copycat"  # its other method still works
+    assert manager.plugins["copycat"].methods == ["copy.unique"]
+    assert any("'gradient' skipped" in p for p in manager.plugins["copycat"].problems)
 
 
 def test_duplicate_between_two_third_party_plugins() -> None:

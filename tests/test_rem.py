@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from explain_capsules.rem import (
     ParseTreeDictionary,
@@ -261,3 +262,108 @@ def test_lowest_lossless_levels():
         lowest_lossless_levels(evaluate, [], reference=0.5)
     with pytest.raises(ValueError):
         lowest_lossless_levels(evaluate, [2], reference=0.5, tolerance=-1.0)
+
+
+def test_a_refused_first_update_leaves_the_dictionary_unconfigured():
+    d = ParseTreeDictionary()
+    with pytest.raises(ValueError, match=r"predicted classes must lie in \[0, 10\)"):
+        d.update(random_couplings(4, 16, 10), torch.tensor([0, 1, 2, 99]), levels=11)
+    with pytest.raises(ValueError, match="NaN"):
+        d.update(torch.full((2, 16, 10), float("nan")), torch.tensor([0, 1]), levels=11)
+    with pytest.raises(ValueError, match="K must be"):
+        d.update(random_couplings(2, 16, 10), torch.tensor([0, 1]), levels=1)
+    assert (d.n_classes, d.n_lower, d.levels) == (None, None, None)
+    # Another shape and K are still welcome, and count as in a fresh dictionary.
+    couplings, predicted = random_couplings(6, 32, 4), torch.tensor([0, 1, 2, 3, 0, 1])
+    d.update(couplings, predicted, levels=5)
+    fresh = ParseTreeDictionary()
+    fresh.update(couplings, predicted, levels=5)
+    assert d == fresh and (d.n_classes, d.n_lower, d.levels) == (4, 32, 5)
+    # Once configured, a refused update changes nothing either.
+    with pytest.raises(ValueError, match="predicted classes"):
+        d.update(random_couplings(2, 32, 4), torch.tensor([0, 7]), levels=5)
+    assert d == fresh
+
+
+# ------------------------------------------------------------------ quantised routing
+
+
+def one_layer(iterations: int = 1):
+    from explain_capsules.layers import FullyConnectedCapsules
+
+    layer = FullyConnectedCapsules(2, 3, 2, 2, iterations=iterations)
+    with torch.no_grad():  # W_ij = (i + 1) · I for every parent j
+        layer.weight.copy_(torch.stack([torch.eye(2).expand(3, 2, 2) * (i + 1) for i in range(2)]))
+    return layer.eval()
+
+
+def test_quantised_routing_routes_with_k_levels_inside_the_block():
+    from explain_capsules import squash
+    from explain_capsules.rem import quantised_routing
+
+    layer = one_layer()
+    u = torch.tensor([[[0.3, 0.4], [0.6, -0.8]]])
+    votes = u[:, 0] * 1 + u[:, 1] * 2  # Σ_i û_{j|i}, the same for every parent j
+    # One iteration: couplings 1/3; K = 3 rounds them to 0.5 (0.667 + 0.5 floors to 1).
+    plain = squash(votes / 3).expand(3, 2)
+    quantised = squash(votes * 0.5).expand(3, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(u)[0], plain)
+        with quantised_routing(layer, levels=3) as model:
+            assert model is layer
+            torch.testing.assert_close(layer(u)[0], quantised)
+            layer.train()  # training always routes with continuous couplings
+            torch.testing.assert_close(layer(u)[0], plain)
+            layer.eval()
+        torch.testing.assert_close(layer(u)[0], plain)
+    assert layer.coupling_transform is None
+
+
+def test_quantised_routing_puts_back_the_previous_transforms_also_on_errors():
+    from explain_capsules import MultiLayerCapsNet
+    from explain_capsules.rem import quantised_routing
+    from explain_core.errors import InvalidInputError
+
+    model = MultiLayerCapsNet(in_features=64, hidden_layers=1).eval()
+
+    def own(c):
+        return c
+
+    model.routing[0].coupling_transform = own
+    before = dict(model.routing[1].__dict__)
+    with pytest.raises(RuntimeError, match="inside"), quantised_routing(model, levels=11):
+        assert all(layer.coupling_transform.keywords == {"levels": 11} for layer in model.routing)
+        raise RuntimeError("inside")
+    assert model.routing[0].coupling_transform is own
+    assert model.routing[1].__dict__ == before
+    no_routing = "no routing layer with a coupling_transform"
+    with pytest.raises(InvalidInputError, match=no_routing), quantised_routing(nn.Linear(2, 2), 11):
+        pass
+    with pytest.raises(ValueError, match="K must be"), quantised_routing(model, levels=1):
+        pass
+    assert model.routing[0].coupling_transform is own
+
+
+def test_quantised_routing_records_the_plus_q_model():
+    from functools import partial
+
+    from explain_capsules import MultiLayerCapsNet, record_parse_tree_data
+    from explain_capsules.rem import quantised_routing
+
+    torch.manual_seed(0)
+    model = MultiLayerCapsNet(in_features=64, hidden_layers=2).eval()
+    x = torch.rand(16, 64)
+    with quantised_routing(model, levels=3):
+        inside = record_parse_tree_data(model, x, levels=3)
+    # Independently: the +Q model set up by hand, as REM's reproduction does.
+    for layer in model.routing:
+        layer.coupling_transform = partial(quantise_couplings, levels=3)
+    by_hand = record_parse_tree_data(model, x, levels=3)
+    for layer in model.routing:
+        layer.coupling_transform = None
+    plain = record_parse_tree_data(model, x, levels=3)
+    torch.testing.assert_close(inside.outputs, by_hand.outputs)
+    for a, b in zip(inside.layers, by_hand.layers, strict=True):
+        assert torch.equal(a.couplings, b.couplings)
+    assert torch.equal(inside.layers[0].couplings, plain.layers[0].couplings)  # same inputs
+    assert not torch.equal(inside.layers[-1].couplings, plain.layers[-1].couplings)

@@ -27,8 +27,8 @@ DESCRIPTION = (
     "of its routing layers and draw the parse tree backtracked from the predicted class: for one "
     "input file, for a class (the mean over the data set's samples predicted as it) or for the "
     "whole data set. Nodes are capsules coloured by activation; edges are couplings above the "
-    "threshold (default 1/number of parent capsules). Needs the graphs extra and the graphviz "
-    "`dot` program."
+    "threshold (default: the uniform coupling, 1/number of parent capsules; with --levels, the "
+    "level it rounds to). Needs the graphs extra and the graphviz `dot` program."
 )
 
 
@@ -72,10 +72,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--threshold",
         type=float,
-        help="keep couplings above this (default: 1/number of parent capsules per layer)",
+        help="keep couplings above this (default per layer: the uniform coupling 1/number of "
+        "parent capsules, with --levels the level it rounds to; 0 for a single parent)",
     )
     parser.add_argument(
-        "--levels", type=int, metavar="K", help="quantise couplings into K levels (REM)"
+        "--levels",
+        type=int,
+        metavar="K",
+        help="round the recorded couplings into K levels (REM's c~); the model still routes "
+        "with continuous couplings unless --quantised-routing is given",
+    )
+    parser.add_argument(
+        "--quantised-routing",
+        action="store_true",
+        help="with --levels K: record REM's +Q model, which routes with K-level couplings, so "
+        "that its predictions, activations and deeper couplings are those of the quantised model",
     )
     parser.add_argument(
         "--all-nodes",
@@ -92,7 +103,6 @@ def run(args: argparse.Namespace) -> int:
     from explain_core.files import check_output_path
     from explain_core.parse_trees import (
         class_parse_tree,
-        collect_parse_tree_data,
         parse_tree,
         render_parse_tree,
         text_tree,
@@ -105,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError("--by-label needs --class")
     if args.levels is not None and args.levels < 2:
         raise InvalidInputError(f"--levels must be at least 2; got {args.levels}")
+    if args.quantised_routing and args.levels is None:
+        raise InvalidInputError("--quantised-routing needs --levels K (the number of levels)")
     require_networkx()  # fail before loading anything if the graphs extra is missing
     picture, format = _picture(args.out, args.format)
     check_output_path(picture)  # the picture and its .gv source share this folder
@@ -112,9 +124,9 @@ def run(args: argparse.Namespace) -> int:
         [picture, picture.with_suffix(".gv")],
         [("--input file", args.input), ("--weights file", args.weights)],
     )
-    model = load_model(args)
+    model = _load(args)
     inputs, labels, what = _inputs(args)
-    data = collect_parse_tree_data(model, inputs, levels=args.levels)
+    data = _collect(model, inputs, args.levels, args.quantised_routing)
 
     def build(threshold: float | None) -> Any:  # again at 0 to explain a tree without edges
         if args.input is not None:
@@ -138,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         title = f"{what}: mean of all {data.n_samples} samples"
     if args.levels is not None:
-        title += f", couplings in {args.levels} levels"
+        routed = ", routed with them" if args.quantised_routing else ""
+        title += f", couplings in {args.levels} levels{routed}"
     graph.graph["title"] = title
     if args.text:
         print(text_tree(graph), end="")
@@ -153,13 +166,69 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace) -> Any:
+    """The model with its weights; pruned weights for an unpruned model say how to load them.
+
+    Raises:
+        ModelLoadError: If loading fails.
+    """
+    from explain_core.errors import ModelLoadError
+
+    try:
+        return load_model(args)
+    except ModelLoadError as error:
+        masks = _unexpected_masks(args) if args.weights is not None else []
+        if not masks:
+            raise
+        shown = ", ".join(masks[:3]) + (f" and {len(masks) - 3} more" if len(masks) > 3 else "")
+        raise ModelLoadError(
+            f"{args.weights.name} holds pruned weights with REM pruning masks ({shown}) that the "
+            f"model built by {args.model} lacks; build the model with its pruner in the factory "
+            "before the weights are loaded (e.g. `model = ...; MagnitudePruner(model, 0.8); "
+            "return model`: the pruner creates the mask buffers, the weights fill them), or save "
+            "plain weights: `remove_masks(model)` before `model.state_dict()` (the pruned "
+            "weights are zero already)"
+        ) from error
+
+
+def _unexpected_masks(args: argparse.Namespace) -> list[str]:
+    """The ``*_mask`` entries of ``--weights`` the model lacks, if they are all it lacks."""
+    from explain_capsules.pruning import MASK_SUFFIX
+    from explain_core.loading import load_factory, load_state_dict
+
+    expected = set(load_factory(args.model).state_dict())
+    unexpected = sorted(set(load_state_dict(args.weights)) - expected)
+    if unexpected and all(name.endswith(MASK_SUFFIX) for name in unexpected):
+        return unexpected
+    return []
+
+
+def _collect(model: Any, inputs: Any, levels: int | None, quantised_routing: bool) -> Any:
+    """The parse-tree data of ``inputs``; REM's +Q model routes with K-level couplings."""
+    from contextlib import nullcontext
+
+    from explain_core.parse_trees import collect_parse_tree_data
+
+    routing: Any = nullcontext()
+    if quantised_routing:
+        from explain_capsules.rem import quantised_routing as quantised
+
+        routing = quantised(model, levels=levels)
+    with routing:
+        return collect_parse_tree_data(model, inputs, levels=levels)
+
+
 def _picture(out: Path, format: str | None) -> tuple[Path, str]:
     """The picture's path and format from ``--out`` and ``--format``.
 
     Raises:
-        InvalidInputError: For a suffix other than those of ``FORMATS``, or one that
+        InvalidInputError: For a folder, a suffix other than those of ``FORMATS``, or one that
             contradicts ``--format`` (the renderer would append its own: ``t.jpg.svg``).
     """
+    if out.is_dir():  # else it would become out.svg beside the folder
+        raise InvalidInputError(
+            f"--out {out} is a folder; give a picture file, e.g. --out {out / 'tree.svg'}"
+        )
     suffix = out.suffix.lower().lstrip(".")
     if not suffix:
         format = format or "svg"

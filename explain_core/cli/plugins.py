@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # imported by run() only, so that --help works with broken plugins
+    from explain_core.plugin_manager import PluginInfo
+    from explain_core.registry import MethodRegistry, MethodSpec
 
 NAME = "plugins"
 HELP = "list plugins, versions and the methods they register"
@@ -20,11 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """List plugins; exit 1 if any failed to load."""
+    """List plugins; exit 1 if any failed to load or had methods left out."""
     from explain_core.plugin_manager import get_plugin_manager
 
     manager = get_plugin_manager()
-    registry = manager.registry
+    # Also when two plugins clash on a name: the listing is how the user finds the culprit.
+    registry = manager.registry_without_clashes()
     infos = list(manager.plugins.values())
     if args.json:
         payload = [
@@ -33,9 +39,10 @@ def run(args: argparse.Namespace) -> int:
                 "version": info.version,
                 "source": info.source,
                 "error": info.error,
+                "problems": info.problems,
                 "methods": [
                     {"name": s.name, "family": s.family, "summary": s.summary}
-                    for s in registry.by_plugin(info.name)
+                    for s in _specs(registry, info)
                 ],
             }
             for info in infos
@@ -43,13 +50,25 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(payload, indent=2))
     else:
         for info in infos:
-            count = len(info.methods)
-            status = (
-                f"FAILED: {info.error}"
-                if info.error
-                else f"{count} method{'' if count == 1 else 's'}"
-            )
-            print(f"{info.name} {info.version} ({info.source}) - {status}")
-            for spec in registry.by_plugin(info.name):
+            print(f"{info.name} {info.version} ({info.source}) - {_status(info)}")
+            for spec in _specs(registry, info):
                 print(f"    {spec.name:<28} [{spec.family}] {spec.summary}")
-    return 1 if any(info.error for info in infos) else 0
+    return 1 if any(info.error or info.problems for info in infos) else 0
+
+
+def _specs(registry: MethodRegistry, info: PluginInfo) -> list[MethodSpec]:
+    # info.methods, not registry.by_plugin(info.name): a rejected twin shares the loaded
+    # plugin's name but registers nothing.
+    return [registry[name] for name in info.methods if name in registry]
+
+
+def _status(info: PluginInfo) -> str:
+    if info.error:
+        return f"FAILED: {_one_line(info.error)}"
+    count = len(info.methods)
+    status = f"{count} method{'' if count == 1 else 's'}"
+    return "; ".join([status, *(_one_line(problem) for problem in info.problems)])
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

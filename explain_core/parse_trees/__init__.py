@@ -35,6 +35,7 @@ from explain_core.parse_trees.export import (
 )
 from explain_core.parse_trees.render import (
     FORMATS,
+    GraphvizRenderError,
     RenderedTree,
     render_parse_tree,
     render_side_by_side,
@@ -45,6 +46,7 @@ from explain_core.parse_trees.text import text_tree
 __all__ = [
     "FORMATS",
     "ComparedTrees",
+    "GraphvizRenderError",
     "LayerStack",
     "ParseTreeData",
     "RenderedTree",

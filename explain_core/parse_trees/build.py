@@ -12,7 +12,14 @@ Reading of the paper used here (REM, Renzulli et al., §3.2 and appendix C.4):
   the default threshold is ``1/|Ω^[l+1]|``, the uniform coupling (the value routing starts from,
   appendix C.3), so an edge is drawn when a part prefers that whole to the average. For the
   paper's multi-layer net (16-16-16-16-10 capsules) this is 1/16 for the hidden layers and 1/10
-  for the class layer. Any float, or one per routing layer, can be given instead.
+  for the class layer. Convolutional capsules route each window over its capsule types only, so
+  their uniform coupling is one over those (``ParseTreeData.parents``). With couplings quantised
+  into ``K`` levels the default is the level the uniform coupling rounds to: an edge needs a
+  rounded coupling strictly above it, "more than uniform" on the quantised scale (K = 11: 1/16
+  and 1/10 both round to 0.1, so edges need 0.2, i.e. a coupling of at least 0.15). A layer
+  with one parent has couplings of exactly 1, which say nothing, and its default is 0: every
+  coupling is an edge. Any float, or one per routing layer, can be given instead and is used as
+  given (on the quantised couplings where they are quantised).
 - **In-degree rule**: ``deg⁻(u_j)`` counts the couplings from layer ``l-1`` into ``j`` above the
   threshold (over all capsules of layer ``l-1``, not only those in the tree). The outgoing
   edges of ``j`` are kept only if ``deg⁻(u_j) ≥ 1``. Primary capsules (layer 1) have no routing
@@ -33,15 +40,24 @@ quantised, and ``title``.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from explain_core.errors import InvalidInputError
 from explain_core.parse_trees._deps import require_networkx
-from explain_core.parse_trees.data import LayerStack, ParseTreeData
+from explain_core.parse_trees.data import (
+    LayerStack,
+    ParseTreeData,
+    as_index,
+    check_levels,
+    not_integral,
+    quantise,
+)
 
 __all__ = [
     "build_parse_tree",
@@ -62,22 +78,71 @@ def node_id(layer: int, index: int) -> str:
     return f"L{int(layer)}:C{int(index)}"
 
 
-def default_thresholds(sizes: Sequence[int]) -> list[float]:
-    """``1/|Ω^[l+1]|`` for every routing layer ``l``: one over its number of parent capsules."""
-    return [1.0 / int(n) for n in sizes[1:]]
+def default_thresholds(
+    sizes: Sequence[int],
+    *,
+    levels: int | None = None,
+    parents: Sequence[int] | None = None,
+) -> list[float]:
+    """The default edge threshold of every routing layer: its uniform coupling.
+
+    An edge needs a coupling strictly above the threshold (see the module docstring):
+
+    - ``1/p``, ``p`` the number of parents of the routing softmax: ``|Ω^[l+1]|`` for fully
+      connected routing, a window's capsule types for convolutional capsules (``parents``);
+    - one parent (``p = 1``): 0, so that its couplings, always exactly 1, are edges;
+    - ``levels=K`` (quantised couplings): the level ``1/p`` rounds to, so that an edge needs a
+      rounded coupling *above* the rounded uniform one (``K = 11``, ``p = 16``: 0.1). It is
+      capped at the level below 1, so that a coupling rounded to 1 is always an edge
+      (``K = 2`` with two parents, where 1/2 rounds up to 1).
+
+    Args:
+        sizes: Number of capsules ``|Ω^l|`` of every layer ``l = 1 … L``.
+        levels: Number of levels ``K`` the couplings were quantised into, or ``None``.
+        parents: Per routing layer, the size of its routing softmax; default ``sizes[1:]``.
+
+    Raises:
+        InvalidInputError: If ``levels`` is not an int ≥ 2 or ``parents`` has the wrong length.
+    """
+    parents = list(sizes[1:]) if parents is None else list(parents)
+    if len(parents) != len(sizes) - 1:
+        raise InvalidInputError(
+            f"parents needs one value per routing layer ({len(sizes) - 1}); got {len(parents)}"
+        )
+    return [_uniform_threshold(int(p), levels) for p in parents]
 
 
-def resolve_thresholds(threshold: Threshold, sizes: Sequence[int]) -> list[float]:
-    """One threshold per routing layer from ``None`` (default), a float, or a sequence.
+def _uniform_threshold(parents: int, levels: int | None) -> float:
+    if parents == 1:  # a coupling of 1 to the only parent carries no preference
+        return 0.0
+    uniform = torch.tensor(1.0 / parents, dtype=torch.float64)
+    if levels is None:
+        return float(uniform)
+    below_top = (levels - 2) / (levels - 1)
+    return min(float(quantise(uniform, levels)), below_top)
+
+
+def resolve_thresholds(
+    threshold: Threshold,
+    sizes: Sequence[int],
+    *,
+    levels: int | None = None,
+    parents: Sequence[int] | None = None,
+) -> list[float]:
+    """One threshold per routing layer from ``None`` (default), a number, or a sequence.
+
+    A number may be a Python, NumPy or 0-d tensor number; ``levels`` and ``parents`` are used
+    by the default only (:func:`default_thresholds`).
 
     Raises:
         InvalidInputError: On a wrong count or a non-finite value.
     """
     routing_layers = len(sizes) - 1
     if threshold is None:
-        return default_thresholds(sizes)
-    if isinstance(threshold, (int, float)) and not isinstance(threshold, bool):
-        values = [float(threshold)] * routing_layers
+        return default_thresholds(sizes, levels=levels, parents=parents)
+    scalar = _as_scalar(threshold)
+    if scalar is not None:
+        values = [scalar] * routing_layers
     else:
         values = _as_floats(threshold)
         if values is None:
@@ -92,6 +157,17 @@ def resolve_thresholds(threshold: Threshold, sizes: Sequence[int]) -> list[float
     if not all(torch.isfinite(torch.tensor(values))):
         raise InvalidInputError(f"thresholds must be finite numbers; got {values}")
     return values
+
+
+def _as_scalar(value: Any) -> float | None:
+    """``value`` as a float if it is one real number (Python, NumPy or a 0-d tensor), else None."""
+    if isinstance(value, (bool, np.bool_)):  # True is no threshold
+        return None
+    if isinstance(value, numbers.Real):  # int, float and NumPy's numbers
+        return float(value)
+    if isinstance(value, Tensor) and value.dim() == 0 and value.dtype != torch.bool:
+        return None if value.is_complex() else float(value.item())
+    return None
 
 
 def _as_floats(values: Any) -> list[float] | None:
@@ -144,6 +220,8 @@ def build_parse_tree(
     class_names: Sequence[str] | None = None,
     keep_all_nodes: bool = False,
     backtrack: bool = True,
+    levels: int | None = None,
+    parents: Sequence[int] | None = None,
     **graph_attributes: Any,
 ) -> Any:
     """Build one parse tree from the couplings and activations of one sample (or a mean).
@@ -152,13 +230,18 @@ def build_parse_tree(
         couplings: ``L-1`` matrices ``(|Ω^l|, |Ω^{l+1}|)``: ``couplings[l-1][i, j] = c_ij^[l]``.
         activations: ``L`` vectors ``(|Ω^l|,)`` of capsule lengths ``‖u‖``.
         roots: Class capsules (indices in layer ``L``) to backtrack from.
-        threshold: Keep edges with a coupling strictly above this: ``None`` for
-            ``1/|Ω^[l+1]|`` per routing layer, a float for all, or one per routing layer.
+        threshold: Keep edges with a coupling strictly above this: ``None`` for the uniform
+            coupling of each routing layer (:func:`default_thresholds`), a number for all, or
+            one per routing layer, used as given.
         class_names: Names of the last layer's capsules (default: their indices).
         keep_all_nodes: Also add the capsules outside the tree (``in_tree=False``, no edges),
             so that pictures of different trees share one layout.
         backtrack: ``False`` keeps every thresholded edge that passes the in-degree rule, from
             all capsules, not only those below the roots.
+        levels: The number of levels ``K`` the couplings were quantised into (the default
+            thresholds are then quantised too); stored as the graph's ``levels``.
+        parents: Per routing layer, the size of its routing softmax, for the default
+            thresholds (default: the number of capsules of the next layer).
         **graph_attributes: Stored on the graph (e.g. ``mode``, ``title``).
 
     Returns:
@@ -173,14 +256,16 @@ def build_parse_tree(
     sizes = stack.sizes
     n_layers = len(sizes)
     classes = sizes[-1]
-    roots = sorted({int(r) for r in roots})
+    roots = sorted({as_index(r, "a class to backtrack from") for r in roots})
     if not roots:
         raise InvalidInputError("a parse tree needs at least one class to backtrack from")
     if roots[0] < 0 or roots[-1] >= classes:
         raise InvalidInputError(f"classes to backtrack from must lie in [0, {classes - 1}]")
     if class_names is not None and len(class_names) != classes:
         raise InvalidInputError(f"{len(class_names)} class names given for {classes} classes")
-    thresholds = resolve_thresholds(threshold, sizes)
+    if levels is not None:
+        check_levels(levels)
+    thresholds = resolve_thresholds(threshold, sizes, levels=levels, parents=parents)
     above = [c > t for c, t in zip(stack.couplings, thresholds, strict=True)]
     # deg⁻ of the capsules of layer l ≥ 2: couplings from layer l-1 above the threshold.
     passes = [torch.ones(sizes[0], dtype=torch.bool)]
@@ -207,6 +292,7 @@ def build_parse_tree(
             "n_samples": stack.n_samples,
         }
     )
+    graph_attributes["levels"] = levels
     graph.graph.update({k: v for k, v in graph_attributes.items() if v is not None})
     for layer0, size in enumerate(sizes):
         members = range(size) if keep_all_nodes else sorted(active[layer0])
@@ -271,9 +357,15 @@ def sample_parse_tree(
     keep_all_nodes: bool = False,
     title: str | None = None,
 ) -> Any:
-    """The parse tree of one sample, backtracked from its predicted class (or ``target``)."""
+    """The parse tree of one sample, backtracked from its predicted class (or ``target``).
+
+    ``index`` and ``target`` are integers (ints, NumPy integers or 0-d integer tensors); a
+    negative ``index`` counts from the end.
+    """
+    index = data.sample_index(index)
     stack = data.sample(index)
-    root = int(data.predicted[index]) if target is None else int(target)
+    predicted = int(data.predicted[index])
+    root = predicted if target is None else as_index(target, "target")
     return build_parse_tree(
         stack.couplings,
         stack.activations,
@@ -281,10 +373,11 @@ def sample_parse_tree(
         threshold=threshold,
         class_names=data.class_names,
         keep_all_nodes=keep_all_nodes,
-        mode="sample",
-        sample=int(index) % data.n_samples,
-        predicted=int(data.predicted[index]),
         levels=data.levels,
+        parents=data.parents,
+        mode="sample",
+        sample=index,
+        predicted=predicted,
         title=title,
     )
 
@@ -302,17 +395,20 @@ def class_parse_tree(
 
     Args:
         data: The recorded samples.
-        cls: The class.
-        labels: ``(N,)`` labels selecting the samples to average; default: the predictions.
+        cls: The class: an int, a NumPy integer or a 0-d integer tensor.
+        labels: ``(N,)`` integer labels selecting the samples to average; default: the
+            predictions.
         threshold: See :func:`build_parse_tree`.
         keep_all_nodes: See :func:`build_parse_tree`.
         title: Stored as the graph's ``title``.
 
     Raises:
-        InvalidInputError: If no sample belongs to the class.
+        InvalidInputError: If ``cls`` is not an integer, ``labels`` are not one integer class
+            per sample, or no sample belongs to the class.
     """
-    chosen = data.predicted if labels is None else torch.as_tensor(labels).reshape(-1).cpu()
-    mask = chosen == int(cls)
+    cls = as_index(cls, "cls")
+    chosen = data.predicted if labels is None else _labels(labels, data.n_samples)
+    mask = chosen == cls
     if not bool(mask.any()):
         present = sorted({int(c) for c in chosen.tolist()})
         how = "predicted as" if labels is None else "labelled"
@@ -321,16 +417,52 @@ def class_parse_tree(
     return build_parse_tree(
         stack.couplings,
         stack.activations,
-        [int(cls)],
+        [cls],
         threshold=threshold,
         class_names=data.class_names,
         keep_all_nodes=keep_all_nodes,
-        mode="class",
-        class_index=int(cls),
-        n_samples=stack.n_samples,
         levels=data.levels,
+        parents=data.parents,
+        mode="class",
+        class_index=cls,
+        n_samples=stack.n_samples,
         title=title,
     )
+
+
+def _labels(labels: Any, n_samples: int) -> Tensor:
+    """``labels`` as an int64 ``(N,)`` tensor of class indices.
+
+    Raises:
+        InvalidInputError: For text, floats, bools or a count other than ``n_samples``.
+    """
+    expected = f"labels must be integer class indices, one per sample ({n_samples})"
+    try:
+        tensor = torch.as_tensor(labels)
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidInputError(
+            f"{expected}; got {type(labels).__name__} holding {_first(labels)!r}. Map class "
+            "names to their indices first"
+        ) from None
+    if not_integral(tensor.dtype):
+        raise InvalidInputError(
+            f"{expected}; got dtype {tensor.dtype}. Pass the class index of each sample, not "
+            "scores or probabilities (labels.long() if they are whole numbers)"
+        )
+    tensor = tensor.detach().cpu().reshape(-1).long()
+    if tensor.shape[0] != n_samples:
+        raise InvalidInputError(f"{expected}; got {tensor.shape[0]} labels")
+    return tensor
+
+
+def _first(values: Any) -> Any:
+    """The first element of ``values`` (for messages), or ``values`` itself."""
+    if isinstance(values, (str, bytes)):
+        return values
+    try:
+        return next(iter(values))
+    except (TypeError, StopIteration):
+        return values
 
 
 def dataset_parse_tree(
@@ -355,9 +487,10 @@ def dataset_parse_tree(
         threshold=threshold,
         class_names=data.class_names,
         keep_all_nodes=keep_all_nodes,
+        levels=data.levels,
+        parents=data.parents,
         mode="dataset",
         n_samples=stack.n_samples,
-        levels=data.levels,
         title=title,
     )
 
@@ -374,10 +507,12 @@ def parse_tree(
     """One entry point for the three modes: ``sample=``, ``cls=`` or neither (whole data set).
 
     ``data`` is a :class:`ParseTreeData` or a recording shaped like
-    ``explain_capsules.CapsuleRecording``.
+    ``explain_capsules.CapsuleRecording``. ``sample`` and ``cls`` are integers (ints, NumPy
+    integers or 0-d integer tensors); ``threshold`` is a number (Python, NumPy or a 0-d tensor),
+    one per routing layer, or ``None`` for the uniform couplings (:func:`default_thresholds`).
 
     Raises:
-        InvalidInputError: If both ``sample`` and ``cls`` are given.
+        InvalidInputError: If both ``sample`` and ``cls`` are given, or one is not an integer.
     """
     data = ParseTreeData.from_recording(data)
     options = {"threshold": threshold, "keep_all_nodes": keep_all_nodes, "title": title}

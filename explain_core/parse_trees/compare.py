@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from explain_core.errors import InvalidInputError
+from explain_core.files import check_output_folder
 from explain_core.parse_trees.build import Threshold, parse_tree
-from explain_core.parse_trees.data import ParseTreeData
-from explain_core.parse_trees.render import RenderedTree, render_side_by_side
+from explain_core.parse_trees.data import ParseTreeData, as_index
+from explain_core.parse_trees.render import FORMATS, RenderedTree, render_side_by_side
 from explain_core.parse_trees.text import text_tree
 
 __all__ = ["ComparedTrees", "compare_parse_trees"]
@@ -63,7 +64,8 @@ def compare_parse_trees(
         out_dir: Folder for the pictures (``sample-3.svg`` …) and their ``.gv`` sources.
         titles: One title per recording.
         samples: Sample indices: one picture each, every tree backtracked from that model's
-            own prediction.
+            own prediction. Negative ones count from the end and are named by their
+            non-negative index (``-1`` of 20 samples gives ``sample-19.svg``).
         classes: Classes: one picture each, of the per-class mean trees.
         dataset: Also draw the whole-data-set trees.
         class_names: Names of the class capsules.
@@ -74,11 +76,15 @@ def compare_parse_trees(
         require_dot: Raise when ``dot`` is missing; ``False`` records the error in the result
             instead (the ``.gv`` sources and texts are still produced).
 
+    Every tree is built, and every argument checked, before the first picture is written.
+
     Returns:
         One :class:`ComparedTrees` per picture, in the order samples, classes, data set.
 
     Raises:
-        InvalidInputError: On a titles/recordings mismatch or recordings of different samples.
+        InvalidInputError: On a titles/recordings mismatch, recordings of different samples, a
+            sample out of range, a class one of the models never predicts (the message names
+            that model's title), an unknown format or an output folder that cannot be written.
         GraphvizNotFoundError: If ``dot`` is missing and ``require_dot`` is true.
     """
     from explain_core.errors import GraphvizNotFoundError
@@ -91,15 +97,13 @@ def compare_parse_trees(
             "the recordings hold different numbers of samples "
             f"({[d.n_samples for d in data]}); record the same inputs for every model"
         )
-    jobs: list[tuple[str, dict[str, Any]]] = [(f"sample-{int(s)}", {"sample": s}) for s in samples]
-    jobs += [(f"class-{int(c)}", {"cls": c}) for c in classes]
-    if dataset:
-        jobs.append(("dataset", {}))
+    if format not in FORMATS:
+        raise InvalidInputError(f"unknown picture format {format!r}; choose one of {FORMATS}")
+    jobs = _jobs(data[0], samples, classes, dataset)
+    check_output_folder(out_dir)
+    built = [(key, _trees(data, titles, mode, threshold, keep_all_nodes)) for key, mode in jobs]
     results = []
-    for key, mode in jobs:
-        graphs = tuple(
-            parse_tree(d, threshold=threshold, keep_all_nodes=keep_all_nodes, **mode) for d in data
-        )
+    for key, graphs in built:
         named = [(_title(t, g, d), g) for t, g, d in zip(titles, graphs, data, strict=True)]
         text = "\n".join(text_tree(g, title=name) for name, g in named)
         path = Path(out_dir) / f"{key}.{format}"
@@ -112,6 +116,37 @@ def compare_parse_trees(
             rendered, error = None, str(missing)
         results.append(ComparedTrees(key, graphs, text, rendered, error))
     return results
+
+
+def _jobs(
+    data: ParseTreeData, samples: Sequence[int], classes: Sequence[int], dataset: bool
+) -> list[tuple[str, dict[str, Any]]]:
+    """``(picture name, parse_tree mode)`` pairs; samples normalised to ``[0, N)``."""
+    indices = [data.sample_index(s) for s in samples]
+    jobs: list[tuple[str, dict[str, Any]]] = [(f"sample-{i}", {"sample": i}) for i in indices]
+    jobs += [(f"class-{c}", {"cls": c}) for c in (as_index(c, "a class") for c in classes)]
+    if dataset:
+        jobs.append(("dataset", {}))
+    return jobs
+
+
+def _trees(
+    data: Sequence[ParseTreeData],
+    titles: Sequence[str],
+    mode: dict[str, Any],
+    threshold: Threshold,
+    keep_all_nodes: bool,
+) -> tuple[Any, ...]:
+    """One tree per recording; an error names the recording it is about."""
+    graphs = []
+    for k, (title, recording) in enumerate(zip(titles, data, strict=True), start=1):
+        try:
+            graphs.append(
+                parse_tree(recording, threshold=threshold, keep_all_nodes=keep_all_nodes, **mode)
+            )
+        except InvalidInputError as error:
+            raise InvalidInputError(f"recording {k} ({title}): {error}") from None
+    return tuple(graphs)
 
 
 def _title(title: str, graph: Any, data: ParseTreeData) -> str:

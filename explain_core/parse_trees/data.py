@@ -15,17 +15,90 @@ with routing layers (:func:`collect_parse_tree_data`, built on
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from explain_core.eager import uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.routing import RoutingEvent, RoutingLayer, record_routing
+from explain_core.model_guard import ModelGuard
 
 __all__ = ["LayerStack", "ParseTreeData", "collect_parse_tree_data", "quantise"]
+
+
+def as_index(value: Any, what: str) -> int:
+    """``value`` as an int if it is an integer: an int, a NumPy integer or a 0-d integer tensor.
+
+    Raises:
+        InvalidInputError: For anything else, floats and bools included (``2.7`` or ``True``
+            would otherwise be read silently as class 2 or sample 1).
+    """
+    if isinstance(value, Tensor) and value.dim() == 0 and not not_integral(value.dtype):
+        return int(value.item())
+    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
+        return int(value)
+    raise InvalidInputError(
+        f"{what} must be an integer (an int, a NumPy integer or a 0-d integer tensor); got "
+        f"{value!r}"
+    )
+
+
+def not_integral(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds no class indices: floating, complex or bool."""
+    return dtype.is_floating_point or dtype.is_complex or dtype == torch.bool
+
+
+def routing_parents(layer: nn.Module, n_out: int) -> int:
+    """Over how many parents ``layer``'s routing softmax normalises each child's couplings.
+
+    All ``n_out`` output capsules for fully connected routing. A layer routing every receptive
+    field on its own says so by an int ``out_types`` attribute, as
+    ``explain_capsules.ConvolutionalCapsules`` does: each window's couplings are a softmax over
+    its ``out_types`` capsules, so their uniform value is ``1/out_types``, not ``1/n_out``.
+    """
+    types = getattr(layer, "out_types", None)
+    if isinstance(types, int) and not isinstance(types, bool) and 1 <= types <= n_out:
+        return types
+    return n_out
+
+
+def check_record_inputs(model: nn.Module, inputs: Any) -> None:
+    """Check, before the model runs, that ``inputs`` are a batch of samples the model can take.
+
+    Raises:
+        InvalidInputError: If ``inputs`` is not a tensor of at least one sample, is not floating
+            point, or is of another floating dtype than the model's parameters (torch would say
+            only "mat1 and mat2 must have the same dtype").
+    """
+    if not isinstance(inputs, Tensor):
+        raise InvalidInputError(
+            f"inputs must be a torch.Tensor of shape (N, ...); got {type(inputs).__name__}. "
+            "Convert NumPy arrays with torch.from_numpy(array).float()"
+        )
+    if inputs.dim() < 1 or inputs.shape[0] == 0:
+        raise InvalidInputError(
+            f"inputs must hold at least one sample; got shape {tuple(inputs.shape)}"
+        )
+    if not inputs.is_floating_point():
+        raise InvalidInputError(
+            f"inputs must be floating point; got dtype {inputs.dtype}. Convert them, e.g. "
+            "inputs.float() (integer images: inputs.float() / 255)"
+        )
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    # Only a model of one dtype says unambiguously what its inputs must be.
+    if len(dtypes) == 1 and inputs.dtype not in dtypes:
+        (wanted,) = dtypes
+        raise InvalidInputError(
+            f"inputs are {inputs.dtype} but the parameters of {type(model).__name__} are "
+            f"{wanted}; convert the inputs with inputs.to({wanted}) (or the model with "
+            f"model.to({inputs.dtype}))"
+        )
 
 
 @dataclass(frozen=True)
@@ -59,6 +132,10 @@ class ParseTreeData:
         predicted: Predicted class per sample, int64 ``(N,)``.
         class_names: Names of the last layer's capsules, or ``None`` (their indices are used).
         levels: Number of quantisation levels ``K`` applied to the couplings, or ``None``.
+        parents: Per routing layer, over how many parents each capsule's couplings are
+            normalised (the routing softmax): ``|Ω^{l+1}|`` for fully connected routing, a
+            window's capsule types for convolutional capsules; ``None`` means ``|Ω^{l+1}|``
+            everywhere. The default edge thresholds are their uniform couplings.
     """
 
     couplings: tuple[Tensor, ...]
@@ -66,9 +143,11 @@ class ParseTreeData:
     predicted: Tensor
     class_names: tuple[str, ...] | None = None
     levels: int | None = None
+    parents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _validate(self.couplings, self.activations, self.predicted, self.class_names)
+        _validate_parents(self.parents, self.couplings)
 
     @classmethod
     def from_tensors(
@@ -79,6 +158,7 @@ class ParseTreeData:
         *,
         class_names: Sequence[str] | None = None,
         levels: int | None = None,
+        parents: Sequence[int] | None = None,
     ) -> ParseTreeData:
         """Build from per-layer tensors; a single sample may omit the batch axis.
 
@@ -88,6 +168,9 @@ class ParseTreeData:
             predicted: ``(N,)`` classes; ``None`` takes the argmax of the last activations.
             class_names: Names of the last layer's capsules.
             levels: Quantise the couplings into ``K`` levels (:func:`quantise`).
+            parents: Per routing layer, the number of parents of each routing softmax (see the
+                class docstring); give it for convolutional capsules, whose windows route over
+                their capsule types only.
 
         Raises:
             InvalidInputError: If the shapes do not chain or agree.
@@ -104,7 +187,8 @@ class ParseTreeData:
             predicted = activations[-1].argmax(dim=1)
         predicted = torch.as_tensor(predicted).detach().cpu().long().reshape(-1)
         names = None if class_names is None else tuple(str(n) for n in class_names)
-        return cls(tuple(couplings), tuple(activations), predicted, names, levels)
+        softmax_sizes = None if parents is None else tuple(as_index(p, "parents") for p in parents)
+        return cls(tuple(couplings), tuple(activations), predicted, names, levels, softmax_sizes)
 
     @classmethod
     def from_recording(
@@ -114,9 +198,10 @@ class ParseTreeData:
 
         The recording needs ``layers`` (routing layers in forward order, each with
         ``couplings (N, n_in, n_out)``, ``input_activations (N, n_in)`` and
-        ``output_activations (N, n_out)``), ``predicted (N,)`` and optionally ``levels``.
-        Layer ``l``'s activations are the inputs of routing layer ``l``; the last layer's are
-        the outputs of the last routing layer.
+        ``output_activations (N, n_out)``, optionally ``parents``, the size of its routing
+        softmax), ``predicted (N,)`` and optionally ``levels``. Layer ``l``'s activations are
+        the inputs of routing layer ``l``; the last layer's are the outputs of the last routing
+        layer.
 
         Raises:
             InvalidInputError: If the object lacks these fields or the layers do not chain.
@@ -145,6 +230,7 @@ class ParseTreeData:
             torch.as_tensor(recording.predicted).detach().cpu().long().reshape(-1),
             names,
             getattr(recording, "levels", None),
+            _recorded_parents(layers),
         )
 
     @property
@@ -177,20 +263,28 @@ class ParseTreeData:
         )
 
     def sample(self, index: int) -> LayerStack:
-        """The tensors of one sample.
+        """The tensors of one sample (an int, NumPy integer or 0-d integer tensor; may be < 0).
 
         Raises:
-            InvalidInputError: If ``index`` is out of range.
+            InvalidInputError: If ``index`` is not an integer or is out of range.
         """
-        if isinstance(index, bool) or not isinstance(index, int):
-            raise InvalidInputError(f"sample index must be an int; got {index!r}")
+        index = self.sample_index(index)
+        return LayerStack(
+            tuple(c[index] for c in self.couplings), tuple(a[index] for a in self.activations)
+        )
+
+    def sample_index(self, index: Any) -> int:
+        """``index`` as an index in ``[0, N)``; negative ones count from the end.
+
+        Raises:
+            InvalidInputError: If ``index`` is not an integer or is out of range.
+        """
+        index = as_index(index, "sample index")
         if not -self.n_samples <= index < self.n_samples:
             raise InvalidInputError(
                 f"sample index {index} is out of range for {self.n_samples} recorded samples"
             )
-        return LayerStack(
-            tuple(c[index] for c in self.couplings), tuple(a[index] for a in self.activations)
-        )
+        return index % self.n_samples
 
     def mean(self, mask: Tensor | None = None) -> LayerStack:
         """Couplings and activations averaged over all samples, or those where ``mask`` is true.
@@ -224,11 +318,20 @@ def quantise(couplings: Tensor, levels: int) -> Tensor:
     Raises:
         InvalidInputError: If ``levels`` is not an int ≥ 2.
     """
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
-        raise InvalidInputError(f"levels must be an int ≥ 2; got {levels!r}")
+    check_levels(levels)
     dtype = couplings.dtype if torch.is_floating_point(couplings) else torch.float32
     scaled = couplings.to(torch.float64).clamp(0.0, 1.0) * (levels - 1)
     return (torch.floor(scaled + 0.5) / (levels - 1)).to(dtype)
+
+
+def check_levels(levels: Any) -> None:
+    """Refuse a number of quantisation levels ``K`` that is not an int ≥ 2.
+
+    Raises:
+        InvalidInputError: Naming the value got.
+    """
+    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
+        raise InvalidInputError(f"levels must be an int ≥ 2; got {levels!r}")
 
 
 def collect_parse_tree_data(
@@ -243,19 +346,26 @@ def collect_parse_tree_data(
 
     Works for any model whose capsule layers derive from
     :class:`~explain_core.interfaces.routing.RoutingLayer` and call each routing layer once per
-    forward pass, in a chain (layer ``k``'s outputs are layer ``k+1``'s inputs). The model runs
-    under ``torch.no_grad`` in eval mode; every module's training flag is restored afterwards.
+    forward pass, in a chain (layer ``k``'s outputs are layer ``k+1``'s inputs); layers are taken
+    in the order the forward pass calls them. The model runs under ``torch.no_grad`` in eval
+    mode and is left exactly as it was (training flags and attributes a forward pass sets, such
+    as a capsule grid's shape, are restored).
 
     Args:
         model: A capsule network returning ``(batch, classes)`` scores.
-        inputs: ``(N, ...)`` inputs.
-        levels: Quantise the couplings into ``K`` levels (REM's ``c̃``).
+        inputs: ``(N, ...)`` floating-point inputs of the model's dtype.
+        levels: Round the *collected* couplings into ``K`` levels (REM's ``c̃``). Only the
+            copies are rounded: the model still routes with its own couplings, so predictions,
+            activations and the couplings of later layers are those of the unquantised model.
+            For REM's "+Q" model, which routes with quantised couplings, run this inside
+            ``explain_capsules.rem.quantised_routing(model, levels=K)``.
         batch_size: Samples per forward pass.
         class_names: Names of the class capsules.
 
     Raises:
-        InvalidInputError: If the model has no routing layer, the routing layers do not form a
-            chain, or the output is not ``(batch, classes)``.
+        InvalidInputError: If the model has no routing layer, the inputs are not floating point
+            or not of the model's dtype, the routing layers do not form a chain, or the output is
+            not ``(batch, classes)``.
     """
     if not any(isinstance(m, RoutingLayer) for m in model.modules()):
         raise InvalidInputError(
@@ -264,27 +374,8 @@ def collect_parse_tree_data(
         )
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidInputError(f"batch_size must be a positive int; got {batch_size!r}")
-    if inputs.dim() < 1 or inputs.shape[0] == 0:
-        raise InvalidInputError(f"inputs must hold at least one sample; got {tuple(inputs.shape)}")
-    device = next((p.device for p in model.parameters()), inputs.device)
-    flags = [(module, module.training) for module in model.modules()]
-    batches: list[list[RoutingEvent]] = []
-    outputs = []
-    try:
-        model.eval()
-        with torch.no_grad(), record_routing(model) as recording:
-            for start in range(0, inputs.shape[0], batch_size):
-                output = model(inputs[start : start + batch_size].to(device))
-                if not isinstance(output, Tensor) or output.dim() != 2:
-                    raise InvalidInputError(
-                        f"{type(model).__name__} must return (batch, classes) scores; got "
-                        f"{tuple(output.shape) if isinstance(output, Tensor) else type(output)}"
-                    )
-                batches.append(recording.drain())
-                outputs.append(output.detach().cpu())
-    finally:
-        for module, flag in flags:
-            module.training = flag
+    check_record_inputs(model, inputs)
+    batches, outputs = _run_recorded(model, inputs, batch_size)
     order = [e.layer for e in batches[0]]
     for events in batches:
         if [e.layer for e in events] != order or len(set(order)) != len(order):
@@ -302,10 +393,69 @@ def collect_parse_tree_data(
                 f"{order[k + 1]!r} ({couplings[k + 1].shape[1]} inputs) do not form a chain; "
                 "parse trees need consecutive capsule layers"
             )
+    modules = dict(uncompiled(model).named_modules())
+    parents = [
+        routing_parents(modules[name], int(c.shape[2]))
+        for name, c in zip(order, couplings, strict=True)
+    ]
     predicted = torch.cat(outputs).argmax(dim=1)
     return ParseTreeData.from_tensors(
-        couplings, activations, predicted, class_names=class_names, levels=levels
+        couplings,
+        activations,
+        predicted,
+        class_names=class_names,
+        levels=levels,
+        parents=parents,
     )
+
+
+def _run_recorded(
+    model: nn.Module, inputs: Tensor, batch_size: int
+) -> tuple[list[list[RoutingEvent]], list[Tensor]]:
+    """The routing events and outputs of every batch, the model left as it was."""
+    device = next((p.device for p in model.parameters()), inputs.device)
+    batches: list[list[RoutingEvent]] = []
+    outputs = []
+    # The guard restores training flags and what a forward pass sets (e.g. grid shapes).
+    with ModelGuard(model), torch.no_grad(), record_routing(model) as recording:
+        model.eval()
+        for start in range(0, inputs.shape[0], batch_size):
+            output = model(inputs[start : start + batch_size].to(device))
+            if not isinstance(output, Tensor) or output.dim() != 2:
+                raise InvalidInputError(
+                    f"{type(model).__name__} must return (batch, classes) scores; got "
+                    f"{tuple(output.shape) if isinstance(output, Tensor) else type(output)}"
+                )
+            batches.append(recording.drain())
+            outputs.append(output.detach().cpu())
+    return batches, outputs
+
+
+def _recorded_parents(layers: Sequence[Any]) -> tuple[int, ...] | None:
+    """The routing softmax sizes a recording's layers report (``n_out`` where one does not)."""
+    reported = [getattr(layer, "parents", None) for layer in layers]
+    if all(p is None for p in reported):
+        return None
+    return tuple(
+        int(layer.couplings.shape[2]) if p is None else int(p)
+        for layer, p in zip(layers, reported, strict=True)
+    )
+
+
+def _validate_parents(parents: Sequence[int] | None, couplings: Sequence[Tensor]) -> None:
+    if parents is None:
+        return
+    if len(parents) != len(couplings):
+        raise InvalidInputError(
+            f"parents needs one value per routing layer ({len(couplings)}); got {len(parents)}"
+        )
+    for k, (p, c) in enumerate(zip(parents, couplings, strict=True)):
+        n_out = int(c.shape[-1])
+        if isinstance(p, bool) or not isinstance(p, int) or not 1 <= p <= n_out:
+            raise InvalidInputError(
+                f"parents of routing layer {k + 1} must be an int in [1, {n_out}] (the size of "
+                f"its routing softmax); got {p!r}"
+            )
 
 
 def _validate(

@@ -24,7 +24,10 @@ Built in:
 
 Extension point: a plugin adds methods with :func:`register_explainer`, or lazily through an
 entry point in the group ``explain_onnx.explainers`` naming a callable that returns a list of
-:class:`ExplainerSpec`. For rules that act on the gradient, ``build`` can call
+:class:`ExplainerSpec` (``EXPLAIN_PLUGINS`` selects these entry points by name, as it does the
+method plugins; an entry point cannot replace a built-in explainer, and one whose list holds
+anything but valid specs is skipped whole, with a ``PluginWarning``). For rules that act on the
+gradient, ``build`` can call
 :func:`explain_onnx.gradtrace.input_gradient_graph` while the composite's hooks are attached:
 the gradient is traced as it is computed, so hooks that rewrite it (checked for forward hooks of
 the form ``z.detach() + (r - r.detach())``) end up in the graph; backward operators without an
@@ -37,7 +40,7 @@ from __future__ import annotations
 import difflib
 import importlib.metadata
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -370,13 +373,54 @@ def _load() -> None:
     _LOADED = True
     for spec in (*BUILTIN_EXPLAINERS, *lrp_explainers()):
         _EXPLAINERS.setdefault(spec.name, spec)
-    for entry_point in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            for spec in entry_point.load()():
-                register_explainer(spec, replace=True)
-        except Exception as error:  # one broken plugin must not break exports of the others
-            warnings.warn(
-                f"ONNX explainers from entry point {entry_point.name!r} ({entry_point.value}) "
-                f"could not be loaded: {type(error).__name__}: {error}",
-                stacklevel=2,
-            )
+    from explain_core.plugin_manager import selected_entry_points
+
+    builtin = set(_EXPLAINERS)
+    # EXPLAIN_PLUGINS selects these entry points by name, as it does the method plugins.
+    for entry_point in selected_entry_points(ENTRY_POINT_GROUP, warn_missing=False):
+        _load_entry_point(entry_point, builtin)
+
+
+def _load_entry_point(entry_point: importlib.metadata.EntryPoint, builtin: set[str]) -> None:
+    """Register an entry point's explainers: all valid ones, or none if its list is broken."""
+    where = f"ONNX explainers from entry point {entry_point.name!r} ({entry_point.value})"
+    try:
+        returned = entry_point.load()()
+        listed = _is_list(returned)
+        specs = list(returned) if listed else []
+    except (Exception, SystemExit) as error:  # one broken plugin must not break the others
+        _warn(f"{where} could not be loaded: {type(error).__name__}: {error}")
+        return
+    problem = _specs_problem(specs) if listed else f"{type(returned).__name__} instead of a list"
+    if problem is not None:
+        _warn(f"{where} not used: it returned {problem}; expected a list of ExplainerSpec")
+        return
+    for spec in specs:
+        if spec.name in builtin:
+            _warn(f"{where}: skipped {spec.name!r}, a built-in explainer (the built-in one stays)")
+        elif spec.name in _EXPLAINERS:
+            _warn(f"{where}: skipped {spec.name!r}, already registered by another entry point")
+        else:
+            _EXPLAINERS[spec.name] = spec
+
+
+def _is_list(returned: Any) -> bool:
+    return isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, Mapping))
+
+
+def _specs_problem(specs: list[Any]) -> str | None:
+    """What is wrong with an entry point's explainers, or ``None``."""
+    for index, spec in enumerate(specs):
+        if not isinstance(spec, ExplainerSpec):
+            return f"{type(spec).__name__} {str(spec)[:40]!r} as item {index}"
+        if not isinstance(spec.name, str) or not spec.name.strip():
+            return f"an ExplainerSpec named {spec.name!r} as item {index}"
+        if not (callable(spec.build) and callable(spec.reference)):
+            return f"{spec.name!r} with a build or reference function that is not callable"
+    return None
+
+
+def _warn(message: str) -> None:
+    from explain_core.plugin_manager import PluginWarning
+
+    warnings.warn(message, PluginWarning, stacklevel=4)

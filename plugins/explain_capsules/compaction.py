@@ -17,6 +17,12 @@ votes ``û_{j|i}`` are zero, so it adds nothing to ``s_j = Σ_i c_ij û_{j|i}``,
 ``û_{j|i}·v_j`` are zero, and the softmax that forms ``c_ij`` runs over parents ``j`` per input
 capsule ``i``, so no other capsule's couplings depend on it.
 
+The outputs stay, but REM's saliency maps (:mod:`explain_capsules.saliency`, Eq. 16) do not: they
+average over the capsule types the model has, and the compacted model does not keep the original
+count. Maps of a model whose removed types had zero capsules are ``O/O′`` times the original's
+(``O′`` types remain); a type removed because no routing weight reads it also takes its term
+``‖u‖/J`` with it (its couplings stay uniform).
+
 The channel/capsule bookkeeping runs through torch-pruning's ``DependencyGraph`` with custom
 pruners for :class:`PrimaryCapsules` (its output "channels" are the ``M*N*O`` capsules; pruning
 removes whole types) and :class:`FullyConnectedCapsules` (input capsules = weight dim 0, output
@@ -248,7 +254,9 @@ def compact(model: DRCapsNet, example_inputs: torch.Tensor) -> tuple[DRCapsNet, 
 
     Returns:
         ``(compacted copy, report)``. The copy computes the same outputs as ``model`` (up to
-        floating-point summation order) with fewer parameters when anything was dead.
+        floating-point summation order) with fewer parameters when anything was dead. Its REM
+        saliency maps average over the remaining ``O′`` primary types, so they are ``O/O′`` times
+        the original's where the removed types had zero capsules (see the module docstring).
 
     Raises:
         TypeError: If ``model`` is not a :class:`DRCapsNet`.

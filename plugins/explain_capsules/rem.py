@@ -10,24 +10,36 @@ levels that loses no accuracy (paper, §3.1.2).
 
 Keys are stored as the raw bytes of integer level indices (``uint8`` when ``K ≤ 256``): exact,
 compact and hashable, so counts from several batches, processes or saved states merge by adding.
+
+Quantising recorded couplings (``record_parse_tree_data(..., levels=K)``) does not change how the
+model routes. REM's "+Q" model routes with the quantised couplings, so its outputs, predictions
+and deeper couplings differ from the plain model's: :func:`quantised_routing` makes a model route
+so for the duration of a block.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+from explain_core.eager import uncompiled
+from explain_core.errors import InvalidInputError
+from explain_core.interfaces.routing import RoutingLayer
 
 __all__ = [
     "ParseTreeDictionary",
     "lowest_lossless_levels",
     "quantise_couplings",
     "quantise_to_levels",
+    "quantised_routing",
 ]
 
 _STATE_VERSION = 1
@@ -97,6 +109,62 @@ def quantise_couplings(couplings: Tensor, levels: int) -> Tensor:
     return (indices.to(torch.float64) / (levels - 1)).to(out_dtype)
 
 
+_TRANSFORM = "coupling_transform"
+_MISSING = object()
+
+
+@contextmanager
+def quantised_routing(model: nn.Module, levels: int) -> Iterator[nn.Module]:
+    """Make ``model`` route with couplings quantised into ``K`` levels inside the block (REM's +Q).
+
+    Sets the ``coupling_transform`` of every routing layer that has one (the capsule layers of
+    :mod:`explain_capsules.layers`) to :func:`quantise_couplings` with ``levels`` and puts the
+    previous transforms back on leaving the block, also on an exception. The layers apply the
+    transform in eval mode only (training routes with continuous couplings), as
+    :func:`~explain_capsules.recording.record_parse_tree_data`, ``capsule_saliency`` and
+    ``explain_core.parse_trees.collect_parse_tree_data`` run the model. Inside the block the
+    quantised couplings form the output capsules, so predictions, activations and the couplings
+    of later layers are those of the quantised model::
+
+        with quantised_routing(model, levels=11):
+            recording = record_parse_tree_data(model, inputs, levels=11)
+
+    Args:
+        model: A capsule network.
+        levels: Number of levels ``K ≥ 2``.
+
+    Yields:
+        ``model``.
+
+    Raises:
+        ValueError: If ``levels`` is not an int ≥ 2.
+        InvalidInputError: If ``model`` has no routing layer with a ``coupling_transform``.
+    """
+    _check_levels(levels)
+    layers = [
+        module
+        for module in uncompiled(model).modules()
+        if isinstance(module, RoutingLayer) and hasattr(module, _TRANSFORM)
+    ]
+    if not layers:
+        raise InvalidInputError(
+            f"{type(model).__name__} has no routing layer with a coupling_transform (such as "
+            "explain_capsules' FullyConnectedCapsules or ConvolutionalCapsules); quantised "
+            "routing needs capsule layers that can transform their couplings"
+        )
+    saved = [(layer, layer.__dict__.get(_TRANSFORM, _MISSING)) for layer in layers]
+    try:
+        for layer in layers:
+            setattr(layer, _TRANSFORM, partial(quantise_couplings, levels=levels))
+        yield model
+    finally:
+        for layer, previous in saved:
+            if previous is _MISSING:  # it came from the class: drop the instance's copy
+                layer.__dict__.pop(_TRANSFORM, None)
+            else:
+                setattr(layer, _TRANSFORM, previous)
+
+
 class ParseTreeDictionary:
     """Per-predicted-class dictionary of quantised coupling columns (REM parse trees).
 
@@ -121,9 +189,21 @@ class ParseTreeDictionary:
         self._counts: list[dict[bytes, int]] = [{} for _ in range(n_classes or 0)]
 
     # ----------------------------------------------------------------------------- building
+    def _check_compatible(self, n_lower: int, n_classes: int, levels: int) -> None:
+        """Refuse a shape or K other than the dictionary's; changes nothing."""
+        _check_levels(levels)
+        mine = (self.n_lower, self.n_classes, self.levels)
+        given = (n_lower, n_classes, levels)
+        if any(m is not None and m != g for m, g in zip(mine, given, strict=True)):
+            raise ValueError(
+                f"update with n_lower={n_lower}, n_classes={n_classes}, K={levels} does not match "
+                f"the dictionary's n_lower={self.n_lower}, n_classes={self.n_classes}, "
+                f"K={self.levels}"
+            )
+
     def _configure(self, n_lower: int, n_classes: int, levels: int) -> None:
         """Fix (or check) the shape and K; keys of different shapes or K are not comparable."""
-        _check_levels(levels)
+        self._check_compatible(n_lower, n_classes, levels)
         if self.n_classes is None:
             self.n_classes = n_classes
             self._counts = [{} for _ in range(n_classes)]
@@ -131,12 +211,6 @@ class ParseTreeDictionary:
             self.levels = levels
         if self.n_lower is None:
             self.n_lower = n_lower
-        if (self.n_lower, self.n_classes, self.levels) != (n_lower, n_classes, levels):
-            raise ValueError(
-                f"update with n_lower={n_lower}, n_classes={n_classes}, K={levels} does not match "
-                f"the dictionary's n_lower={self.n_lower}, n_classes={self.n_classes}, "
-                f"K={self.levels}"
-            )
 
     def update(self, couplings: Tensor, predicted: Tensor, levels: int) -> None:
         """Add one batch of samples.
@@ -145,6 +219,9 @@ class ParseTreeDictionary:
             couplings: Last-iteration couplings, shape ``(B, n_lower, n_classes)``.
             predicted: Predicted class per sample, shape ``(B,)`` (integers).
             levels: Number of quantisation levels ``K``; must match earlier updates.
+
+        Every argument is checked before the dictionary changes: a refused first update does not
+        fix its shape or ``K``.
 
         Raises:
             ValueError: On shape mismatches, out-of-range classes, ``K < 2`` or NaN couplings.
@@ -163,15 +240,16 @@ class ParseTreeDictionary:
         predicted = predicted.to(torch.int64).to(couplings.device)
         if predicted.numel() != batch:
             raise ValueError(f"predicted has {predicted.numel()} entries for a batch of {batch}")
-        self._configure(n_lower, n_classes, levels)
-        if batch == 0:
-            return
-        if predicted.min() < 0 or predicted.max() >= n_classes:
+        self._check_compatible(n_lower, n_classes, levels)
+        if batch and (predicted.min() < 0 or predicted.max() >= n_classes):
             raise ValueError(f"predicted classes must lie in [0, {n_classes})")
         # Select the predicted column before quantising: 1/n_classes of the work.
         index = predicted.view(batch, 1, 1).expand(batch, n_lower, 1)
         columns = couplings.gather(2, index).squeeze(2)
-        rows = quantise_to_levels(columns, levels).cpu()
+        rows = quantise_to_levels(columns, levels).cpu()  # refuses NaN: still unconfigured
+        self._configure(n_lower, n_classes, levels)
+        if batch == 0:
+            return
         key_dtype = rows.dtype
         if key_dtype == torch.uint8 and n_classes > 256:
             key_dtype = torch.int32  # class column would not fit in a byte

@@ -9,6 +9,14 @@ the capsule activations weighted by their (optionally ``K``-level quantised) cou
 ``j``, averaged over capsule types; the ``M × N`` map is upsampled bilinearly to the input size.
 Only a forward pass is needed. Capsule order is positions × types,
 ``index = (m * N + n) * O + o`` (see :mod:`explain_capsules.layers`).
+
+The mean runs over the ``O`` types the model has. :func:`explain_capsules.compaction.compact`
+keeps a model's outputs but removes dead types, so the compacted model's maps average over the
+``O′ < O`` remaining ones: a type removed because its capsules are zero vectors added nothing to
+the sum, and the maps are ``O/O′`` times the original's; a type removed because no routing weight
+reads it still had ``‖u‖ > 0`` and the uniform coupling ``1/J`` (zero votes never move its
+routing logits), so its term ``‖u‖/J`` is lost too. Compare maps of the same model, before or
+after compaction, not across it.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from explain_capsules.recording import check_levels, inference_mode_of
 from explain_capsules.rem import quantise_couplings
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.routing import RoutingLayer, record_routing
+from explain_core.model_guard import ModelGuard
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import TargetLike, normalize_target, select_target
 
@@ -109,6 +118,7 @@ def _saliency(
     primary_name, primary, consumer_name, _ = find_grid_capsules(model)
     wanted = normalize_target(target, inputs.shape[0], inputs.device)
     with (
+        ModelGuard(model),  # puts back what the forward pass sets, e.g. the grid's shape
         inference_mode_of(model),
         record_routing(model, keep_on_device=True) as recording,
     ):
@@ -164,10 +174,16 @@ def capsule_saliency(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """REM saliency maps (Eq. 16) of a capsule network with one grid of primary capsules.
 
-    Runs one forward pass in eval mode under ``torch.no_grad`` (every module's training flag is
-    restored afterwards), records ``‖u‖`` of the primary capsules and their couplings to the
-    target class in the routing layer consuming them (see :func:`find_grid_capsules`), computes
-    :func:`saliency_grid` and upsamples it bilinearly (``align_corners=False``) to ``H × W``.
+    Runs one forward pass in eval mode under ``torch.no_grad`` and leaves the model exactly as it
+    was (training flags and ``PrimaryCapsules.grid_shape`` are restored), records ``‖u‖`` of the
+    primary capsules and their couplings to the target class in the routing layer consuming them
+    (see :func:`find_grid_capsules`), computes :func:`saliency_grid` and upsamples it bilinearly
+    (``align_corners=False``) to ``H × W``.
+
+    The maps average over the model's capsule types, so those of a model compacted by
+    :func:`~explain_capsules.compaction.compact` (same outputs, dead types removed) differ from
+    the original's: ``O/O′`` times them when the removed types had zero capsules (see the module
+    docstring).
 
     Args:
         model: Capsule network with exactly one :class:`PrimaryCapsules` module whose capsules
@@ -176,6 +192,8 @@ def capsule_saliency(
         target: Class to explain: ``None`` (the predicted class), one int, or one per sample.
         levels: Quantise the couplings into ``K`` levels (REM's ``c̃``); ``None`` uses the
             couplings as computed (already quantised if the layer has a coupling transform).
+            Only the couplings in Eq. 16 are rounded; the model routes as it does (see
+            :func:`~explain_capsules.rem.quantised_routing` for REM's "+Q" model).
 
     Returns:
         ``(maps, output, target)``: saliency maps ``(B, H, W)``, model output ``(B, n_classes)``
