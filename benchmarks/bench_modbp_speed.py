@@ -29,7 +29,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -38,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from explain_core import explain
-from explain_core.bench import write_results
+from explain_core.bench import interleaved_medians, write_results
 
 LOWER_BOUND = "gradient + W⁺∗a convolutions (lower bound)"
 GRADIENT_ALONE = "gradient, first in its process"
@@ -176,21 +175,6 @@ def captum_candidates(model: nn.Module) -> dict[str, Callable[..., object]]:
     candidates["captum LRP ε+z⁺"] = lambda x, t: lrp.attribute(x, target=t)
     candidates["captum DeepLift"] = lambda x, t: deeplift.attribute(x, target=t)
     return candidates
-
-
-def interleaved_medians(
-    candidates: dict[str, Callable[[], object]], rounds: int
-) -> dict[str, float]:
-    """Median seconds per candidate, timing each once per round in turn."""
-    for fn in candidates.values():
-        fn()  # warm-up
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def measure(rounds: int, threads: int, profile: bool = False) -> dict[str, object]:

@@ -31,6 +31,13 @@ from explain_onnx import OnnxSession, cuda_usable, export_onnx
 GOAL = 0.8
 
 
+def ort_version() -> str:
+    """The installed onnxruntime's version."""
+    import onnxruntime
+
+    return onnxruntime.__version__
+
+
 def cases(digits: Any) -> list[tuple[str, torch.nn.Module, torch.Tensor, str | None, Callable]]:
     """``(name, model, inputs, explain method, eager function)`` for every timed case."""
     torch.manual_seed(0)
@@ -99,7 +106,9 @@ def main(quick: bool = False) -> None:
         title="ONNX export: onnxruntime against PyTorch eager",
         command="python benchmarks/bench_onnx.py",
         notes=(
-            f"Medians of {repeats} runs on one thread each, same inputs; explained graphs return "
+            f"Medians of {repeats} runs on one thread each (eager's runs, then onnxruntime's: "
+            "interleaved rounds made eager LRP 1.5× slower, its working memory given back to "
+            "the system and faulted in again between calls), same inputs; explained graphs return "
             "the logits and the explanation of the predicted class, and the eager side computes "
             "the same (coda_contributions; autograd Input×Gradient; explain(..., "
             "'lrp.epsilon_plus'), the LRP ε+z⁺ composite of the modified-BP engine). Goal on "
@@ -109,13 +118,17 @@ def main(quick: bool = False) -> None:
             "Algorithm 1's direct form where eager uses it too. Explained graphs are written "
             "in operators onnxruntime runs fast, each exact (exporters/explain_onnx/gradtrace.py, "
             "foldable.py): max pooling without MaxPool's indices output (a third of the "
-            "explained VGG's time before) and its backward as a scatter, stride-1 transposed "
+            "explained VGG's time before) and its backward as a scatter, no Where in max "
+            "pooling and ReLU's backward (onnxruntime 1.32 runs Where about 20 times slower than "
+            "1.31 on such unpredictable masks: the explained VGG took 43 ms instead of 34 "
+            "before this rewrite, 1.31.1 34 ms either way), stride-1 transposed "
             "convolutions as convolutions, nan_to_num as one comparison, CastLike of known type "
             "as Cast so that onnxruntime folds the rules' modified weights into constants; the "
             "CoDA contributions contract the dynamic weights without transposing them. The LRP "
             "graph's input layer takes z⁺'s signed form (exact for inputs of any sign), where "
             "eager PyTorch checks the values and takes the non-negative form. Ratios move with "
-            "the machine's load (eager LRP at batch 32 has taken 25 to 45 ms in different runs). "
+            "the machine's load and its CPU (eager LRP at batch 32 has taken 25 to 57 ms in "
+            f"different runs). onnxruntime {ort_version()}. "
             + (
                 "CUDA provider times included."
                 if gpu

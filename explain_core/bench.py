@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -32,6 +33,11 @@ def machine_info() -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
+    # Versions of the compared libraries the benchmark imported (never imported here).
+    for name in ("onnx", "onnxruntime", "captum", "zennit"):
+        module = sys.modules.get(name)
+        if module is not None:
+            info[name] = getattr(module, "__version__", "unknown")
     return info
 
 
@@ -45,6 +51,26 @@ def median_seconds(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 1) 
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def interleaved_medians(
+    candidates: dict[str, Callable[[], Any]], rounds: int, *, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds per candidate, each timed once per round in turn.
+
+    Interleaving spreads a shared machine's slow spells over all candidates alike, where timing
+    one candidate's repeats after another's would charge them to whichever ran then.
+    """
+    for fn in candidates.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

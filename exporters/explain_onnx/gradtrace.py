@@ -10,7 +10,8 @@ transposed convolution, adaptive average pooling's is two averaging matrices, re
 one 0/1 matrix per padded axis, max pooling's a scatter-add), so the exported graph has
 standard ONNX operators only. A few more are rewritten into operators onnxruntime runs faster
 (max pooling without ``MaxPool``'s indices output, stride-1 transposed convolutions as
-convolutions, ``nan_to_num`` as one comparison); each is exact.
+convolutions, ``nan_to_num`` as one comparison, no ``Where`` in max pooling and ReLU's
+backward); each is exact (ReLU's backward: for finite gradients).
 
 The traced graph is a ``GraphModule`` holding the tensors created inside the model's forward
 (``torch.tensor(0.5)``, a mask built with ``torch.ones``) as attributes ``_tensor_constant0``, ….
@@ -222,8 +223,13 @@ def _max_pool2d_with_indices(
 
     onnxruntime's ``MaxPool`` with an indices output is many times slower than the pooling
     itself (a third of an explained VGG's time). Here each element of the windows is a strided
-    slice of the input, and a running maximum over them keeps the first maximum, as PyTorch's
-    kernel does (a NaN wins, as there); the indices are PyTorch's, flat per plane.
+    slice of the input, and a running maximum over them keeps PyTorch's maximum (a NaN wins, as
+    there); the indices are PyTorch's, flat per plane: the offset of the last element that beat
+    the running maximum (its first maximum, or its last NaN), the largest offset among them
+    since offsets grow in scan order. Written without ``Where``, which onnxruntime 1.32 runs
+    about 20 times slower than 1.31 on unpredictable conditions (measured): the values with
+    ``Max`` (which propagates NaN; of two zeros it may keep the other sign), the offsets as
+    ``Max`` of ``better × offset``.
     """
     kernel = _tiling_windows(inputs, kernel_size, stride, padding, dilation, ceil_mode)
     if kernel is None:
@@ -234,13 +240,25 @@ def _max_pool2d_with_indices(
     values = offset = None
     for a, b, flat in _window_offsets(inputs, kh, kw):
         element = inputs[..., a:rows:kh, b:cols:kw]
-        if values is None:
-            values, offset = element, torch.full_like(element, flat, dtype=torch.long)
+        if values is None:  # the first element, at offset 0
+            values, offset = element, torch.zeros_like(element, dtype=torch.long)
             continue
         better = (element > values) | element.isnan()
-        values = torch.where(better, element, values)
-        offset = torch.where(better, flat, offset)
+        values = torch.maximum(values, element)
+        offset = torch.maximum(offset, better.long() * flat)
     return values, _window_corners(inputs, kh, kw) + offset
+
+
+def _threshold_backward(grad: torch.Tensor, inputs: torch.Tensor, threshold: float) -> Any:
+    """ReLU's input gradient as ``grad`` times the 0/1 mask of ``inputs > threshold``.
+
+    PyTorch's form, ``where(inputs <= threshold, 0, grad)``, exports as ``Where``, which
+    onnxruntime 1.32 runs about 20 times slower than 1.31 on a ReLU's unpredictable mask
+    (measured). The product is the same for every finite gradient (a NaN input passes the
+    gradient, as there); an infinite or NaN gradient where the mask is 0 gives NaN instead of 0.
+    """
+    passes = (inputs <= threshold).logical_not()
+    return grad * passes.to(grad.dtype)
 
 
 def _max_pool2d_with_indices_backward(
@@ -294,6 +312,7 @@ BACKWARD_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
     aten.convolution.default: _transposed_convolution,
     aten.nan_to_num.default: _nan_to_num,
     aten.nan_to_num_.default: _nan_to_num_,
+    aten.threshold_backward.default: _threshold_backward,
     aten.convolution_backward.default: _convolution_backward,
     aten._adaptive_avg_pool2d_backward.default: _adaptive_avg_pool2d_backward,
     aten.avg_pool2d_backward.default: _avg_pool2d_backward,
