@@ -340,6 +340,17 @@ def test_dynamic_weight_reproduces_forward(form):
     assert_close(weights.transpose(1, 2), ReferenceDAUConv2d(layer).weights(x), 1e-12)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_position_major_weight_is_the_dynamic_weight_per_position(bias):
+    layer = make_layer(3, 4, 5, 3, stride=2, dtype=torch.float64)
+    reference = ReferenceDAUConv2d(layer)
+    if not bias:
+        layer.weightings.bias = reference.weightings.bias = None
+    x = torch.randn(2, 3, 9, 7, dtype=torch.float64)
+    expected = reference.weights(x)  # (B, patch_dim, out, h, w)
+    assert_close(layer.position_major_weight(x), expected.permute(0, 3, 4, 1, 2), 1e-12)
+
+
 def test_non_contiguous_inputs_give_the_same_output():
     layer = make_layer(3, 4, 5, 3, form="factorised", dtype=torch.float64)
     x = torch.randn(2, 3, 7, 9, dtype=torch.float64)

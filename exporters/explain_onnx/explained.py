@@ -165,14 +165,15 @@ class CoDAContributionsGraph(nn.Module):
         inputs, weights = [], []
         h = x
         for layer in model.layers:
-            # Patch-major (B, patch_dim, out, oh, ow): both contractions below are a broadcast
-            # product and a sum over one axis, with no transpose of this, the largest tensor.
-            weight = layer.patch_major_weight(h)
-            batch, patch_dim, _, oh, ow = weight.shape
+            # Per position (B, oh, ow, patch_dim, out): both contractions below are matrix
+            # products per position, reading this, the largest tensor, in the layout computed.
+            weight = layer.position_major_weight(h)
+            batch, oh, ow, patch_dim, _ = weight.shape
             patches = F.unfold(h, layer.kernel_size, padding=layer.padding, stride=layer.stride)
+            patches = patches.transpose(1, 2).reshape(batch, oh, ow, 1, patch_dim)
             inputs.append(h)
             weights.append(weight)
-            h = (patches.view(batch, patch_dim, 1, oh, ow) * weight).sum(1)
+            h = (patches @ weight).reshape(batch, oh, ow, -1).permute(0, 3, 1, 2)
         logits = h.sum(dim=(2, 3)) / model.temperature + model.logit_bias
         chosen = target if target is not None else logits.argmax(dim=1)
         classes = torch.arange(logits.shape[1], device=x.device)
@@ -181,9 +182,11 @@ class CoDAContributionsGraph(nn.Module):
         for layer, h_in, weight in zip(
             reversed(model.layers), reversed(inputs), reversed(weights), strict=True
         ):
-            patch_grad = (grad.unsqueeze(1) * weight).sum(2)  # (B, patch_dim, oh, ow)
+            batch, oh, ow, patch_dim, _ = weight.shape
+            per_position = grad.permute(0, 2, 3, 1).unsqueeze(-1)  # (B, oh, ow, out, 1)
+            patch_grad = (weight @ per_position).reshape(batch, oh * ow, patch_dim)
             grad = F.fold(
-                patch_grad.flatten(2),
+                patch_grad.transpose(1, 2),
                 output_size=tuple(h_in.shape[2:]),
                 kernel_size=layer.kernel_size,
                 padding=layer.padding,
