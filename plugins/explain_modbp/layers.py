@@ -134,6 +134,52 @@ class AffineLayer:
             like = signal.new_empty(1).expand(like)  # input can pick a faster kernel
         return self._convolution_backward(signal, like, weight, wrt_input=True)
 
+    def forward_split(
+        self,
+        positive_x: torch.Tensor,
+        negative_x: torch.Tensor,
+        for_positive: torch.Tensor,
+        for_negative: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """``for_positive ∗ x⁺ + for_negative ∗ x⁻ + bias``: a rule's signed-input denominator.
+
+        One convolution (or matrix product) over the inputs and weights stacked along the
+        input channels, where the layer is ungrouped: half the passes over the output of two
+        (an image's first layer, with its 3 input channels, costs about as much as either).
+        """
+        if self.kind == "scale" or self.groups != 1:
+            return self.forward(positive_x, for_positive, bias) + self.forward(
+                negative_x, for_negative
+            )
+        axis = -1 if self.kind == "linear" else 1
+        stacked = torch.cat([positive_x, negative_x], dim=axis)
+        return self.forward(stacked, torch.cat([for_positive, for_negative], dim=1), bias)
+
+    def transpose_pair(
+        self,
+        signal: torch.Tensor,
+        like: torch.Tensor,
+        first: torch.Tensor,
+        second: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(firstᵀ · signal, secondᵀ · signal)``, computed as one transposed product.
+
+        Where the layer is ungrouped the two weights are stacked along the input channels, so
+        the signal is read once (see :meth:`forward_split`).
+        """
+        if self.kind == "scale" or self.groups != 1:
+            return self.transpose(signal, like, first), self.transpose(signal, like, second)
+        stacked = torch.cat([first, second], dim=1)
+        if self.kind == "linear":
+            both = signal @ stacked
+            return both.chunk(2, dim=-1)  # type: ignore[return-value]
+        shape = list(like.shape)
+        shape[1] *= 2
+        both = self._convolution_backward(signal, signal.new_empty(1).expand(shape), stacked,
+                                          wrt_input=True)  # fmt: skip
+        return both.chunk(2, dim=1)  # type: ignore[return-value]
+
     def correlate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``Σ y_j ⊗ x_patch`` over batch and positions, shaped like the weight.
 

@@ -170,8 +170,8 @@ class Gamma(_SignAware):
             d_up, d_down = layer.forward(x, up, bias_up), layer.forward(x, down, bias_down)
         else:
             xp, xn = x.clamp(min=0), x.clamp(max=0)
-            d_up = layer.forward(xp, up, bias_up) + layer.forward(xn, down)
-            d_down = layer.forward(xp, down, bias_down) + layer.forward(xn, up)
+            d_up = layer.forward_split(xp, xn, up, down, bias_up)
+            d_down = layer.forward_split(xp, xn, down, up, bias_down)
         rising = z >= 0
         denominator = _stabilise(torch.where(rising, d_up, d_down), self.epsilon)
         return up, down, not nonnegative, rising, denominator, _ratio(z, denominator)
@@ -188,11 +188,12 @@ class Gamma(_SignAware):
             return layer.transpose(s, x, up)
         s_up = torch.where(rising, s, 0.0)
         s_down = s - s_up
-        for_positive_x = layer.transpose(s_up, x, up) + layer.transpose(s_down, x, down)
         if not signed:
-            return for_positive_x
-        for_negative_x = layer.transpose(s_up, x, down) + layer.transpose(s_down, x, up)
-        return torch.where(x > 0, for_positive_x, for_negative_x)
+            return layer.transpose(s_up, x, up) + layer.transpose(s_down, x, down)
+        up_for_positive, up_for_negative = layer.transpose_pair(s_up, x, up, down)
+        down_for_positive, down_for_negative = layer.transpose_pair(s_down, x, down, up)
+        for_positive_x = up_for_positive + down_for_positive
+        return torch.where(x > 0, for_positive_x, up_for_negative + down_for_negative)
 
 
 class AlphaBeta(_SignAware):
@@ -232,12 +233,8 @@ class AlphaBeta(_SignAware):
             neg = layer.forward(x, negative, bias_neg) if self.beta else None
         else:
             xp, xn = x.clamp(min=0), x.clamp(max=0)
-            pos = layer.forward(xp, positive, bias_pos) + layer.forward(xn, negative)
-            neg = (
-                (layer.forward(xp, negative, bias_neg) + layer.forward(xn, positive))
-                if self.beta
-                else None
-            )
+            pos = layer.forward_split(xp, xn, positive, negative, bias_pos)
+            neg = layer.forward_split(xp, xn, negative, positive, bias_neg) if self.beta else None
         ratios = _ratio(z, pos, self.alpha), (_ratio(z, neg, self.beta) if self.beta else None)
         return positive, negative, nonnegative, pos, neg, ratios
 
@@ -261,11 +258,13 @@ class AlphaBeta(_SignAware):
             if s_neg is not None:
                 signal = signal - layer.transpose(s_neg, x, negative)
             return signal
-        for_positive_x = layer.transpose(s_pos, x, positive)
-        for_negative_x = layer.transpose(s_pos, x, negative)
+        for_positive_x, for_negative_x = layer.transpose_pair(s_pos, x, positive, negative)
         if s_neg is not None:
-            for_positive_x = for_positive_x - layer.transpose(s_neg, x, negative)
-            for_negative_x = for_negative_x - layer.transpose(s_neg, x, positive)
+            negative_for_positive, negative_for_negative = layer.transpose_pair(
+                s_neg, x, negative, positive
+            )
+            for_positive_x = for_positive_x - negative_for_positive
+            for_negative_x = for_negative_x - negative_for_negative
         return torch.where(x > 0, for_positive_x, for_negative_x)
 
 
