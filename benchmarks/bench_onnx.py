@@ -1,19 +1,24 @@
 """onnxruntime against PyTorch eager: plain and explained CoDA-Net and CNN, batch 1 and 32.
 
-Each model is exported with ``explain_onnx.export_onnx`` (parity-checked), then the same inputs
-are timed in one run: PyTorch eager (``model(x)`` under ``no_grad``; for the explanation the
-library's own call: ``coda_contributions`` for the CoDA-Net, a plain ``torch.autograd.grad``
-Input×Gradient for the CNN) against an onnxruntime session of the exported graph. Both run on one
-thread (the shared 2-core machines make more threads noise). The goal on CPU: onnxruntime at most
+In each of several fresh processes every model is exported with ``explain_onnx.export_onnx``
+(parity-checked), then the same inputs are timed: PyTorch eager (``model(x)`` under ``no_grad``;
+for the explanation the library's own call: ``coda_contributions`` for the CoDA-Net, a plain
+``torch.autograd.grad`` Input×Gradient and ``explain(..., "lrp.epsilon_plus")`` for the CNN)
+against an onnxruntime session of the exported graph; each process gives a ratio per case. Both
+run on one thread (the shared 2-core machines make more threads noise). The goal on CPU: onnxruntime at most
 0.8× the eager time. Where onnxruntime's CUDA provider really works, its times are recorded too.
 
-    python benchmarks/bench_onnx.py            # full run
-    python benchmarks/bench_onnx.py --quick    # fewer repeats
+    python benchmarks/bench_onnx.py            # 3 fresh processes, 15 runs per case each
+    python benchmarks/bench_onnx.py --quick    # one process, 5 runs per case
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -69,10 +74,9 @@ def cases(digits: Any) -> list[tuple[str, torch.nn.Module, torch.Tensor, str | N
     ]  # fmt: skip
 
 
-def main(quick: bool = False) -> None:
-    """Export, time and write ``benchmarks/results/onnx_runtime.json``."""
+def measure(repeats: int) -> list[dict[str, Any]]:
+    """Export every case and time eager PyTorch and onnxruntime on it, in this process."""
     torch.set_num_threads(1)
-    repeats = 5 if quick else 15
     gpu = cuda_usable()
     rows = []
     with tempfile.TemporaryDirectory() as folder:
@@ -92,13 +96,46 @@ def main(quick: bool = False) -> None:
                     "batch": batch,
                     "torch eager ms": torch_s * 1e3,
                     "onnxruntime CPU ms": ort_s * 1e3,
-                    "ratio (ORT / eager)": ort_s / torch_s,
                 }
                 if cuda is not None:
                     row["onnxruntime CUDA ms"] = (
                         median_seconds(lambda: cuda.run(feed), repeats=repeats) * 1e3  # noqa: B023
                     )
                 rows.append(row)
+    return rows
+
+
+def measure_in_fresh_processes(processes: int, repeats: int) -> list[list[dict[str, Any]]]:
+    """:func:`measure` once per fresh interpreter (eager times depend on the process's heap)."""
+    command = [sys.executable, __file__, "--child", f"--repeats={repeats}"]
+    runs = []
+    for index in range(processes):
+        done = subprocess.run(command, check=True, capture_output=True, text=True)
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"process {index + 1}/{processes} measured", flush=True)
+    return runs
+
+
+def summary_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per case: median times over the processes, and the median and range of their ratios."""
+    rows = []
+    for index, first in enumerate(runs[0]):
+        cases_ = [run[index] for run in runs]
+        ratios = [case["onnxruntime CPU ms"] / case["torch eager ms"] for case in cases_]
+        row = {key: first[key] for key in ("model", "output", "batch")}
+        for key in first:
+            if key.endswith(" ms"):
+                row[key] = statistics.median(case[key] for case in cases_)
+        row["ratio (ORT / eager)"] = statistics.median(ratios)
+        row["range over processes"] = f"{min(ratios):.2f}–{max(ratios):.2f}"
+        rows.append(row)
+    return rows
+
+
+def main(processes: int, repeats: int) -> None:
+    """Measure in fresh processes and write ``benchmarks/results/onnx_runtime.json``."""
+    gpu = cuda_usable()
+    rows = summary_rows(measure_in_fresh_processes(processes, repeats))
     met = sum(row["ratio (ORT / eager)"] <= GOAL for row in rows)
     write_results(
         "onnx_runtime",
@@ -106,9 +143,11 @@ def main(quick: bool = False) -> None:
         title="ONNX export: onnxruntime against PyTorch eager",
         command="python benchmarks/bench_onnx.py",
         notes=(
-            f"Medians of {repeats} runs on one thread each (eager's runs, then onnxruntime's: "
-            "interleaved rounds made eager LRP 1.5× slower, its working memory given back to "
-            "the system and faulted in again between calls), same inputs; explained graphs return "
+            f"{processes} fresh processes, each timing medians of {repeats} runs on one thread "
+            "(eager's runs, then onnxruntime's: interleaved rounds made eager LRP 1.5× slower, "
+            "its working memory given back to the system and faulted in again between calls); "
+            "the table gives the median over processes and the range of the per-process ratios. "
+            "Same inputs; explained graphs return "
             "the logits and the explanation of the predicted class, and the eager side computes "
             "the same (coda_contributions; autograd Input×Gradient; explain(..., "
             "'lrp.epsilon_plus'), the LRP ε+z⁺ composite of the modified-BP engine). Goal on "
@@ -140,5 +179,14 @@ def main(quick: bool = False) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer repeats")
-    main(parser.parse_args().quick)
+    parser.add_argument("--quick", action="store_true", help="one process, 5 repeats")
+    parser.add_argument("--processes", type=int, default=3, help="fresh processes to measure in")
+    parser.add_argument("--repeats", type=int, default=15, help="timed runs per case")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.repeats)))
+    elif args.quick:
+        main(processes=1, repeats=5)
+    else:
+        main(args.processes, args.repeats)
