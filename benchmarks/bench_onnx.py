@@ -5,8 +5,9 @@ In each of several fresh processes every model is exported with ``explain_onnx.e
 for the explanation the library's own call: ``coda_contributions`` for the CoDA-Net, a plain
 ``torch.autograd.grad`` Input×Gradient and ``explain(..., "lrp.epsilon_plus")`` for the CNN)
 against an onnxruntime session of the exported graph; each process gives a ratio per case. Both
-run on one thread (the shared 2-core machines make more threads noise). The goal on CPU: onnxruntime at most
-0.8× the eager time. Where onnxruntime's CUDA provider really works, its times are recorded too.
+run on one thread (the shared 2-core machines make more threads noise). The goal on CPU:
+onnxruntime at most 0.8× the eager time. Where onnxruntime's CUDA provider really works, its times
+are recorded too.
 
     python benchmarks/bench_onnx.py            # 3 fresh processes, 15 runs per case each
     python benchmarks/bench_onnx.py --quick    # one process, 5 runs per case
