@@ -356,7 +356,8 @@ def test_explained_graph_leaves_onnxruntime_its_constants(tmp_path):
     nodes = onnx.load(str(path)).graph.node
     assert not [node.name for node in nodes if node.op_type == "CastLike"]
     transposed = [node for node in nodes if node.op_type == "ConvTranspose"]
-    assert len(transposed) == 2  # only the input layer's (3 channels; signed form: W⁺ and W⁻)
+    # Only the input layer's (3 channels; signed form: W⁺ and W⁻ stacked into one product).
+    assert len(transposed) == 1
 
 
 # --- nan_to_num -------------------------------------------------------------------------------

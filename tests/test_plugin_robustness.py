@@ -21,6 +21,7 @@ import pytest
 import torch
 from conftest import run_cli, write_user_module
 from safetensors.torch import save_file
+from test_plugin_manager import GRADIENT_METHODS
 from torch import nn
 
 import explain_core.plugin_manager as plugin_manager
@@ -40,14 +41,6 @@ from explain_core.targets import select_target
 from explain_gradients.methods import Gradient
 
 pytestmark = pytest.mark.usefixtures("restore_showwarning")
-
-GRADIENT_METHODS = [
-    "dynamic.contributions",
-    "gradient",
-    "input_x_gradient",
-    "integrated_gradients",
-    "smoothgrad",
-]
 
 
 # --- helpers ---------------------------------------------------------------------------------
