@@ -269,6 +269,37 @@ def test_tied_max_pooling_exports_with_parity(tmp_path, method, kernel, size):
     assert_matches_explain(path, model, flat_regions(5, size, seed=8), method)
     ops = {node.op_type for node in onnx.load(str(path)).graph.node}
     assert "MaxPool" not in ops, ops
+    # The backward as MaxUnpool, not onnxruntime's slower ScatterElements.
+    assert "MaxUnpool" in ops and "ScatterElements" not in ops, ops
+
+
+class Unpooling(nn.Module):
+    """A user model that unpools (an encoder-decoder's skip of pooling indices)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(12)
+        self.conv = nn.Conv2d(2, 3, 3, padding=1)
+        self.pool = nn.MaxPool2d(2, return_indices=True)
+        self.unpool = nn.MaxUnpool2d(2)
+        self.fc = nn.Linear(3 * 9 * 7, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled, indices = self.pool(self.conv(x))
+        return self.fc(self.unpool(pooled, indices, output_size=(9, 7)).flatten(1))
+
+
+def test_a_user_models_max_unpooling_exports_as_maxunpool(tmp_path):
+    model = Unpooling().eval()
+    path = tmp_path / "unpooling.onnx"
+    result = export_onnx(model, torch.randn(4, 2, 9, 7), path)  # odd sizes: a row/column unread
+    assert result.parity is not None and result.parity.passed
+    held_back = torch.randn(5, 2, 9, 7)
+    (logits,) = OnnxSession(path).run(held_back)
+    with torch.no_grad():
+        expected = model(held_back).numpy()
+    assert np.abs(logits - expected).max() <= 1e-5
+    assert "MaxUnpool" in {node.op_type for node in onnx.load(str(path)).graph.node}
 
 
 def test_input_x_gradient_of_relu_and_pooling_exports_without_where(tmp_path):

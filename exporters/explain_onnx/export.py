@@ -43,6 +43,7 @@ from explain_onnx.explained import explained_module, get_explainer
 from explain_onnx.foldable import cast_like_as_cast
 from explain_onnx.parity import BATCH_SIZES, ParityReport, check_graph, check_parity
 from explain_onnx.runtime import CPU, SILENT, OnnxSession, identity_probe, session_options
+from explain_onnx.translations import onnx_translations
 
 MAX_INLINE_BYTES = 1_800_000_000  # ONNX protobufs stop at 2 GB
 # torch.onnx builds opset-18 graphs and converts them down with onnx's version converter, which
@@ -352,6 +353,7 @@ def convert(
                 input_names=input_names,
                 output_names=output_names,
                 opset_version=opset,
+                custom_translation_table=onnx_translations(),
                 verbose=False,
                 # onnxscript's optimizer (0.7) rewrites `x + c` to `x` for |c| ≤ 1e-8, dropping
                 # the epsilons of norms (capsule lengths, DAU scaling): sqrt(q + 1e-8) became
