@@ -34,6 +34,7 @@ from explain_onnx.gradtrace import (  # noqa: E402
     _transposed_convolution,
 )
 from explain_onnx.parity import relative_difference  # noqa: E402
+from explain_onnx.windows import window_elements  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -206,6 +207,17 @@ def test_max_pool_decomposition_is_pytorchs_kernel_with_ties(
     assert torch.equal(actual, expected)
 
 
+@pytest.mark.parametrize("size", [1, 2, 3])
+def test_window_elements_are_the_strided_slices(size):
+    x = torch.randn(2, 3, 3 * size, 2 * size)
+    elements = window_elements(x, size)
+    assert elements.shape == (2, size * size, 3, 3, 2)
+    for a, b in itertools.product(range(size), range(size)):
+        assert torch.equal(elements[:, a * size + b], x[..., a::size, b::size])
+    elements[0, 0, 0, 0, 0] = 123.0  # a copy, also where the windows are single elements
+    assert x[0, 0, 0, 0] != 123.0
+
+
 def test_max_pool_decomposition_picks_nans_as_pytorch_does():
     x = tied_values((2, 2, 4, 4), torch.float32, nan=True)
     values, indices = torch.ops.aten.max_pool2d_with_indices(x, [2, 2], [2, 2])
@@ -271,6 +283,20 @@ def test_tied_max_pooling_exports_with_parity(tmp_path, method, kernel, size):
     assert "MaxPool" not in ops, ops
     # The backward as MaxUnpool, not onnxruntime's slower ScatterElements.
     assert "MaxUnpool" in ops and "ScatterElements" not in ops, ops
+    # Square windows: their elements as one SpaceToDepth instead of two Slices each.
+    assert ("SpaceToDepth" in ops) == (kernel[0] == kernel[1]), ops
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_explained_max_pooling_exports_at_older_opsets(tmp_path, opset):
+    """The translations write opset-18 operators that onnx converts down (not ReduceProd-18)."""
+    model = TiedPooling((2, 2), (8, 8)).eval()
+    path = tmp_path / "pooling.onnx"
+    result = export_onnx(
+        model, flat_regions(4, (8, 8), seed=7), path, explain="lrp.epsilon_plus", opset=opset
+    )
+    assert result.opset == opset and result.parity is not None and result.parity.passed
+    assert_matches_explain(path, model, flat_regions(5, (8, 8), seed=8), "lrp.epsilon_plus")
 
 
 class Unpooling(nn.Module):

@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from explain_onnx.windows import window_elements
+
 aten = torch.ops.aten
 
 # Output channels from which a transposed convolution is exported as a convolution.
@@ -220,17 +222,18 @@ def _max_pool2d_with_indices(
     dilation: Sequence[int] = (1,),
     ceil_mode: bool = False,
 ) -> Any:
-    """Max pooling over windows that tile the input, one strided slice per window element.
+    """Max pooling over windows that tile the input, one tensor per window element.
 
     onnxruntime's ``MaxPool`` with an indices output is many times slower than the pooling
     itself (a third of an explained VGG's time). Here each element of the windows is a strided
-    slice of the input, and a running maximum over them keeps PyTorch's maximum (a NaN wins, as
-    there); the indices are PyTorch's, flat per plane: the offset of the last element that beat
-    the running maximum (its first maximum, or its last NaN), the largest offset among them
-    since offsets grow in scan order. Written without ``Where``, which onnxruntime 1.32 runs
-    about 20 times slower than 1.31 on unpredictable conditions (measured): the values with
-    ``Max`` (which propagates NaN; of two zeros it may keep the other sign), the offsets as
-    ``Max`` of ``better × offset``.
+    slice of the input (for square windows all come from one operator,
+    :func:`~explain_onnx.windows.window_elements`), and a running maximum over them keeps
+    PyTorch's maximum (a NaN wins, as there); the indices are PyTorch's, flat per plane: the
+    offset of the last element that beat the running maximum (its first maximum, or its last
+    NaN), the largest offset among them since offsets grow in scan order. Written without
+    ``Where``, which onnxruntime 1.32 runs about 20 times slower than 1.31 on unpredictable
+    conditions (measured): the values with ``Max`` (which propagates NaN; of two zeros it may
+    keep the other sign), the offsets as ``Max`` of ``better × offset``.
     """
     kernel = _tiling_windows(inputs, kernel_size, stride, padding, dilation, ceil_mode)
     if kernel is None:
@@ -238,9 +241,14 @@ def _max_pool2d_with_indices(
     kh, kw = kernel
     height, width = inputs.shape[-2:]
     rows, cols = (height // kh) * kh, (width // kw) * kw
+    offsets = _window_offsets(inputs, kh, kw)
+    if kh == kw:  # all elements from one operator (ONNX: SpaceToDepth, contiguous blocks)
+        cropped = inputs if (rows, cols) == (height, width) else inputs[..., :rows, :cols]
+        elements = list(window_elements(cropped, kh).unbind(1))
+    else:
+        elements = [inputs[..., a:rows:kh, b:cols:kw] for a, b, _ in offsets]
     values = offset = None
-    for a, b, flat in _window_offsets(inputs, kh, kw):
-        element = inputs[..., a:rows:kh, b:cols:kw]
+    for element, (_, _, flat) in zip(elements, offsets, strict=True):
         if values is None:  # the first element, at offset 0
             # float32 offsets (exact below 2**24) halve the int64 operators' memory traffic
             values, offset = element, torch.zeros_like(element, dtype=torch.float32)

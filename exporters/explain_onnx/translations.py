@@ -4,6 +4,8 @@
 ONNX ``MaxUnpool``. Explained graphs use it for max pooling's backward over tiling windows
 (:mod:`explain_onnx.gradtrace`), where onnxruntime runs it about 4× faster than the
 ``ScatterElements`` it replaces; a user model calling ``F.max_unpool2d`` exports with it too.
+The custom operator ``explain_onnx::window_elements`` (:mod:`explain_onnx.windows`) becomes
+``SpaceToDepth``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+import explain_onnx.windows  # noqa: F401  (registers torch.ops.explain_onnx.window_elements)
 
 
 def onnx_translations() -> dict[Any, Any]:
@@ -23,7 +27,10 @@ def onnx_translations() -> dict[Any, Any]:
         # tensor: add each plane's start. The output shape is given, so the window attributes
         # only have to admit it.
         leading = op.Shape(values, start=0, end=2)
-        planes = op.ReduceProd(leading, keepdims=0)
+        # batch × channels without ReduceProd, whose opset-18 form does not convert to 17
+        planes = op.Squeeze(
+            op.Mul(op.Shape(values, start=0, end=1), op.Shape(values, start=1, end=2))
+        )
         plane_size = op.Constant(value_int=int(output_size[0]) * int(output_size[1]))
         starts = op.Mul(
             op.Range(op.Constant(value_int=0), planes, op.Constant(value_int=1)), plane_size
@@ -34,4 +41,18 @@ def onnx_translations() -> dict[Any, Any]:
             values, op.Add(indices, starts), shape, kernel_shape=[1, 1], strides=[1, 1]
         )
 
-    return {torch.ops.aten.max_unpool2d.default: max_unpool2d}
+    def window_elements(inputs: Any, size: int) -> Any:
+        # DCR: output channel (a·size + b)·C + c, so the reshape splits element from channel.
+        depth = op.SpaceToDepth(inputs, blocksize=size)
+        shape = op.Concat(
+            op.Shape(depth, start=0, end=1),
+            op.Constant(value_ints=[size * size, -1]),
+            op.Shape(depth, start=2),
+            axis=0,
+        )
+        return op.Reshape(depth, shape)
+
+    return {
+        torch.ops.aten.max_unpool2d.default: max_unpool2d,
+        torch.ops.explain_onnx.window_elements.default: window_elements,
+    }
