@@ -135,6 +135,7 @@ def summary_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
 
 def main(processes: int, repeats: int) -> None:
     """Measure in fresh processes and write ``benchmarks/results/onnx_runtime.json``."""
+    torch.set_num_threads(1)  # as in the measuring processes, so the recorded machine says so
     gpu = cuda_usable()
     rows = summary_rows(measure_in_fresh_processes(processes, repeats))
     met = sum(row["ratio (ORT / eager)"] <= GOAL for row in rows)
@@ -155,19 +156,23 @@ def main(processes: int, repeats: int) -> None:
             f"CPU: ratio ≤ {GOAL} ({met} of {len(rows)} rows meet it). The exported CoDA-Net "
             "runs the same forms as eager PyTorch: factorised DAU layers with the QR basis of "
             "the weights computed once at export and stored as constants (ONNX has no QR), "
-            "Algorithm 1's direct form where eager uses it too. Explained graphs are written "
-            "in operators onnxruntime runs fast, each exact (exporters/explain_onnx/gradtrace.py, "
-            "foldable.py): max pooling without MaxPool's indices output (a third of the "
-            "explained VGG's time before) and its backward as a scatter, no Where in max "
-            "pooling and ReLU's backward (onnxruntime 1.32 runs Where about 20 times slower than "
-            "1.31 on such unpredictable masks: the explained VGG took 43 ms instead of 34 "
-            "before this rewrite, 1.31.1 34 ms either way), stride-1 transposed "
-            "convolutions as convolutions, nan_to_num as one comparison, CastLike of known type "
-            "as Cast so that onnxruntime folds the rules' modified weights into constants; the "
-            "CoDA contributions contract the dynamic weights without transposing them. The LRP "
-            "graph's input layer takes z⁺'s signed form (exact for inputs of any sign), where "
-            "eager PyTorch checks the values and takes the non-negative form. Ratios move with "
-            "the machine's load and its CPU (eager LRP at batch 32 has taken 25 to 57 ms in "
+            "Algorithm 1's direct form where eager uses it too. Explained graphs are written in "
+            "operators onnxruntime runs fast, each exact (ReLU's backward for finite gradients, "
+            "the CoDA weights up to summation order; exporters/explain_onnx/gradtrace.py, "
+            "foldable.py, translations.py): max pooling without MaxPool's indices output (a third"
+            " of the explained VGG's time before), square windows read by one SpaceToDepth "
+            "instead of two strided Slices per element, its backward as MaxUnpool (about 4× "
+            "faster than ScatterElements), no Where in max pooling and ReLU's backward "
+            "(onnxruntime 1.32 runs Where about 20 times slower than 1.31 on such unpredictable "
+            "masks: the explained VGG took 43 ms instead of 34 before this rewrite), stride-1 "
+            "transposed convolutions as convolutions, nan_to_num as one comparison, CastLike of "
+            "known type as Cast so that onnxruntime folds the rules' modified weights into "
+            "constants; the CoDA contributions compute the dynamic weights per position as one "
+            "MatMul (a 1×1 convolution's large output was reordered out of onnxruntime's blocked "
+            "layout) and contract them per position. The LRP graph's input layer takes z⁺'s "
+            "signed form (exact for inputs of any sign), where eager PyTorch checks the values "
+            "and takes the non-negative form. Ratios move with the machine's load and its CPU "
+            "(eager LRP at batch 32 has taken 25 to 60 ms in "
             f"different runs). onnxruntime {ort_version()}. "
             + (
                 "CUDA provider times included."
