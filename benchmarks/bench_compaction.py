@@ -12,8 +12,6 @@ measures within one run: parameter counts, the largest output difference on the 
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ from explain_capsules.compaction import compact, count_parameters
 from explain_capsules.models import DRCapsNet
 from explain_capsules.pruning import MagnitudePruner
 from explain_capsules.training import CHECKPOINT_NAME, load_capsule_checkpoint
-from explain_core.bench import write_results
+from explain_core.bench import interleaved_medians, write_results
 from explain_core.data.digits import load_digits
 
 ROOT = Path(__file__).resolve().parent
@@ -36,22 +34,6 @@ def load_rem_model(folder: Path) -> DRCapsNet:
     MagnitudePruner(model, 0.5)  # only creates the ``*_mask`` buffers; target irrelevant here
     load_capsule_checkpoint(folder / CHECKPOINT_NAME, model)
     return model.eval()
-
-
-@torch.no_grad()
-def median_latencies(
-    models: dict[str, DRCapsNet], inputs: torch.Tensor, rounds: int
-) -> dict[str, float]:
-    """Median forward seconds per model; models alternate within each round."""
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for model in models.values():
-        model(inputs)  # warm-up
-    for _ in range(rounds):
-        for name, model in models.items():
-            start = time.perf_counter()
-            model(inputs)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main() -> None:
@@ -77,7 +59,12 @@ def main() -> None:
             "max |Δ output|": parity,
         }
         for batch in (1, 32):
-            latency = median_latencies({"before": model, "after": compacted}, test[:batch], ROUNDS)
+            inputs = test[:batch]
+            with torch.no_grad():
+                latency = interleaved_medians(
+                    {"before": lambda: model(inputs), "after": lambda: compacted(inputs)},  # noqa: B023
+                    ROUNDS,
+                )
             row[f"ms b{batch} before"] = 1000 * latency["before"]
             row[f"ms b{batch} after"] = 1000 * latency["after"]
             row[f"speed-up b{batch}"] = latency["before"] / latency["after"]

@@ -10,9 +10,8 @@ transposed convolution, adaptive average pooling's is two averaging matrices, re
 one 0/1 matrix per padded axis, max pooling's a scatter-add), so the exported graph has
 standard ONNX operators only. A few more are rewritten into operators onnxruntime runs faster
 (max pooling without ``MaxPool``'s indices output and its backward as ``MaxUnpool``, stride-1
-transposed convolutions as
-convolutions, ``nan_to_num`` as one comparison, no ``Where`` in max pooling and ReLU's
-backward); each is exact (ReLU's backward: for finite gradients).
+transposed convolutions as convolutions, ``nan_to_num`` as one comparison, no ``Where`` in max
+pooling and ReLU's backward); each is exact (ReLU's backward: for finite gradients).
 
 The traced graph is a ``GraphModule`` holding the tensors created inside the model's forward
 (``torch.tensor(0.5)``, a mask built with ``torch.ones``) as attributes ``_tensor_constant0``, ….

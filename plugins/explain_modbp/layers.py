@@ -175,9 +175,8 @@ class AffineLayer:
             both = signal @ stacked
             return both.chunk(2, dim=-1)  # type: ignore[return-value]
         shape = list(like.shape)
-        shape[1] *= 2
-        both = self._convolution_backward(signal, signal.new_empty(1).expand(shape), stacked,
-                                          wrt_input=True)  # fmt: skip
+        shape[1] *= 2  # the stacked input channels
+        both = self.transpose(signal, torch.Size(shape), stacked)
         return both.chunk(2, dim=1)  # type: ignore[return-value]
 
     def correlate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
