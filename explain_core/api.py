@@ -90,7 +90,9 @@ def explain(
     # Diagnose only after a failure, so that a valid call costs no extra forward pass; inside
     # the guard, so that the probe leaves no trace on the model either (its buffers included).
     with (
-        ModelGuard(model, during=_third_party_call(spec)),
+        # Built-in methods never write to the model: their guard only reads it, so other
+        # threads may use the model meanwhile. Third-party methods may, so theirs restores it.
+        ModelGuard(model, during=_third_party_call(spec), restore=not spec.builtin),
         eager_mode(),
         _named_plugin_errors(spec),
         clear_model_errors(model, inputs),

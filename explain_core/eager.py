@@ -12,7 +12,9 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,14 +42,36 @@ def uncompiled_tree(model: nn.Module) -> nn.Module:
     return clone
 
 
+_STANCE_LOCK = threading.Lock()
+_eager_users = 0
+_stance: contextlib.AbstractContextManager[Any] | None = None
+
+
 @contextlib.contextmanager
 def eager_mode() -> Iterator[None]:
-    """Run compiled modules and functions eagerly inside the block (torch >= 2.6)."""
+    """Run compiled modules and functions eagerly inside the block (torch >= 2.6).
+
+    Dynamo's stance is process-wide: it is switched on by the first block to enter (in any
+    thread) and back by the last one to leave, so overlapping blocks in several threads never
+    leave it switched on. Compiled code in other threads runs eagerly meanwhile (same values).
+    """
+    global _eager_users, _stance
     set_stance = getattr(torch.compiler, "set_stance", None)
     # Nothing can be compiled before dynamo is imported, and importing it costs seconds (and
     # threads that made torch.distributed workers abort at exit): then there is nothing to do.
     if set_stance is None or "torch._dynamo" not in sys.modules:
         yield
         return
-    with set_stance("force_eager"):
+    with _STANCE_LOCK:
+        if _eager_users == 0:
+            _stance = set_stance("force_eager")
+            _stance.__enter__()
+        _eager_users += 1
+    try:
         yield
+    finally:
+        with _STANCE_LOCK:
+            _eager_users -= 1
+            if _eager_users == 0 and _stance is not None:
+                _stance.__exit__(None, None, None)
+                _stance = None

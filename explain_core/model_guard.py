@@ -44,38 +44,50 @@ class _ModuleRecord:
 
 
 class ModelGuard:
-    """Context manager that restores a model's attributes, hooks, parameters and buffers.
+    """Context manager that checks a model's parameters and, if asked, restores the model.
 
-    On exit it restores every module's attributes and training flag, removes hooks and submodules
-    that were added, puts back the original ``Parameter`` and buffer objects, the values of every
-    buffer that changed (BatchNorm's kernel updates its running statistics in place without
-    moving their version counter, so values are compared, not versions), each parameter's
-    ``requires_grad`` flag and ``.grad`` (the same tensor object, or ``None``: the gradients are
-    set aside on entry, so a ``.backward()`` inside accumulates into fresh tensors, never into
-    the caller's), and a parameter's storage if ``.data`` was replaced (and reports it).
-    Parameter values are not copied: a second copy of the weights on every call costs memory
-    (on a GPU, too much for large models) and, on the CPU, allocation time that measurably
-    slowed ``bench_modbp_speed.py``. Instead a parameter changed in place (its version counter
-    moved, or its checksum, the sum, which also sees edits through ``.data``, differs) makes the
-    guard raise :class:`~explain_core.errors.ModelStateError` naming it: the built-in explainers
-    never write into parameters, so it was the model's own forward (or, with ``during``, the
-    forward or the third-party code named there), and an explanation of weights that changed
-    while it was computed is meaningless.
+    Every guard reports parameters changed in place (below). With ``restore=True`` (what third-party
+    methods run under, since they may attach hooks or call ``.backward()``) it also records the
+    model's structure on entry and on exit restores every module's attributes and training flag,
+    removes hooks and submodules that were added, puts back the original ``Parameter`` and buffer
+    objects, the values of every buffer that changed (BatchNorm's kernel updates its running
+    statistics in place without moving their version counter, so values are compared, not versions),
+    each parameter's ``requires_grad`` flag and ``.grad`` (the same tensor object, or ``None``: the
+    gradients are set aside on entry, so a ``.backward()`` inside accumulates into fresh tensors,
+    never into the caller's), and a parameter's storage if ``.data`` was replaced (and reports it).
+    Parameter values are not copied: a second copy of the weights on every call costs memory (on a
+    GPU, too much for large models) and, on the CPU, allocation time that measurably slowed
+    ``bench_modbp_speed.py``. Instead a parameter changed in place (its version counter moved, or
+    its checksum, the sum, which also sees edits through ``.data``, differs) makes the guard raise
+    :class:`~explain_core.errors.ModelStateError` naming it: the built-in explainers never write
+    into parameters, so it was the model's own forward (or, with ``during``, the forward or the
+    third-party code named there), and an explanation of weights that changed while it was computed
+    is meaningless.
+
+    Without ``restore`` (the built-in explainers, which never write to the model: their state
+    lives in :mod:`explain_core.scoped`) the guard only reads the model, so other threads may use
+    the same model meanwhile: run plain forwards, train it, or explain it. A restoring guard
+    writes the model's state back on exit and sets gradients aside while it is open, which
+    other threads would see.
 
     Args:
         model: The model to guard.
         during: What runs inside the guard besides the model's forward, for the error message
             (e.g. ``"explain(..., 'x.method') (plugin 'x')"``); ``None`` blames the forward.
+        restore: Restore the model's structure, buffers and gradients on exit (see above).
 
     Example:
-        >>> with ModelGuard(model):
+        >>> with ModelGuard(model, restore=True):
         ...     handle = model.register_forward_hook(lambda *a: None)
         >>> # the hook is gone again
     """
 
-    def __init__(self, model: nn.Module, *, during: str | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, *, during: str | None = None, restore: bool = False
+    ) -> None:
         self.model = model
         self.during = during
+        self.restoring = restore
         self._records: list[_ModuleRecord] = []
         self._buffer_copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._parameters: list[tuple[str, nn.Parameter, int, torch.Tensor]] = []
@@ -85,6 +97,12 @@ class ModelGuard:
         self.changed_parameters: list[str] = []  # names of the parameters found changed
 
     def __enter__(self) -> ModelGuard:
+        for name, parameter in self.model.named_parameters():
+            # detach() shares the storage: it puts back a replaced .data without copying.
+            self._parameters.append((name, parameter, _version(parameter), parameter.detach()))
+        self._checksums = _checksums(p for _, p, _, _ in self._parameters)
+        if not self.restoring:
+            return self
         for module in self.model.modules():
             containers = {
                 name: OrderedDict(getattr(module, name))
@@ -94,10 +112,6 @@ class ModelGuard:
             self._records.append(_ModuleRecord(module, dict(module.__dict__), containers))
         for buffer in _unique_tensors(self.model.buffers()):
             self._buffer_copies.append((buffer, buffer.detach().clone()))
-        for name, parameter in self.model.named_parameters():
-            # detach() shares the storage: it puts back a replaced .data without copying.
-            self._parameters.append((name, parameter, _version(parameter), parameter.detach()))
-        self._checksums = _checksums(p for _, p, _, _ in self._parameters)
         for _, parameter, _, _ in self._parameters:
             self._autograd.append((parameter, parameter.requires_grad, parameter.grad))
             # Set aside: a backward pass inside would add into the caller's gradient in place.
@@ -147,8 +161,9 @@ class ModelGuard:
     def restore(self) -> None:
         """Put the recorded structure, buffer values, gradients and parameter storages back.
 
-        Safe to call more than once. The names of the parameters whose values changed in place
-        (which it cannot undo) are left in :attr:`changed_parameters`.
+        Without ``restore=True`` only a replaced ``.data`` is put back. Safe to call more than
+        once. The names of the parameters whose values changed in place (which it cannot undo)
+        are left in :attr:`changed_parameters`.
         """
         for record in self._records:
             module = record.module

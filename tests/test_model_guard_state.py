@@ -135,7 +135,7 @@ def test_guard_restores_batchnorm_statistics_updated_in_train_mode() -> None:
     model = bn_model()
     x = inputs()
     before = state_fingerprint(model)
-    with ModelGuard(model):
+    with ModelGuard(model, restore=True):
         model.train()
         model(x)  # the kernel writes running_mean/var without moving their version
     assert_same_state(before, state_fingerprint(model))
@@ -166,10 +166,10 @@ def test_the_diagnostic_forward_after_a_failure_in_train_mode_leaves_no_trace(th
 def test_nan_in_a_buffer_is_compared_as_a_value() -> None:
     model = nn.Linear(2, 2)
     model.register_buffer("table", torch.tensor([math.nan, 1.0, 2.0]))
-    with ModelGuard(model):
+    with ModelGuard(model, restore=True):
         pass
     assert model.table._version == 0  # unchanged NaN: nothing written back
-    with ModelGuard(model):
+    with ModelGuard(model, restore=True):
         model.table.data[0] = 7.0  # through .data: the version counter does not see it
         model.table.data[2] = math.nan
     assert torch.equal(model.table.isnan(), torch.tensor([True, False, False]))

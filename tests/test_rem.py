@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from collections import Counter
 
 import numpy as np
@@ -331,9 +332,21 @@ def test_quantised_routing_puts_back_the_previous_transforms_also_on_errors():
 
     model.routing[0].coupling_transform = own
     before = dict(model.routing[1].__dict__)
+    seen_by_another_thread = []
     with pytest.raises(RuntimeError, match="inside"), quantised_routing(model, levels=11):
-        assert all(layer.coupling_transform.keywords == {"levels": 11} for layer in model.routing)
+        assert all(
+            layer.active_coupling_transform.keywords == {"levels": 11} for layer in model.routing
+        )
+        # The layers themselves are untouched: another thread routes as before.
+        assert model.routing[0].coupling_transform is own
+        thread = threading.Thread(
+            target=lambda: seen_by_another_thread.append(model.routing[0].active_coupling_transform)
+        )
+        thread.start()
+        thread.join()
         raise RuntimeError("inside")
+    assert seen_by_another_thread == [own]
+    assert model.routing[0].active_coupling_transform is own
     assert model.routing[0].coupling_transform is own
     assert model.routing[1].__dict__ == before
     no_routing = "no routing layer with a coupling_transform"

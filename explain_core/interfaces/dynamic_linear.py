@@ -18,6 +18,7 @@ from torch import nn
 
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
+from explain_core.scoped import scoped_setting, scoped_settings
 
 
 class DynamicLinear(nn.Module):
@@ -31,16 +32,14 @@ class DynamicLinear(nn.Module):
     tests and small layers); large convolutional layers need not materialise it.
     """
 
-    _explanation_mode: bool = False
-
     @property
     def explanation_mode(self) -> bool:
-        """Whether the dynamic weights are currently detached from the graph."""
-        return self._explanation_mode
+        """Whether the dynamic weights are detached here (see :func:`explanation_mode`)."""
+        return bool(scoped_setting(self, _EXPLANATION_MODE, False))
 
     def weight_input(self, x: torch.Tensor) -> torch.Tensor:
         """The tensor to compute ``W(x)`` from: ``x`` itself, or ``x.detach()`` when explaining."""
-        return x.detach() if self._explanation_mode else x
+        return x.detach() if self.explanation_mode else x
 
     def dynamic_weight(self, x: torch.Tensor) -> torch.Tensor:
         """Return ``W(x)`` explicitly, shape ``(batch, out_features, *input_shape)``.
@@ -57,7 +56,8 @@ class DynamicLinear(nn.Module):
 def explanation_mode(model: nn.Module) -> Iterator[nn.Module]:
     """Detach the dynamic weights of every :class:`DynamicLinear` layer inside ``model``.
 
-    The previous state of each layer is restored on exit, also when an exception is raised.
+    The mode holds in the calling context only (its thread or asyncio task): the layers are not
+    changed, so other threads using the same model at the same time compute as usual.
 
     Args:
         model: Any module; only its :class:`DynamicLinear` submodules are affected.
@@ -66,21 +66,12 @@ def explanation_mode(model: nn.Module) -> Iterator[nn.Module]:
         The same model.
     """
     layers = [m for m in uncompiled(model).modules() if isinstance(m, DynamicLinear)]
-    previous = [layer.__dict__.get("_explanation_mode", _UNSET) for layer in layers]
-    try:
-        for layer in layers:
-            layer._explanation_mode = True
-        with eager_mode():  # compiled code would keep the weights it traced with gradients
-            yield model
-    finally:
-        for layer, state in zip(layers, previous, strict=False):
-            if state is _UNSET:
-                layer.__dict__.pop("_explanation_mode", None)
-            else:
-                layer._explanation_mode = state
+    # compiled code would keep the weights it traced with gradients
+    with scoped_settings(_EXPLANATION_MODE, dict.fromkeys(layers, True)), eager_mode():
+        yield model
 
 
-_UNSET = object()
+_EXPLANATION_MODE = "explanation_mode"
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from torch import nn
 
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
+from explain_core.scoped import ModuleListener, listening
 
 Predicate = Callable[[str, nn.Module], bool]
 
@@ -186,15 +187,32 @@ class Composite:
             stack.enter_context(eager_mode())  # hooks must run as written, not be traced
             for canonizer in self.canonizers:
                 stack.callback(canonizer.apply(model))
-            calls_this_pass: dict[str, int] = {}
-            handles = [model.register_forward_pre_hook(lambda *_: calls_this_pass.clear())]
-            stack.callback(lambda: [h.remove() for h in handles])
-            for name, rule in self.assignments(model).items():
-                module = model.get_submodule(name) if name else model
-                hooks = _RuleHooks(name, rule, calls_this_pass, self.allow_reuse)
-                handles.append(module.register_forward_pre_hook(hooks.before))
-                handles.append(module.register_forward_hook(hooks.after))
+            stack.enter_context(listening(_RuleListener(model, self)))
             yield yielded
+
+
+class _RuleListener(ModuleListener):
+    """Applies a composite's rules to the module calls of one context (see ``listening``)."""
+
+    def __init__(self, model: nn.Module, composite: Composite) -> None:
+        self.root = id(model)
+        calls_this_pass: dict[str, int] = {}
+        self.calls = calls_this_pass
+        self.ruled: dict[int, _RuleHooks] = {}
+        for name, rule in composite.assignments(model).items():
+            module = model.get_submodule(name) if name else model
+            hooks = _RuleHooks(name, rule, calls_this_pass, composite.allow_reuse)
+            self.ruled[id(module)] = hooks
+
+    def before(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if id(module) == self.root:
+            self.calls.clear()  # a new forward pass of the model
+        hooks = self.ruled.get(id(module))
+        return None if hooks is None else hooks.before(module, args)
+
+    def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        hooks = self.ruled.get(id(module))
+        return None if hooks is None else hooks.after(module, args, output)
 
 
 def _is_leaf(module: nn.Module) -> bool:

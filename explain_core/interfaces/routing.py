@@ -2,10 +2,11 @@
 
 A routing layer computes coupling coefficients ``c_ij`` between its ``n_in`` input capsules and
 ``n_out`` output capsules. Inside :func:`record_routing` every forward pass of every routing layer
-hands its final couplings and capsule activations to the recording; outside it, layers keep no
-reference to them. When the context closes, the recording is emptied, so nothing from inside the
-context is kept alive by the library: copy what you need (e.g. counts of quantised keys) while
-the context is open, or :meth:`RoutingRecording.drain` events batch by batch.
+(in the recording's thread or asyncio task only) hands its final couplings and capsule activations
+to the recording; outside it, layers keep no reference to them. When the context closes, the
+recording is emptied, so nothing from inside the context is kept alive by the library: copy what you
+need (e.g. counts of quantised keys) while the context is open, or :meth:`RoutingRecording.drain`
+events batch by batch.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from explain_core.eager import eager_mode, uncompiled
+from explain_core.scoped import scoped_setting, scoped_settings
 
 CouplingTransform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -47,12 +49,13 @@ class RoutingEvent:
 class RoutingLayer(nn.Module):
     """Base class of capsule layers with routing; subclasses call :meth:`emit_routing`."""
 
-    _routing_recorders: tuple[RoutingRecording, ...] = ()
-
     @property
     def is_recording(self) -> bool:
-        """Whether a recording is listening (lets layers skip work done only for it)."""
-        return bool(self._routing_recorders)
+        """Whether a recording listens in this context (lets layers skip work done only for it)."""
+        return bool(self._recordings())
+
+    def _recordings(self) -> tuple[RoutingRecording, ...]:
+        return scoped_setting(self, _RECORDINGS, ())
 
     def emit_routing(
         self,
@@ -70,7 +73,8 @@ class RoutingLayer(nn.Module):
         Raises:
             ValueError: If the shapes do not agree with each other.
         """
-        if not self._routing_recorders:
+        recordings = self._recordings()
+        if not recordings:
             return
         batch, n_in, n_out = couplings.shape
         if input_activations.shape != (batch, n_in) or output_activations.shape != (batch, n_out):
@@ -79,7 +83,7 @@ class RoutingLayer(nn.Module):
                 f"input activations ({batch}, {n_in}) and output activations ({batch}, {n_out}); "
                 f"got {tuple(input_activations.shape)} and {tuple(output_activations.shape)}"
             )
-        for recording in self._routing_recorders:
+        for recording in recordings:
             recording._receive(self, couplings, input_activations, output_activations)
 
 
@@ -202,16 +206,15 @@ def record_routing(
             "explain_core.RoutingLayer can be recorded"
         )
     recording = RoutingRecording(names, transform, keep_on_device)
-    for layer in names:
-        layer._routing_recorders = (*layer._routing_recorders, recording)
+
+    joined = {layer: (*layer._recordings(), recording) for layer in names}
     try:
-        with eager_mode():  # a compiled model would not run the recorders' Python code
+        # In this context only: other threads running the model record nothing. A compiled
+        # model would not run the recorders' Python code.
+        with scoped_settings(_RECORDINGS, joined), eager_mode():
             yield recording
     finally:
-        for layer in names:
-            remaining = tuple(r for r in layer._routing_recorders if r is not recording)
-            if remaining:
-                layer._routing_recorders = remaining
-            else:
-                layer.__dict__.pop("_routing_recorders", None)
         recording._close()
+
+
+_RECORDINGS = "routing_recordings"

@@ -31,6 +31,7 @@ from torch import nn
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import ExplainError, InvalidInputError
 from explain_core.metrics._checks import check_int
+from explain_core.scoped import ModuleListener, listening
 from explain_core.validation import check_inputs, clear_model_errors, refuse_inference_mode
 
 __all__ = [
@@ -96,7 +97,7 @@ class AutogradPropagator:
     input with ``times_input``.
 
     Args:
-        model: The model (hooks are removed before the constructor returns).
+        model: The model (its calls are seen in this context only; nothing is registered).
         inputs: Model inputs.
         times_input: Multiply by the layer input (Input×Gradient, = LRP-0 on ReLU nets).
     """
@@ -104,27 +105,23 @@ class AutogradPropagator:
     def __init__(self, model: nn.Module, inputs: torch.Tensor, *, times_input: bool) -> None:
         self.times_input = times_input
         self._records: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        names = {id(m): n for n, m in model.named_modules()}
-        handles = []
+        weighted = {id(m): n for n, m in model.named_modules() if isinstance(m, WEIGHTED_TYPES)}
+        records = self._records
 
-        def hook(module: nn.Module, args: tuple[Any, ...], output: torch.Tensor) -> None:
-            name = names[id(module)]
-            if name in self._records:
-                raise InvalidInputError(
-                    f"module {name!r} is called more than once; CSC needs one call per layer"
-                )
-            self._records[name] = (args[0], output)
+        class Recorder(ModuleListener):
+            def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+                name = weighted.get(id(module))
+                if name is None:
+                    return
+                if name in records:
+                    raise InvalidInputError(
+                        f"module {name!r} is called more than once; CSC needs one call per layer"
+                    )
+                records[name] = (args[0], output)
 
-        for module in model.modules():
-            if isinstance(module, WEIGHTED_TYPES):
-                handles.append(module.register_forward_hook(hook))
-        try:
-            with torch.enable_grad():
-                self.input = inputs.detach().requires_grad_(True)
-                model(self.input)
-        finally:
-            for handle in handles:
-                handle.remove()
+        with listening(Recorder()), torch.enable_grad():
+            self.input = inputs.detach().requires_grad_(True)
+            model(self.input)
         self.layers = list(self._records)
 
     def output_shape(self, start: str) -> torch.Size:  # noqa: D102

@@ -141,7 +141,7 @@ def pixel_removal_curve(
         require_eval_mode(model_fn)
     rows = torch.arange(batch, device=inputs.device)
     scores = []
-    with ModelGuard(model_fn) if is_module else contextlib.nullcontext():
+    with ModelGuard(model_fn, restore=True) if is_module else contextlib.nullcontext():
         for step, count in enumerate(counts):
             removed = (rank < count).view(batch, 1, height, width)
             perturbed = inputs.masked_fill(removed, removed_value)

@@ -417,7 +417,7 @@ def _run_recorded(
     batches: list[list[RoutingEvent]] = []
     outputs = []
     # The guard restores training flags and what a forward pass sets (e.g. grid shapes).
-    with ModelGuard(model), torch.no_grad(), record_routing(model) as recording:
+    with ModelGuard(model, restore=True), torch.no_grad(), record_routing(model) as recording:
         model.eval()
         for start in range(0, inputs.shape[0], batch_size):
             output = model(inputs[start : start + batch_size].to(device))

@@ -111,6 +111,7 @@ def lrp_graph(
         InvalidInputError: For a method without a composite, invalid options, or a model the
             engine does not support (``UnsupportedModelError``, naming the module).
     """
+    from explain_core.scoped import listening
     from explain_modbp.attach import _Attached
     from explain_modbp.base import safe_divide
     from explain_modbp.tracing import trace
@@ -137,18 +138,12 @@ def lrp_graph(
     start_one = getattr(engine, "start", "logit") == "one"
 
     def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
-        attached = _Attached(model, plan, record=False)
-        handles = attached.hooks()
-        try:
-            x = x.detach().requires_grad_(True)
-            with torch.enable_grad():
-                logits, signal = logits_and_selector(model, state, x, target)
-                if start_one:  # relevance 1 at the explained output
-                    signal = safe_divide(signal, logits.detach())
-                (input_signal,) = torch.autograd.grad(logits, x, signal)
-        finally:
-            for handle in handles:
-                handle.remove()
+        x = x.detach().requires_grad_(True)
+        with listening(_Attached(model, plan, record=False)), torch.enable_grad():
+            logits, signal = logits_and_selector(model, state, x, target)
+            if start_one:  # relevance 1 at the explained output
+                signal = safe_divide(signal, logits.detach())
+            (input_signal,) = torch.autograd.grad(logits, x, signal)
         relevance = input_signal if plan.input_relevance_form else x.detach() * input_signal
         return logits.detach(), relevance.detach()
 

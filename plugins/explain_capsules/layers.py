@@ -14,6 +14,11 @@ from torch import nn
 
 from explain_capsules.routing import CouplingTransform, _check_iterations, dynamic_routing, squash
 from explain_core.interfaces.routing import RoutingLayer
+from explain_core.scoped import scoped_setting
+
+# Scoped setting (see explain_core.scoped) that overrides a layer's coupling_transform in one
+# context only, e.g. REM's quantised routing while other threads use the continuous model.
+COUPLING_TRANSFORM = "coupling_transform"
 
 
 def _positive_int(name: str, value: int) -> int:
@@ -115,13 +120,18 @@ class _RoutingCapsules(RoutingLayer):
         """Class name plus the optional ``name`` given at construction, for messages."""
         return f"{type(self).__name__}({self.name!r})" if self.name else type(self).__name__
 
+    @property
+    def active_coupling_transform(self) -> CouplingTransform | None:
+        """The transform in force in this context (:func:`~explain_capsules.quantised_routing`)."""
+        return scoped_setting(self, COUPLING_TRANSFORM, self.coupling_transform)
+
     def _route(self, votes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return dynamic_routing(
             votes,
             self.iterations,
             detach_intermediate_votes=self.detach_intermediate_votes,
             constant_couplings=self.constant_couplings,
-            coupling_transform=None if self.training else self.coupling_transform,
+            coupling_transform=None if self.training else self.active_coupling_transform,
             layer_name=self.display_name,
         )
 

@@ -194,7 +194,7 @@ def record_parse_tree_data(
     per_layer: dict[str, list[RoutingEvent]] | None = None
     outputs: list[torch.Tensor] = []
     with (
-        ModelGuard(model),
+        ModelGuard(model, restore=True),
         inference_mode_of(model),
         record_routing(model, transform=transform) as recording,
     ):

@@ -30,9 +30,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from explain_capsules.layers import COUPLING_TRANSFORM
 from explain_core.eager import uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.routing import RoutingLayer
+from explain_core.scoped import scoped_settings
 
 __all__ = [
     "ParseTreeDictionary",
@@ -109,17 +111,14 @@ def quantise_couplings(couplings: Tensor, levels: int) -> Tensor:
     return (indices.to(torch.float64) / (levels - 1)).to(out_dtype)
 
 
-_TRANSFORM = "coupling_transform"
-_MISSING = object()
-
-
 @contextmanager
 def quantised_routing(model: nn.Module, levels: int) -> Iterator[nn.Module]:
     """Make ``model`` route with couplings quantised into ``K`` levels inside the block (REM's +Q).
 
-    Sets the ``coupling_transform`` of every routing layer that has one (the capsule layers of
-    :mod:`explain_capsules.layers`) to :func:`quantise_couplings` with ``levels`` and puts the
-    previous transforms back on leaving the block, also on an exception. The layers apply the
+    Every capsule layer of :mod:`explain_capsules.layers` in ``model`` routes with
+    :func:`quantise_couplings` at ``levels`` instead of its ``coupling_transform``, in the calling
+    thread (or asyncio task) only: the layers are not changed, so other threads keep using the
+    continuous model. The layers apply the
     transform in eval mode only (training routes with continuous couplings), as
     :func:`~explain_capsules.recording.record_parse_tree_data`, ``capsule_saliency`` and
     ``explain_core.parse_trees.collect_parse_tree_data`` run the model. Inside the block the
@@ -144,7 +143,7 @@ def quantised_routing(model: nn.Module, levels: int) -> Iterator[nn.Module]:
     layers = [
         module
         for module in uncompiled(model).modules()
-        if isinstance(module, RoutingLayer) and hasattr(module, _TRANSFORM)
+        if isinstance(module, RoutingLayer) and hasattr(module, "active_coupling_transform")
     ]
     if not layers:
         raise InvalidInputError(
@@ -152,17 +151,9 @@ def quantised_routing(model: nn.Module, levels: int) -> Iterator[nn.Module]:
             "explain_capsules' FullyConnectedCapsules or ConvolutionalCapsules); quantised "
             "routing needs capsule layers that can transform their couplings"
         )
-    saved = [(layer, layer.__dict__.get(_TRANSFORM, _MISSING)) for layer in layers]
-    try:
-        for layer in layers:
-            setattr(layer, _TRANSFORM, partial(quantise_couplings, levels=levels))
+    quantiser = partial(quantise_couplings, levels=levels)
+    with scoped_settings(COUPLING_TRANSFORM, dict.fromkeys(layers, quantiser)):
         yield model
-    finally:
-        for layer, previous in saved:
-            if previous is _MISSING:  # it came from the class: drop the instance's copy
-                layer.__dict__.pop(_TRANSFORM, None)
-            else:
-                setattr(layer, _TRANSFORM, previous)
 
 
 class ParseTreeDictionary:

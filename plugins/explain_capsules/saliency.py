@@ -118,7 +118,7 @@ def _saliency(
     primary_name, primary, consumer_name, _ = find_grid_capsules(model)
     wanted = normalize_target(target, inputs.shape[0], inputs.device)
     with (
-        ModelGuard(model),  # puts back what the forward pass sets, e.g. the grid's shape
+        ModelGuard(model),  # reads only: other threads may use the model meanwhile
         inference_mode_of(model),
         record_routing(model, keep_on_device=True) as recording,
     ):

@@ -1,14 +1,15 @@
-"""Attaching the rules during one attribution pass: forward hooks and autograd functions.
+"""Attaching the rules during one attribution pass: module listeners and autograd functions.
 
-Each ruled layer's forward hook returns the layer's output values through :class:`_RuleFunction`,
-whose backward is the rule computed from tensors saved in the forward pass; an operation handler
-runs as a :class:`~torch.overrides.TorchFunctionMode` around the model.
+Each ruled layer's call (seen through :func:`explain_core.scoped.listening`, in this context only)
+returns the layer's output values through :class:`_RuleFunction`, whose backward is the rule
+computed from tensors saved in the forward pass; an operation handler runs as a
+:class:`~torch.overrides.TorchFunctionMode` around the model.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
+from explain_core.scoped import ModuleListener
 from explain_modbp.base import LayerRule
 from explain_modbp.layers import AFFINE_TYPES, AffineLayer
 from explain_modbp.ops import OpHandler, op_name
@@ -83,8 +85,13 @@ class _HandlerMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Attached:
-    """Hooks of one attribution pass."""
+class _Attached(ModuleListener):
+    """The rules of one attribution pass, applied to the module calls of its context only.
+
+    Other threads running the same model (plain forwards, other attributions) are not seen: the
+    pass listens through :func:`explain_core.scoped.listening` and registers nothing on the
+    model. Everything it records lives on this object.
+    """
 
     def __init__(self, model: nn.Module, plan: Plan, record: bool) -> None:
         self.model = model
@@ -93,6 +100,11 @@ class _Attached:
         self.records: dict[str, LayerRecord] = {}
         self.stash: dict[str, torch.Tensor] = {}
         self.internal = False
+        self.stashed: dict[int, str] = {}  # module id → layer name (a Linear/Conv before its BN)
+        self.ruled: dict[int, tuple[str, str | None]] = {}  # module id → (layer name, BN name)
+        self.counted: dict[int, str] = {}
+        self.calls: dict[str, int] = {}
+        self._plan_modules()
 
     @contextlib.contextmanager
     def internal_ops(self) -> Iterator[None]:
@@ -114,67 +126,68 @@ class _Attached:
         self.records[layer.name] = LayerRecord(layer.name, x, out, core)
         return out
 
-    def call_counter(self) -> tuple[dict[str, int], list[Any]]:
-        """Count the calls of every affine module (to validate a cached plan)."""
-        calls: dict[str, int] = {}
+    def count_calls(self) -> dict[str, int]:
+        """Count the calls of every affine module from now on (to validate a cached plan)."""
         skip = tuple(f"{name}." for name in self.plan.custom)
-        handles = []
-        for name, module in self.model.named_modules():
-            if isinstance(module, AFFINE_TYPES) or name in self.plan.custom:
-                if name and name.startswith(skip):
-                    continue
+        self.counted = {
+            id(module): name
+            for name, module in self.model.named_modules()
+            if (isinstance(module, AFFINE_TYPES) or name in self.plan.custom)
+            and not (name and name.startswith(skip))
+        }
+        return self.calls
 
-                def count(module: nn.Module, args: tuple[Any, ...], name: str = name) -> None:
-                    calls[name] = calls.get(name, 0) + 1
+    def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        name = self.counted.get(id(module))
+        if name is not None:
+            self.calls[name] = self.calls.get(name, 0) + 1
 
-                handles.append(module.register_forward_pre_hook(count))
-        return calls, handles
+    def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        key = id(module)
+        stashed = self.stashed.get(key)
+        if stashed is not None:
+            self.stash[stashed] = args[0]
+            return None
+        ruled = self.ruled.get(key)
+        if ruled is None:
+            return None
+        return self._apply_rule(ruled[0], ruled[1], module, args, output)
 
-    def hooks(self) -> list[Any]:
-        handles = []
+    def _plan_modules(self) -> None:
+        """Which modules get a rule (by identity) and which only stash their input (merged)."""
         for name in self.plan.order:
             rule = self.plan.rules[name]
             if rule.passes_gradient and not self.record:
                 continue
             module = self.model.get_submodule(name)
             if name in self.plan.merged:
-                handles.append(module.register_forward_hook(self._stash_hook(name)))
+                self.stashed[id(module)] = name
                 bn_name = self.plan.merged[name]
-                bn = self.model.get_submodule(bn_name)
-                handles.append(bn.register_forward_hook(self._rule_hook(name, bn_name)))
+                self.ruled[id(self.model.get_submodule(bn_name))] = (name, bn_name)
             else:
-                handles.append(module.register_forward_hook(self._rule_hook(name, None)))
-        return handles
+                self.ruled[id(module)] = (name, None)
 
-    def _stash_hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            self.stash[name] = args[0]
-
-        return hook
-
-    def _rule_hook(self, name: str, bn_name: str | None) -> Callable[..., Any]:
+    def _apply_rule(
+        self, name: str, bn_name: str | None, module: nn.Module, args: tuple[Any, ...], output: Any
+    ) -> Any:
         rule = self.plan.rules[name]
-
-        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            with self.internal_ops():
-                if bn_name is None:
-                    x = args[0]
-                    layer = AffineLayer.from_module(name, module)
-                else:
-                    x = self.stash.pop(name)
-                    linear = self.model.get_submodule(name)
-                    layer = AffineLayer.from_module(name, linear).merge_batchnorm(bn_name, module)
-                if name in self.plan.nonnegative_inputs:
-                    layer = replace(layer, nonnegative_input=True)
-                if rule.passes_gradient:
-                    z = output.detach()
-                    core = RuleState(rule, layer, None, z)
-                    self.records[name] = LayerRecord(name, x, output, core)
-                    return None
-                replaced = rule.attach(self, layer, x, output)
-                if replaced is None and self.record:
-                    core = RuleState(rule, layer, None, output.detach())
-                    self.records[name] = LayerRecord(name, x, output, core)
-                return replaced
-
-        return hook
+        with self.internal_ops():
+            if bn_name is None:
+                x = args[0]
+                layer = AffineLayer.from_module(name, module)
+            else:
+                x = self.stash.pop(name)
+                linear = self.model.get_submodule(name)
+                layer = AffineLayer.from_module(name, linear).merge_batchnorm(bn_name, module)
+            if name in self.plan.nonnegative_inputs:
+                layer = replace(layer, nonnegative_input=True)
+            if rule.passes_gradient:
+                z = output.detach()
+                core = RuleState(rule, layer, None, z)
+                self.records[name] = LayerRecord(name, x, output, core)
+                return None
+            replaced = rule.attach(self, layer, x, output)
+            if replaced is None and self.record:
+                core = RuleState(rule, layer, None, output.detach())
+                self.records[name] = LayerRecord(name, x, output, core)
+            return replaced

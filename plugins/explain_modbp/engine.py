@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from explain_core.interfaces.relevance import Composite
-from explain_core.model_guard import ModelGuard
+from explain_core.scoped import listening
 from explain_modbp.attach import LayerRecord, _Attached, _HandlerMode
 from explain_modbp.errors import UnsupportedModelError
 from explain_modbp.ops import OpHandler
@@ -187,19 +187,15 @@ class ModifiedBackprop:
         ``grad=False`` no graph is built (for rules that only collect statistics).
         """
         for use_cache in (self.cache, False):
-            with ModelGuard(model), contextlib.ExitStack() as stack:
+            with contextlib.ExitStack() as stack:
                 for canonizer in self.composite.canonizers:
                     stack.callback(canonizer.apply(model))
                 plan, cached = planned(
                     model, inputs, self.composite, self.extra_ops, cache=use_cache
                 )
                 attached = _Attached(model, plan, self.record)
-                handles = attached.hooks()
-                calls: dict[str, int] = {}
-                if cached:
-                    calls, counters = attached.call_counter()
-                    handles += counters
-                stack.callback(lambda handles=handles: [h.remove() for h in handles])
+                calls = attached.count_calls() if cached else {}
+                stack.enter_context(listening(attached))
                 if plan.custom:
                     custom = Composite(
                         [(_named(name), rule) for name, rule in plan.custom.items()],

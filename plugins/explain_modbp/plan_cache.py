@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from explain_core.interfaces.relevance import Composite
+from explain_core.scoped import is_own_hook
 from explain_modbp.tracing import Plan, move_custom_rules, resolve_rules, trace
 
 # Key: the composite's *shape* (matchers that are types, type tuples or name globs, and the type
@@ -63,8 +64,8 @@ def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
 
     parts: list[tuple[Any, ...]] = [
         (
-            len(module_globals._global_forward_hooks),
-            len(module_globals._global_forward_pre_hooks),
+            _user_hooks(module_globals._global_forward_hooks),
+            _user_hooks(module_globals._global_forward_pre_hooks),
         )
     ]
     for name, module in model.named_modules():
@@ -75,6 +76,7 @@ def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
                 module.training,
                 tuple(module._forward_hooks),
                 tuple(module._forward_pre_hooks),
+                tuple(module._backward_hooks),
                 module.__dict__.get("forward"),
                 _settings(module),
                 _tensor_refs(module._parameters),
@@ -82,6 +84,11 @@ def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:
             )
         )
     return parts
+
+
+def _user_hooks(hooks: dict[int, Any]) -> tuple[int, ...]:
+    """Keys of the process-wide hooks, without those attribution in other threads installs."""
+    return tuple(key for key, hook in hooks.items() if not is_own_hook(hook))
 
 
 def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
@@ -129,9 +136,9 @@ def _same_fingerprint(old: list[tuple[Any, ...]], new: list[tuple[Any, ...]]) ->
     if len(old) != len(new) or old[0] != new[0]:
         return False
     for a, b in zip(old[1:], new[1:], strict=True):
-        if a[0] != b[0] or a[1]() is not b[1]() or a[2:7] != b[2:7]:
+        if a[0] != b[0] or a[1]() is not b[1]() or a[2:8] != b[2:8]:
             return False
-        for refs_a, refs_b in ((a[7], b[7]), (a[8], b[8])):
+        for refs_a, refs_b in ((a[8], b[8]), (a[9], b[9])):
             if len(refs_a) != len(refs_b) or any(
                 ka != kb or ra() is not rb() or va != vb
                 for (ka, ra, va), (kb, rb, vb) in zip(refs_a, refs_b, strict=True)

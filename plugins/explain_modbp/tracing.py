@@ -8,15 +8,18 @@ it directly follows, resolves a rule for every affine layer and raises
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from explain_core.interfaces.relevance import Composite, Rule
+from explain_core.scoped import ModuleListener, listening
 from explain_modbp.base import LayerComposite, LayerRule
 from explain_modbp.errors import RULE_HINT, UnsupportedModelError, op_hint
 from explain_modbp.layers import AFFINE_TYPES, BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
@@ -128,6 +131,38 @@ class _TraceMode(TorchFunctionMode):
         return result
 
 
+def _autograd_function() -> type | None:
+    """The ``torch.autograd.Function`` whose ``apply`` is running on the Python stack, if any."""
+    frame = sys._getframe(2)
+    for _ in range(16):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "apply":
+            cls = frame.f_locals.get("cls")
+            if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
+                return cls
+        frame = frame.f_back
+    return None
+
+
+def _user_hook_codes(model: nn.Module) -> dict[Any, str]:
+    """Code object of each forward (pre-)hook on the model → how messages name it."""
+    codes = {}
+    for name, module in model.named_modules():
+        for kind, hooks in (
+            ("forward hook", module._forward_hooks),
+            ("forward pre-hook", module._forward_pre_hooks),
+        ):
+            for hook in hooks.values():
+                function = getattr(hook, "__func__", getattr(hook, "func", hook))
+                code = getattr(function, "__code__", None)
+                if code is not None:
+                    label = getattr(function, "__qualname__", "hook")
+                    where = f"module {name or '<root>'!r} ({type(module).__name__})"
+                    codes[code] = f"the {kind} {label} registered on {where}"
+    return codes
+
+
 def _no_negative_operands(
     name: str, args: tuple[Any, ...], kwargs: dict[str, Any], dependent: dict[int, torch.Tensor]
 ) -> bool:
@@ -156,7 +191,7 @@ def _no_negative_operands(
     return True
 
 
-class _Tracer:
+class _Tracer(ModuleListener):
     def __init__(self, model: nn.Module, composite: Composite, extra_ops: frozenset[str]) -> None:
         self.model = model
         self.composite = composite
@@ -180,6 +215,8 @@ class _Tracer:
         self.made_by: dict[int, str] = {}
         self.value_dependent = False
         self.reads: dict[str, str] = {}
+        self.opaque_args: tuple[Any, ...] = ()
+        self.hook_codes = _user_hook_codes(model)
 
     def _find_opaque(self, module: nn.Module, path: str) -> None:
         # The outermost module with a rule (or an affine type) is opaque: the trace does not look
@@ -197,6 +234,17 @@ class _Tracer:
     # bookkeeping ---------------------------------------------------------------------------
     def mark(self, tensor: torch.Tensor) -> None:
         self.dependent[id(tensor)] = tensor
+
+    def place(self) -> str:
+        """Where the running operation is: a module, or a user hook on one (found on the stack)."""
+        frame = sys._getframe(1)
+        while frame is not None and self.hook_codes:
+            hook = self.hook_codes.get(frame.f_code)
+            if hook is not None:
+                return hook
+            frame = frame.f_back
+        path, type_name = self.where()
+        return f"module {path!r} ({type_name})"
 
     def where(self) -> tuple[str, str]:
         name = self.stack[-1] if self.stack else ""
@@ -238,6 +286,17 @@ class _Tracer:
         user's hook that only logs (``out.detach()``, ``out.norm()``) does not matter.
         """
         if not torch.is_grad_enabled():
+            function = _autograd_function()
+            if function is BackwardHookFunction:
+                return None  # a user's full backward hook wraps tensors in an identity
+            if function is not None:
+                path, type_name = self.where()
+                return (
+                    f"the custom autograd Function {function.__qualname__} called in module "
+                    f"{path!r} ({type_name}) has no relevance rule: the engine cannot see "
+                    "through its forward and will not fall back to its backward. Put it in a "
+                    "module of its own and map that module to a rule (lrp.custom)"
+                )
             return self.no_grad_problem(name)
         problem = None
         if name in _PRODUCT_OPS | {"rmul", "rdiv"}:
@@ -273,15 +332,14 @@ class _Tracer:
             return None
         path, type_name = self.where()
         return (
-            f"operation {name!r} in module {path!r} ({type_name}) {problem}: the "
+            f"operation {name!r} in {self.place()} {problem}: the "
             f"modified-backpropagation engine cannot see through it and will not fall back "
             f"to the gradient. {op_hint(name, type_name, leaf=self._is_leaf(path))}"
         )
 
     def no_grad_problem(self, op: str | None = None) -> str:
         """The error for operation ``op`` (or the current module) run under ``torch.no_grad()``."""
-        path, type_name = self.where()
-        subject = f"module {path!r} ({type_name})"
+        subject = self.place()
         if op is not None:
             subject = f"operation {op!r} in {subject}"
         return (
@@ -304,11 +362,11 @@ class _Tracer:
                 kept.append(step)
         return kept[::-1]
 
-    # hooks -----------------------------------------------------------------------------------
-    def pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        if self.opaque_depth:
-            return
-        name = self.names.get(id(module), "?")
+    # module calls (a ModuleListener: this context only) ---------------------------------------
+    def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        name = self.names.get(id(module))
+        if name is None or self.opaque_depth:
+            return  # a module outside the model (made or held by forward), or inside an opaque one
         self.stack.append(name)
         if name not in self.opaque:
             return
@@ -319,6 +377,9 @@ class _Tracer:
                 "forward pass; relevance rules keep per-layer state, so give each use its own "
                 "module instance (e.g. copy.deepcopy) instead of reusing it"
             )
+        # What the module receives before a full backward hook wraps it (the wrapped copies are
+        # made inside the opaque module, where the trace does not look).
+        self.opaque_args = args
         tensors = [t for t in _tensors(args) if id(t) in self.dependent]
         if any(id(t) in self.input_like for t in tensors):
             self.input_layers.add(name)
@@ -331,9 +392,12 @@ class _Tracer:
             self.bn_input_dims[name] = tensors[0].dim()
         self.opaque_depth += 1
 
-    def post_hook(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        name = self.names.get(id(module), "?")
+    def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        name = self.names.get(id(module))
+        if name is None:
+            return
         if name in self.opaque and self.stack and self.stack[-1] == name:
+            args = self.opaque_args
             if isinstance(module, AFFINE_TYPES) and (
                 self.opaque[name] is None or isinstance(self.opaque[name], LayerRule)
             ):
@@ -381,20 +445,12 @@ class _Tracer:
             )
 
     def run(self, x: torch.Tensor) -> Plan:
-        handles = []
-        try:
-            for module in self.model.modules():
-                handles.append(module.register_forward_pre_hook(self.pre_hook))
-                handles.append(module.register_forward_hook(self.post_hook))
-            self.mark(x)
-            self.input_like.add(id(x))
-            # With gradients on, as the real pass runs: a torch.no_grad() block inside forward
-            # shows as operations run without them (see problem()).
-            with torch.enable_grad(), _TraceMode(self):
-                output = self.model(x)
-        finally:
-            for handle in handles:
-                handle.remove()
+        self.mark(x)
+        self.input_like.add(id(x))
+        # With gradients on, as the real pass runs: a torch.no_grad() block inside forward
+        # shows as operations run without them (see problem()).
+        with listening(self), torch.enable_grad(), _TraceMode(self):
+            output = self.model(x)
         if not isinstance(output, torch.Tensor) or id(output) not in self.dependent:
             raise UnsupportedModelError(
                 "the model's output does not depend on its input through operations the engine "
