@@ -30,7 +30,6 @@ from explain_core.parse_trees import (
     default_thresholds,
     node_id,
     parse_tree,
-    quantise,
     read_graphml,
     read_node_link_json,
     render_parse_tree,
@@ -204,12 +203,19 @@ def test_dataset_mode_averages_everything_and_backtracks_from_predicted_classes(
     assert dataset_parse_tree(data, roots=[1]).graph["roots"] == "L3:C1"
 
 
-def test_quantise_matches_rem_quantiser():
-    from explain_capsules.rem import quantise_couplings
+def test_parse_tree_data_quantises_with_rems_binning():
+    import numpy as np
 
+    from explain_capsules import rem
+    from explain_core import quantisation
+
+    assert rem.quantise_couplings is quantisation.quantise_couplings  # one implementation
     c = torch.rand(5, 7, 3)
-    c[0, 0, 0] = 0.05
-    assert torch.equal(quantise(c, 11), quantise_couplings(c, 11))
+    c[0, 0, :] = torch.tensor([0.05, 0.25, 0.75])  # on nominal half-way points of K = 11
+    edges = np.linspace(-0.05, 1.05, 12)  # REM's public code
+    expected = (np.digitize(c.double().numpy(), edges) - 1) / 10
+    data = ParseTreeData.from_tensors([c], [torch.rand(5, 7), torch.rand(5, 3)], None)
+    assert np.array_equal(data.quantised(11).couplings[0].numpy(), expected.astype(np.float32))
     data = make_data().quantised(3)
     assert data.levels == 3 and set(data.couplings[0].unique().tolist()) <= {0.0, 0.5, 1.0}
 

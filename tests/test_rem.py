@@ -87,11 +87,49 @@ def test_quantiser_k11_matches_digitize():
     assert np.array_equal(ours32, digitize_levels_k11(x32.double().numpy()))
 
 
-def test_quantiser_ties_round_up():
-    # Edges (k + 0.5) / 10 for K=11 go to the upper level, like np.digitize(right=False).
-    x = torch.tensor([0.05, 0.25, 0.75], dtype=torch.float64)
-    assert quantise_to_levels(x, 11).tolist() == [1, 3, 8]
-    assert quantise_to_levels(torch.tensor([0.5]), 2).tolist() == [1]
+def rem_levels(x: np.ndarray, levels: int) -> np.ndarray:
+    """REM's public code, for any K: float64 linspace edges, np.digitize, values clamped."""
+    half = 0.5 / (levels - 1)
+    return np.digitize(np.clip(x, 0.0, 1.0), np.linspace(-half, 1 + half, levels + 1)) - 1
+
+
+def test_quantiser_follows_rems_float64_edges_exactly():
+    # On a nominal half-way point the computed edge decides: 0.25 is below linspace's
+    # 0.25000000000000006 (level 2 of 11, the coupling of a capsule with zero votes under 4
+    # parents), and 0.5 below the K=6 edge 0.5000000000000001 (level 2; rounding gave 3).
+    assert quantise_to_levels(torch.tensor([0.25]), 11).tolist() == [2]
+    assert quantise_couplings(torch.tensor([0.25]), 11).tolist() == [pytest.approx(0.2)]
+    assert quantise_to_levels(torch.tensor([0.5]), 6).tolist() == [2]
+    assert quantise_to_levels(torch.tensor([0.05, 0.75], dtype=torch.float64), 11).tolist() == [
+        int(rem_levels(np.array([0.05]), 11)[0]),
+        int(rem_levels(np.array([0.75]), 11)[0]),
+    ]
+    for levels in (2, 3, 4, 5, 6, 7, 11, 16, 21):
+        half = 0.5 / (levels - 1)
+        edges = np.linspace(-half, 1 + half, levels + 1)
+        # every edge, its float32 neighbours and the nominal half-way points, in both dtypes
+        nominal = (np.arange(levels) + 0.5) / (levels - 1)
+        points = np.concatenate(
+            [edges, nominal, np.nextafter(edges, 2), np.nextafter(edges, -2), [0.0, 1.0]]
+        )
+        for dtype in (torch.float64, torch.float32):
+            x = torch.tensor(points, dtype=dtype)
+            reference = rem_levels(x.double().numpy(), levels)
+            ours = quantise_to_levels(x, levels).numpy().astype(np.int64)
+            assert np.array_equal(ours, reference), (levels, dtype)
+
+
+def test_quantiser_matches_rem_on_every_float32_coupling_near_the_edges():
+    # all float32 values within 64 ulps of each K=11 and K=5 edge
+    for levels in (5, 11):
+        half = 0.5 / (levels - 1)
+        edges = torch.tensor(np.linspace(-half, 1 + half, levels + 1), dtype=torch.float32)
+        steps = torch.arange(-64, 65, dtype=torch.int32)
+        bits = edges.view(torch.int32)[:, None] + steps[None, :]
+        x = bits.view(torch.float32).flatten()
+        x = x[torch.isfinite(x)]
+        reference = rem_levels(x.double().numpy(), levels)
+        assert np.array_equal(quantise_to_levels(x, levels).numpy().astype(np.int64), reference)
 
 
 def test_quantiser_k2():

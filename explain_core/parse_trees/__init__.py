@@ -24,7 +24,6 @@ from explain_core.parse_trees.data import (
     LayerStack,
     ParseTreeData,
     collect_parse_tree_data,
-    quantise,
 )
 from explain_core.parse_trees.export import (
     read_graphml,
@@ -59,7 +58,6 @@ __all__ = [
     "default_thresholds",
     "node_id",
     "parse_tree",
-    "quantise",
     "read_graphml",
     "read_node_link_json",
     "render_parse_tree",

@@ -54,10 +54,9 @@ from explain_core.parse_trees.data import (
     LayerStack,
     ParseTreeData,
     as_index,
-    check_levels,
     not_integral,
-    quantise,
 )
+from explain_core.quantisation import check_levels, quantise_couplings
 
 __all__ = [
     "build_parse_tree",
@@ -119,7 +118,7 @@ def _uniform_threshold(parents: int, levels: int | None) -> float:
     if levels is None:
         return float(uniform)
     below_top = (levels - 2) / (levels - 1)
-    return min(float(quantise(uniform, levels)), below_top)
+    return min(float(quantise_couplings(uniform, levels)), below_top)
 
 
 def resolve_thresholds(

@@ -28,8 +28,9 @@ from explain_core.eager import uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.routing import RoutingEvent, RoutingLayer, record_routing
 from explain_core.model_guard import ModelGuard
+from explain_core.quantisation import quantise_couplings
 
-__all__ = ["LayerStack", "ParseTreeData", "collect_parse_tree_data", "quantise"]
+__all__ = ["LayerStack", "ParseTreeData", "collect_parse_tree_data"]
 
 
 def as_index(value: Any, what: str) -> int:
@@ -167,7 +168,8 @@ class ParseTreeData:
             activations: ``L`` tensors ``(N, |Ω^l|)`` (or ``(|Ω^l|,)``).
             predicted: ``(N,)`` classes; ``None`` takes the argmax of the last activations.
             class_names: Names of the last layer's capsules.
-            levels: Quantise the couplings into ``K`` levels (:func:`quantise`).
+            levels: Quantise the couplings into ``K`` levels
+                (:func:`explain_core.quantisation.quantise_couplings`).
             parents: Per routing layer, the number of parents of each routing softmax (see the
                 class docstring); give it for convolutional capsules, whose windows route over
                 their capsule types only.
@@ -182,7 +184,7 @@ class ParseTreeData:
         if activations and all(a.dim() == 1 for a in activations):
             activations = [a[None] for a in activations]
         if levels is not None:
-            couplings = [quantise(c, levels) for c in couplings]
+            couplings = [quantise_couplings(c, levels) for c in couplings]
         if predicted is None and activations:
             predicted = activations[-1].argmax(dim=1)
         predicted = torch.as_tensor(predicted).detach().cpu().long().reshape(-1)
@@ -259,7 +261,9 @@ class ParseTreeData:
     def quantised(self, levels: int) -> ParseTreeData:
         """A copy with couplings quantised into ``K = levels`` levels (REM's ``c̃``)."""
         return replace(
-            self, couplings=tuple(quantise(c, levels) for c in self.couplings), levels=levels
+            self,
+            couplings=tuple(quantise_couplings(c, levels) for c in self.couplings),
+            levels=levels,
         )
 
     def sample(self, index: int) -> LayerStack:
@@ -307,31 +311,6 @@ class ParseTreeData:
             tuple(a[mask].double().mean(0).float() for a in self.activations),
             count,
         )
-
-
-def quantise(couplings: Tensor, levels: int) -> Tensor:
-    """Quantise couplings to ``K`` uniform levels ``k/(K-1)`` (REM's ``c̃``, nearest level).
-
-    Values are clamped to ``[0, 1]``; halves round up, computed in float64 — the same values as
-    ``explain_capsules.rem.quantise_couplings`` (``K = 11`` gives ``0, 0.1, …, 1``).
-
-    Raises:
-        InvalidInputError: If ``levels`` is not an int ≥ 2.
-    """
-    check_levels(levels)
-    dtype = couplings.dtype if torch.is_floating_point(couplings) else torch.float32
-    scaled = couplings.to(torch.float64).clamp(0.0, 1.0) * (levels - 1)
-    return (torch.floor(scaled + 0.5) / (levels - 1)).to(dtype)
-
-
-def check_levels(levels: Any) -> None:
-    """Refuse a number of quantisation levels ``K`` that is not an int ≥ 2.
-
-    Raises:
-        InvalidInputError: Naming the value got.
-    """
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
-        raise InvalidInputError(f"levels must be an int ≥ 2; got {levels!r}")
 
 
 def collect_parse_tree_data(

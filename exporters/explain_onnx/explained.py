@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from explain_core.errors import InvalidInputError, UnknownMethodError
+from explain_core.quantisation import quantise_couplings
 
 ENTRY_POINT_GROUP = "explain_onnx.explainers"
 
@@ -246,9 +247,8 @@ class CapsuleSaliencyGraph(nn.Module):
         selector = (classes[None] == chosen[:, None]).to(couplings.dtype)
         coupling = (couplings * selector[:, None, :]).sum(2)  # (B, n_primary)
         if self.levels is not None:
-            # REM's K levels k/(K-1), rounded half up in float64 as quantise_couplings does.
-            scaled = coupling.to(torch.float64).clamp(0.0, 1.0) * (self.levels - 1)
-            coupling = (torch.floor(scaled + 0.5) / (self.levels - 1)).to(couplings.dtype)
+            # REM's K levels, the same binning as explain(): a graph cannot refuse NaN values
+            coupling = quantise_couplings(coupling, self.levels, validate=False)
         activation = torch.sqrt((primary * primary).sum(-1))  # ‖u‖, as the recording reports
         m, n, o = model.primary.grid_shape
         grid = (activation * coupling).view(-1, m, n, o).mean(dim=3)
@@ -262,11 +262,11 @@ def _build_saliency(
     model: nn.Module, example: torch.Tensor, target_input: bool, **options: Any
 ) -> nn.Module:
     from explain_capsules import DRCapsNet
-    from explain_capsules.recording import check_levels
+    from explain_core.quantisation import check_levels
 
     levels = options.pop("levels", None)
     _no_options("capsules.saliency", options)
-    check_levels(levels)
+    check_levels(levels, optional=True)
     if not isinstance(model, DRCapsNet):
         raise InvalidInputError(
             "the ONNX explainer 'capsules.saliency' needs an explain_capsules.DRCapsNet (grid "

@@ -23,11 +23,11 @@ from functools import partial
 import torch
 from torch import nn
 
-from explain_capsules.rem import quantise_couplings
 from explain_core.eager import uncompiled
 from explain_core.interfaces.routing import RoutingEvent, record_routing
 from explain_core.model_guard import ModelGuard
 from explain_core.parse_trees.data import check_record_inputs, routing_parents
+from explain_core.quantisation import check_levels, quantise_couplings
 from explain_core.targets import select_target
 
 __all__ = ["CapsuleRecording", "LayerRecording", "record_parse_tree_data"]
@@ -115,18 +115,6 @@ def inference_mode_of(model: nn.Module) -> Iterator[None]:
             module.training = flag
 
 
-def check_levels(levels: int | None) -> None:
-    """Validate an optional number of quantisation levels ``K`` (``None`` or an int ≥ 2).
-
-    Raises:
-        ValueError: Otherwise.
-    """
-    if levels is None:
-        return
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
-        raise ValueError(f"levels must be None or an int ≥ 2; got {levels!r}")
-
-
 def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
     for tensor in model.parameters():
         return tensor.device
@@ -185,7 +173,7 @@ def record_parse_tree_data(
             running more than once per forward pass, or routing layers that ran for some batches
             only or in another order.
     """
-    check_levels(levels)
+    check_levels(levels, optional=True)
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
     check_record_inputs(model, inputs)

@@ -34,6 +34,12 @@ from explain_capsules.layers import COUPLING_TRANSFORM
 from explain_core.eager import uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.routing import RoutingLayer
+from explain_core.quantisation import (
+    check_levels,
+    level_index_dtype,
+    quantise_couplings,
+    quantise_to_levels,
+)
 from explain_core.scoped import scoped_settings
 
 __all__ = [
@@ -45,70 +51,6 @@ __all__ = [
 ]
 
 _STATE_VERSION = 1
-
-
-def _check_levels(levels: int) -> None:
-    if isinstance(levels, bool) or not isinstance(levels, int) or levels < 2:
-        raise ValueError(f"K must be ≥ 2 (an int), got {levels!r}")
-
-
-def _index_dtype(levels: int) -> torch.dtype:
-    # uint8 keeps keys 1 byte per lower capsule for every practical K (the paper uses K ≤ 20).
-    return torch.uint8 if levels <= 256 else torch.int32
-
-
-def quantise_to_levels(couplings: Tensor, levels: int) -> Tensor:
-    """Quantise couplings to integer level indices ``0 … K-1`` (centres ``k / (K-1)``).
-
-    Values are clamped to ``[0, 1]`` first (the softmax keeps couplings there up to rounding;
-    anything else, e.g. after pruning masks, saturates to the end levels). Each value then goes
-    to its nearest centre, which for ``K = 11`` is exactly the public REM code's binning with
-    edges ``linspace(-0.05, 1.05, 12)`` (``np.digitize(x, edges) - 1``).
-
-    Ties: a value exactly on a bin edge ``(k + 0.5) / (K - 1)`` goes to the *upper* level
-    (round half up), as ``np.digitize`` with ``right=False`` does. The arithmetic is done in
-    float64, so ``0.05`` (float) maps to level 1 for ``K = 11``; values within one float ulp of an
-    edge may land differently from an implementation that builds its edges with ``linspace``.
-
-    Args:
-        couplings: Coupling coefficients of any shape and floating dtype.
-        levels: Number of levels ``K ≥ 2``.
-
-    Returns:
-        Level indices with the shape of ``couplings``; ``uint8`` for ``K ≤ 256``, else ``int32``.
-
-    Raises:
-        ValueError: If ``levels < 2`` or ``couplings`` contains NaN.
-    """
-    _check_levels(levels)
-    if not torch.is_floating_point(couplings):
-        couplings = couplings.to(torch.float64)
-    if torch.isnan(couplings).any():
-        raise ValueError("couplings contain NaN; cannot quantise")
-    # float64 keeps x * (K-1) exact enough that the half-way points are hit where expected.
-    scaled = couplings.to(torch.float64).clamp(0.0, 1.0) * (levels - 1)
-    return torch.floor(scaled + 0.5).to(_index_dtype(levels))
-
-
-def quantise_couplings(couplings: Tensor, levels: int) -> Tensor:
-    """Quantise couplings to ``K`` uniform levels over ``[0, 1]`` (values ``k / (K-1)``).
-
-    See :func:`quantise_to_levels` for clamping and tie behaviour; ``K = 11`` gives exactly the
-    values ``0, 0.1, …, 1.0`` (each ``k / 10`` computed in float64, then cast).
-
-    Args:
-        couplings: Coupling coefficients of any shape and floating dtype.
-        levels: Number of levels ``K ≥ 2``.
-
-    Returns:
-        Quantised couplings, same shape and dtype as ``couplings`` (float32 if it was integer).
-
-    Raises:
-        ValueError: If ``levels < 2`` or ``couplings`` contains NaN.
-    """
-    indices = quantise_to_levels(couplings, levels)
-    out_dtype = couplings.dtype if torch.is_floating_point(couplings) else torch.float32
-    return (indices.to(torch.float64) / (levels - 1)).to(out_dtype)
 
 
 @contextmanager
@@ -139,7 +81,7 @@ def quantised_routing(model: nn.Module, levels: int) -> Iterator[nn.Module]:
         ValueError: If ``levels`` is not an int ≥ 2.
         InvalidInputError: If ``model`` has no routing layer with a ``coupling_transform``.
     """
-    _check_levels(levels)
+    check_levels(levels)
     layers = [
         module
         for module in uncompiled(model).modules()
@@ -173,7 +115,7 @@ class ParseTreeDictionary:
 
     def __init__(self, n_classes: int | None = None, levels: int | None = None) -> None:
         if levels is not None:
-            _check_levels(levels)
+            check_levels(levels)
         self.n_classes = n_classes
         self.levels = levels
         self.n_lower: int | None = None
@@ -182,7 +124,7 @@ class ParseTreeDictionary:
     # ----------------------------------------------------------------------------- building
     def _check_compatible(self, n_lower: int, n_classes: int, levels: int) -> None:
         """Refuse a shape or K other than the dictionary's; changes nothing."""
-        _check_levels(levels)
+        check_levels(levels)
         mine = (self.n_lower, self.n_classes, self.levels)
         given = (n_lower, n_classes, levels)
         if any(m is not None and m != g for m, g in zip(mine, given, strict=True)):
@@ -260,7 +202,7 @@ class ParseTreeDictionary:
 
     def _key_bytes(self, raw: bytes, dtype: torch.dtype) -> bytes:
         """Normalise key bytes to the canonical key dtype of this K (independent of n_classes)."""
-        canonical = _index_dtype(self.levels or 2)
+        canonical = level_index_dtype(self.levels or 2)
         if dtype == canonical:
             return raw
         values = np.frombuffer(raw, dtype=_NUMPY_DTYPES[dtype])
@@ -309,7 +251,7 @@ class ParseTreeDictionary:
         if not 0 <= cls < n_classes:
             raise IndexError(f"class {cls} out of range [0, {n_classes})")
         table = self._counts[cls]
-        dtype = _index_dtype(self.levels or 2)
+        dtype = level_index_dtype(self.levels or 2)
         n_lower = self.n_lower or 0
         if not table:
             return torch.empty(0, n_lower, dtype=dtype), torch.empty(0, dtype=torch.int64)
@@ -403,7 +345,7 @@ class ParseTreeDictionary:
         n_classes = state["n_classes"] or 0
         if len(state["classes"]) != n_classes:
             raise ValueError("state has a class list of the wrong length")
-        np_dtype = _NUMPY_DTYPES[_index_dtype(out.levels or 2)]
+        np_dtype = _NUMPY_DTYPES[level_index_dtype(out.levels or 2)]
         for table, entry in zip(out._counts, state["classes"], strict=True):
             if len(entry["keys"]) != len(entry["counts"]):
                 raise ValueError("state keys and counts differ in length")
@@ -466,7 +408,7 @@ def lowest_lossless_levels(
     if not ordered:
         raise ValueError("no candidate K given")
     for levels in ordered:
-        _check_levels(levels)
+        check_levels(levels)
     threshold = reference - tolerance
     seen: dict[int, float] = {}
     for levels in ordered:

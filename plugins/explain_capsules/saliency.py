@@ -29,11 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from explain_capsules.layers import PrimaryCapsules
-from explain_capsules.recording import check_levels, inference_mode_of
-from explain_capsules.rem import quantise_couplings
+from explain_capsules.recording import inference_mode_of
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.routing import RoutingLayer, record_routing
 from explain_core.model_guard import ModelGuard
+from explain_core.quantisation import check_levels, quantise_couplings
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import TargetLike, normalize_target, select_target
 
@@ -93,7 +93,7 @@ def saliency_grid(
     Raises:
         ValueError: If the shapes do not match the grid or ``levels`` is invalid.
     """
-    check_levels(levels)
+    check_levels(levels, optional=True)
     m, n, o = grid_shape
     expected = (activations.shape[0], m * n * o)
     if activations.shape != expected or couplings.shape != expected:
@@ -110,7 +110,7 @@ def saliency_grid(
 def _saliency(
     model: nn.Module, inputs: torch.Tensor, target: TargetLike, levels: int | None
 ) -> dict[str, Any]:
-    check_levels(levels)
+    check_levels(levels, optional=True)
     if inputs.dim() != 4:
         raise InvalidInputError(
             f"capsule saliency needs image inputs (batch, C, H, W); got shape {tuple(inputs.shape)}"
@@ -226,7 +226,7 @@ class CapsuleSaliency(Method):
     levels: int | None = None
 
     def __post_init__(self) -> None:
-        check_levels(self.levels)
+        check_levels(self.levels, optional=True)
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         result = _saliency(model, inputs, target, self.levels)
