@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 
 import torch
+from harness import median_seconds, write_results
 
 from explain_coda import CoDANet, coda_contributions
 from explain_core import explain
-from explain_core.bench import median_seconds, write_results
 
 
 def measure(preset: str, batch: int, repeats: int) -> dict[str, object]:

@@ -15,12 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from harness import interleaved_medians, write_results
 
 from explain_capsules.compaction import compact, count_parameters
 from explain_capsules.models import DRCapsNet
 from explain_capsules.pruning import MagnitudePruner
 from explain_capsules.training import CHECKPOINT_NAME, load_capsule_checkpoint
-from explain_core.bench import interleaved_medians, write_results
 from explain_core.data.digits import load_digits
 
 ROOT = Path(__file__).resolve().parent

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from harness import median_seconds, write_results
 from torch import nn
 
 from explain_coda.layers import DAUConv2d
-from explain_core.bench import median_seconds, write_results
 
 BATCH = 16
 # name: (in, out, rank, kernel, map size), S-CoDA layers (Table C1 of the supplement).

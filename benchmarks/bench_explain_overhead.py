@@ -11,10 +11,10 @@ Gradients (20 steps) against 20 plain gradients, as ratios of medians within one
 from __future__ import annotations
 
 import torch
+from harness import median_seconds, write_results
 from torch import nn
 
 from explain_core import explain
-from explain_core.bench import median_seconds, write_results
 
 
 def vgg_style_cnn() -> nn.Sequential:

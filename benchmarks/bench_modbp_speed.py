@@ -34,10 +34,10 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
+from harness import interleaved_medians, write_results
 from torch import nn
 
 from explain_core import explain
-from explain_core.bench import interleaved_medians, write_results
 
 LOWER_BOUND = "gradient + W⁺∗a convolutions (lower bound)"
 GRADIENT_ALONE = "gradient, first in its process"

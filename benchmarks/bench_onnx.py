@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 from bench_explain_overhead import raw_input_x_gradient, vgg_style_cnn
+from harness import median_seconds, write_results
 
 from explain_coda import CoDANet, coda_contributions, encode_input
 from explain_core import explain
-from explain_core.bench import median_seconds, write_results
 from explain_core.data import load_digits
 from explain_onnx import OnnxSession, cuda_usable, export_onnx
 

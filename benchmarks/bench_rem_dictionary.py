@@ -19,9 +19,9 @@ from collections import Counter
 
 import numpy as np
 import torch
+from harness import format_table, median_seconds, write_results
 
 from explain_capsules.rem import ParseTreeDictionary
-from explain_core.bench import format_table, median_seconds, write_results
 
 N_LOWER, N_CLASSES, LEVELS, BATCH = 1152, 10, 11, 1000
 

@@ -18,10 +18,10 @@ import threading
 from collections.abc import Callable
 
 import torch
+from harness import interleaved_medians, write_results
 from torch import nn
 
 from explain_core import explain
-from explain_core.bench import interleaved_medians, write_results
 
 CALLS = 16
 THREADS = 4

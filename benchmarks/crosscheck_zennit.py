@@ -58,12 +58,12 @@ _allow_zennit_import_without_torchvision()
 
 import zennit.composites as zcomp  # noqa: E402
 import zennit.rules as zrules  # noqa: E402
+from harness import write_results  # noqa: E402
 from zennit.attribution import Gradient as ZennitGradient  # noqa: E402
 from zennit.canonizers import AttributeCanonizer, SequentialMergeBatchNorm  # noqa: E402
 from zennit.layer import Sum  # noqa: E402
 from zennit.types import Convolution  # noqa: E402
 
-from explain_core.bench import write_results  # noqa: E402
 from explain_modbp import composites, rules  # noqa: E402
 from explain_modbp.methods import run_composite  # noqa: E402
 

@@ -10,7 +10,7 @@ import argparse
 import re
 from pathlib import Path
 
-from explain_core.bench import render_results
+from harness import render_results
 
 ROOT = Path(__file__).resolve().parents[1]
 START, END = "<!-- results:start -->", "<!-- results:end -->"

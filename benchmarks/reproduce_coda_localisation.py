@@ -39,11 +39,11 @@ from captum.attr import (
     Occlusion,
     Saliency,
 )
+from harness import write_results
 
 from explain_coda.contributions import coda_contributions
 from explain_coda.model import CoDANet, encode_input
-from explain_coda.training import TrainConfig, accuracy, train_coda
-from explain_core.bench import write_results
+from explain_coda.training import TrainConfig, train_coda
 from explain_core.data.digits import load_digits
 from explain_core.metrics import (
     grid_class_pairs,
@@ -52,6 +52,7 @@ from explain_core.metrics import (
     pointing_game_grids,
     removed_pixel_counts,
 )
+from explain_core.training import accuracy
 
 ROOT = Path(__file__).resolve().parent
 CACHE = ROOT / ".cache"

@@ -31,9 +31,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+from harness import write_results
 from torch import nn
 
-from explain_core.bench import write_results
 from explain_core.data.digits import load_digits
 from explain_core.metrics import (
     UnsupportedMethodError,

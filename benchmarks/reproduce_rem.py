@@ -39,6 +39,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import torch
+from harness import write_results
 
 from explain_capsules.models import DRCapsNet, capsule_weight_std, margin_loss
 from explain_capsules.pruning import (
@@ -56,7 +57,6 @@ from explain_capsules.training import (
     accuracy,
     train_capsnet,
 )
-from explain_core.bench import write_results
 from explain_core.data.clutter import make_cluttered_digits
 from explain_core.data.digits import load_digits
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from pathlib import Path
 
 
 class ExplainError(Exception):
@@ -109,3 +110,37 @@ class RuntimeConflictError(ExplainError):
 
 class DistributedError(ExplainError, RuntimeError):
     """A distributed evaluation that failed on some rank, or whose shards do not fit together."""
+
+
+class MethodError(ExplainError, RuntimeError):
+    """A plugin's method that broke the :class:`Method` contract or raised; names both.
+
+    A factory that builds no :class:`Method`, a result that is no valid :class:`MethodResult`,
+    or (for third-party plugins) an error escaping ``attribute()``, chained as the cause.
+    """
+
+
+class OutputPathError(InvalidInputError, OSError):
+    """An output path that cannot be written.
+
+    Also an ``OSError``, so that callers that tolerate unwritable locations (e.g. a read-only
+    cache) keep catching it as they caught the file system's own error.
+    """
+
+
+class UnsupportedMethodError(ExplainError, TypeError):
+    """A method that cannot propagate a given relevance from an intermediate layer."""
+
+
+class GraphvizRenderError(ExplainError, RuntimeError):
+    """The graphviz ``dot`` program ran but failed; the DOT source was written nonetheless.
+
+    Attributes:
+        source_path: Where the ``.gv`` DOT source was written.
+        stderr: What ``dot`` wrote to its standard error.
+    """
+
+    def __init__(self, message: str, source_path: Path, stderr: str) -> None:
+        super().__init__(message)
+        self.source_path = source_path
+        self.stderr = stderr

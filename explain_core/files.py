@@ -20,18 +20,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from explain_core.errors import InvalidInputError
+from explain_core.errors import OutputPathError
 
 _ADVICE = "choose a path in a folder that exists (or can be created) and is writable"
 _NOT_A_FOLDER = "not a folder"  # the problem of a would-be folder that is a file
-
-
-class OutputPathError(InvalidInputError, OSError):
-    """An output path that cannot be written.
-
-    Also an ``OSError``, so that callers that tolerate unwritable locations (e.g. a read-only
-    cache) keep catching it as they caught the file system's own error.
-    """
 
 
 def check_output_path(path: str | Path) -> Path:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from explain_core.errors import InvalidInputError
+from explain_core.extras import require
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff")
 
@@ -56,10 +57,9 @@ def load_input(path: str | Path, channels: int | None = None) -> torch.Tensor:
 
 
 def _read_image(path: Path, channels: int | None) -> np.ndarray:
-    from PIL import Image, UnidentifiedImageError
-
+    pil_image = require("PIL.Image", "reading image files")
     try:
-        with Image.open(path) as image:
+        with pil_image.open(path) as image:
             if image.mode.startswith(("I", "F")):
                 raise InvalidInputError(
                     f"{path} has more than 8 bits per channel ({image.mode}); save it as an "
@@ -68,7 +68,7 @@ def _read_image(path: Path, channels: int | None) -> np.ndarray:
             grayscale = image.mode in ("L", "LA", "1")
             mode = {1: "L", 3: "RGB"}.get(channels or 0, "L" if grayscale else "RGB")
             array = np.asarray(image.convert(mode), dtype=np.float32) / 255.0
-    except (UnidentifiedImageError, OSError) as error:
+    except (pil_image.UnidentifiedImageError, OSError) as error:
         raise InvalidInputError(f"{path} is not a readable image: {error}") from error
     return array[None] if array.ndim == 2 else np.moveaxis(array, -1, 0)
 

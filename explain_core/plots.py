@@ -12,14 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from explain_core.extras import require
 from explain_core.viz import attribution_to_rgb, image_to_rgb
 
 
 def _pyplot() -> Any:
-    import matplotlib
-
+    matplotlib = require("matplotlib", "plotting")
     matplotlib.use("Agg")  # files only; never needs a display
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", "plotting")
 
     return plt
 

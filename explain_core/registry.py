@@ -12,16 +12,8 @@ from typing import Any, ClassVar, NoReturn
 import torch
 from torch import nn
 
-from explain_core.errors import ExplainError, InvalidInputError, UnknownMethodError
+from explain_core.errors import InvalidInputError, MethodError, UnknownMethodError
 from explain_core.option_types import check_option_types
-
-
-class MethodError(ExplainError, RuntimeError):
-    """A plugin's method that broke the :class:`Method` contract or raised; names both.
-
-    A factory that builds no :class:`Method`, a result that is no valid :class:`MethodResult`,
-    or (for third-party plugins) an error escaping ``attribute()``, chained as the cause.
-    """
 
 
 @dataclass(frozen=True)

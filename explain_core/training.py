@@ -12,6 +12,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 from tqdm.auto import tqdm
 
+from explain_core.errors import InvalidInputError
+
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLoss = Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
 
@@ -168,6 +170,36 @@ def train_resumable(
 
 
 @torch.no_grad()
-def accuracy(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> float:
-    """Fraction of samples whose arg-max score equals the label."""
-    return (model(images).argmax(dim=1) == labels).double().mean().item()
+def accuracy(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256
+) -> float:
+    """Fraction of ``images`` whose arg-max score is the label, in eval mode, in batches.
+
+    The model's training flags are put back afterwards. Works for every model that returns one
+    score per class (CNNs, CoDA-Nets, capsule networks returning capsule lengths).
+
+    Raises:
+        InvalidInputError: On images and labels that do not pair up, or an empty set.
+    """
+    if images.dim() < 2 or labels.shape != (images.shape[0],):
+        raise InvalidInputError(
+            f"accuracy: expected images (N, ...) and labels (N,); got images "
+            f"{tuple(images.shape)} and labels {tuple(labels.shape)}"
+        )
+    if labels.dtype.is_floating_point or len(labels) == 0:
+        raise InvalidInputError(
+            f"accuracy: expected at least one integer label; got {len(labels)} of {labels.dtype}"
+        )
+    flags = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        correct = sum(
+            int((model(chunk).argmax(1) == target.to(chunk.device)).sum())
+            for chunk, target in zip(
+                images.split(batch_size), labels.split(batch_size), strict=True
+            )
+        )
+    finally:
+        for module, flag in flags:
+            module.training = flag
+    return correct / len(labels)

@@ -1,4 +1,4 @@
-"""Pictures of inputs and attributions as RGB arrays and PNG files (Pillow only)."""
+"""Pictures of inputs and attributions as RGB arrays (NumPy) and PNG files (Pillow, ``plots``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image, ImageDraw, ImageFont
+
+from explain_core.extras import require
 
 ArrayLike = np.ndarray | torch.Tensor
 
@@ -79,9 +80,11 @@ def save_grid(
     Returns:
         The path written.
     """
+    Image = require("PIL.Image", "saving pictures")  # noqa: N806
+    ImageDraw = require("PIL.ImageDraw", "saving pictures")  # noqa: N806
     tile_h, tile_w = rows[0][0].shape[:2]
     size = (tile_w * scale, tile_h * scale)
-    gap, font = 4, ImageFont.load_default()
+    gap, font = 4, require("PIL.ImageFont", "saving pictures").load_default()
     left = 8 + 7 * max((len(t) for t in row_titles or ()), default=0)
     top = 16 if column_titles else 0
     n_cols = max(len(r) for r in rows)

@@ -41,7 +41,7 @@ ensure_dot() {
         "graphviz, or brew/conda install graphviz)" >&2
 }
 case ",$extras," in
-    *,graphs,*) ensure_dot ;;
+    *,graphs,* | *,all,*) ensure_dot ;;
 esac
 
 stamp="$venv/.explain-setup-${extras//,/-}"

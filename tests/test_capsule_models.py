@@ -10,13 +10,13 @@ from explain_capsules.models import DRCapsNet, MultiLayerCapsNet, capsule_weight
 from explain_capsules.training import (
     CHECKPOINT_NAME,
     CapsuleTrainConfig,
-    accuracy,
     load_capsule_checkpoint,
     train_capsnet,
 )
 from explain_core.data.digits import load_digits
 from explain_core.errors import InvalidInputError, ModelLoadError
 from explain_core.interfaces.routing import record_routing
+from explain_core.training import accuracy
 
 
 def tiny_drcapsnet(**kwargs) -> DRCapsNet:

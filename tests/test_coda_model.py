@@ -20,10 +20,11 @@ from explain_coda import (
     explicit_matrix,
     train_coda,
 )
-from explain_coda.training import accuracy, load_checkpoint, weight_regulariser
+from explain_coda.training import load_checkpoint, weight_regulariser
 from explain_core import InvalidInputError, ModelLoadError, explain, explanation_mode
 from explain_core.data import load_digits
 from explain_core.metrics.randomisation import cascading_randomisation
+from explain_core.training import accuracy
 
 
 def small_model(**options) -> CoDANet:

@@ -90,9 +90,8 @@ def test_ruff_lint_and_format_pass():
 
 
 def test_readme_results_section_matches_results_files():
+    from harness import render_results
     from render_results import readme_with_results
-
-    from explain_core.bench import render_results
 
     readme = (ROOT / "README.md").read_text()
     expected = readme_with_results(readme, render_results(ROOT / "benchmarks" / "results"))

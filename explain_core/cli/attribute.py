@@ -16,6 +16,7 @@ from explain_core.cli.common import (
     run_model,
 )
 from explain_core.errors import InvalidInputError
+from explain_core.extras import require
 
 NAME = "attribute"
 HELP = "explain your own model on image or .npy files"
@@ -100,9 +101,9 @@ def _save_npy(handle: Any, array: Any) -> None:
 
 
 def _save_heatmap(handle: Any, attribution: Any) -> None:
-    from PIL import Image
-
     from explain_core.viz import attribution_to_rgb
+
+    Image = require("PIL.Image", "writing attribution pictures")  # noqa: N806
 
     heat = attribution.sum(axis=0) if attribution.ndim == 3 else attribution
     if heat.ndim != 2:

@@ -100,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Record the couplings, build the tree and draw it."""
+    from explain_core.extras import require
     from explain_core.files import check_output_path
     from explain_core.parse_trees import (
         class_parse_tree,
@@ -107,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
         render_parse_tree,
         text_tree,
     )
-    from explain_core.parse_trees._deps import require_networkx
 
     if args.input is not None and args.dataset is not None:
         raise InvalidInputError("--dataset cannot be combined with --input")
@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidInputError(f"--levels must be at least 2; got {args.levels}")
     if args.quantised_routing and args.levels is None:
         raise InvalidInputError("--quantised-routing needs --levels K (the number of levels)")
-    require_networkx()  # fail before loading anything if the graphs extra is missing
+    # fail before loading anything if the graphs extra is missing
+    require("networkx", "parse-tree graphs")
     picture, format = _picture(args.out, args.format)
     check_output_path(picture)  # the picture and its .gv source share this folder
     check_not_overwriting(

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from explain_core.extras import require
+
 __all__ = ["CLASS_NAMES", "NATIVE_SIZE", "DigitsSplit", "load_digits"]
 
 CLASS_NAMES: tuple[str, ...] = tuple(str(d) for d in range(10))
@@ -59,9 +61,8 @@ class DigitsSplit:
 @functools.lru_cache(maxsize=1)
 def _raw_digits() -> tuple[np.ndarray, np.ndarray]:
     """Load and cache the raw sklearn arrays (imported lazily to keep package import light)."""
-    from sklearn.datasets import load_digits as sk_load_digits
-
-    bunch = sk_load_digits()
+    datasets = require("sklearn.datasets", "the bundled digits")
+    bunch = datasets.load_digits()
     images = np.asarray(bunch.images, dtype=np.float32)
     labels = np.asarray(bunch.target, dtype=np.int64)
     # Read-only so the cached arrays cannot be corrupted through a view.

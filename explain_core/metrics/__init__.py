@@ -4,6 +4,7 @@ Importing this package loads no optional dependency; scikit-image is imported by
 functions when they run.
 """
 
+from explain_core.metrics.card import faithfulness_card, format_card, format_value
 from explain_core.metrics.csc import (
     AutogradPropagator,
     CSCResult,
@@ -47,6 +48,9 @@ __all__ = [
     "UnsupportedMethodError",
     "cascading_randomisation",
     "cosine_similarity_convergence",
+    "faithfulness_card",
+    "format_card",
+    "format_value",
     "grid_class_pairs",
     "layer_propagator",
     "localisation_score",

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from explain_core.eager import eager_mode, uncompiled
-from explain_core.errors import ExplainError, InvalidInputError
+from explain_core.errors import InvalidInputError, UnsupportedMethodError
 from explain_core.metrics._checks import check_int
 from explain_core.scoped import ModuleListener, listening
 from explain_core.validation import check_inputs, clear_model_errors, refuse_inference_mode
@@ -45,10 +45,6 @@ __all__ = [
     "register_layer_propagator",
     "relevance_cosines",
 ]
-
-
-class UnsupportedMethodError(ExplainError, TypeError):
-    """A method that cannot propagate a given relevance from an intermediate layer."""
 
 
 @runtime_checkable

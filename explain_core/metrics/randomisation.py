@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from explain_core.errors import InvalidInputError
+from explain_core.extras import require
 from explain_core.metrics._checks import (
     Layout,
     check_int,
@@ -138,7 +139,7 @@ def _ssim(
     absolute_sign: bool,
 ) -> np.ndarray:
     """Per-sample SSIM of maps normalised by their max ``|·|``, so values lie in [−1, 1]."""
-    from skimage.metrics import structural_similarity
+    structural_similarity = require("skimage.metrics", "SSIM").structural_similarity
 
     def normalised(maps: torch.Tensor) -> np.ndarray:
         array = maps.detach().double().cpu().numpy()

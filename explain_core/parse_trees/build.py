@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from explain_core.errors import InvalidInputError
-from explain_core.parse_trees._deps import require_networkx
+from explain_core.extras import require
 from explain_core.parse_trees.data import (
     LayerStack,
     ParseTreeData,
@@ -250,7 +250,7 @@ def build_parse_tree(
         InvalidInputError: If the shapes do not chain or a root is out of range.
         MissingDependencyError: If networkx is not installed.
     """
-    nx = require_networkx()
+    nx = require("networkx", "parse-tree graphs")
     stack = _stack(couplings, activations)
     sizes = stack.sizes
     n_layers = len(sizes)

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from explain_core.extras import require
 from explain_core.files import check_output_path, write_atomically
-from explain_core.parse_trees._deps import require_networkx
 from explain_core.parse_trees.build import check_parse_tree
 
 __all__ = [
@@ -29,14 +29,14 @@ def write_graphml(graph: Any, path: str | Path) -> Path:
     Raises:
         InvalidInputError: If ``graph`` is not a parse tree or ``path`` cannot be written.
     """
-    nx = require_networkx()
+    nx = require("networkx", "parse-tree graphs")
     check_parse_tree(graph)
     return write_atomically(Path(path), lambda handle: nx.write_graphml(graph, handle))
 
 
 def read_graphml(path: str | Path) -> Any:
     """Read a parse tree written by :func:`write_graphml` (node ids stay strings)."""
-    nx = require_networkx()
+    nx = require("networkx", "parse-tree graphs")
     graph = nx.read_graphml(Path(path), node_type=str)
     # networkx adds empty defaults on reading; drop them so a round trip gives the same graph.
     for key in ("node_default", "edge_default"):
@@ -51,7 +51,7 @@ def to_node_link(graph: Any) -> dict[str, Any]:
     Raises:
         InvalidInputError: If ``graph`` is not a parse tree.
     """
-    nx = require_networkx()
+    nx = require("networkx", "parse-tree graphs")
     check_parse_tree(graph)
     try:
         return nx.node_link_data(graph, edges="edges")
@@ -72,7 +72,7 @@ def write_node_link_json(graph: Any, path: str | Path) -> Path:
 
 def read_node_link_json(path: str | Path) -> Any:
     """Read a parse tree written by :func:`write_node_link_json`."""
-    nx = require_networkx()
+    nx = require("networkx", "parse-tree graphs")
     data = json.loads(Path(path).read_text())
     try:
         return nx.node_link_graph(data, edges="edges")

@@ -26,9 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from explain_core.errors import ExplainError, GraphvizNotFoundError, InvalidInputError
+from explain_core.errors import (
+    GraphvizNotFoundError,
+    GraphvizRenderError,
+    InvalidInputError,
+)
+from explain_core.extras import require
 from explain_core.files import OutputPathError, check_output_path, write_atomically
-from explain_core.parse_trees._deps import require_graphviz
 from explain_core.parse_trees.build import check_parse_tree
 
 __all__ = [
@@ -45,20 +49,6 @@ DOT_INSTALL_HINT = (
     "install the graphviz program: Debian/Ubuntu `apt-get install graphviz` (the package "
     "`graphviz`), macOS `brew install graphviz`, conda `conda install graphviz`"
 )
-
-
-class GraphvizRenderError(ExplainError, RuntimeError):
-    """The graphviz ``dot`` program ran but failed; the DOT source was written nonetheless.
-
-    Attributes:
-        source_path: Where the ``.gv`` DOT source was written.
-        stderr: What ``dot`` wrote to its standard error.
-    """
-
-    def __init__(self, message: str, source_path: Path, stderr: str) -> None:
-        super().__init__(message)
-        self.source_path = source_path
-        self.stderr = stderr
 
 
 @dataclass(frozen=True)
@@ -99,9 +89,7 @@ def to_dot(
     Raises:
         InvalidInputError: If no tree is given, or a tree is not a parse tree.
     """
-    import matplotlib
-
-    cmap = matplotlib.colormaps[colormap]
+    cmap = require("matplotlib", "colouring parse trees").colormaps[colormap]
     single = not isinstance(trees, (list, tuple))
     pairs = [(None, trees)] if single else list(trees)
     if not pairs:
@@ -277,7 +265,7 @@ def _render(source: str, path: str | Path, format: str | None) -> RenderedTree:
     for target in (path, source_path):  # fail before writing either, naming the picture
         check_output_path(target)
     write_atomically(source_path, lambda handle: handle.write(source.encode()))
-    graphviz = require_graphviz()
+    graphviz = require("graphviz", "rendering parse trees")
     try:
         # quiet: on failure dot's stderr goes into the one-line error, not above it as well
         picture = graphviz.Source(source, engine="dot").pipe(format=format, quiet=True)

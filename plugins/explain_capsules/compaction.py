@@ -37,12 +37,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch_pruning as tp
 from torch import nn
 
 from explain_capsules.layers import FullyConnectedCapsules, PrimaryCapsules
 from explain_capsules.models import DRCapsNet
 from explain_capsules.pruning import MASK_SUFFIX, masks
+from explain_core.extras import require
+
+tp = require("torch_pruning", "compacting pruned capsule networks")
 
 __all__ = [
     "CompactionReport",

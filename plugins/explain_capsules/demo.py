@@ -24,8 +24,9 @@ from explain_capsules.pruning import (
 )
 from explain_capsules.recording import record_parse_tree_data
 from explain_capsules.rem import ParseTreeDictionary, quantise_couplings
-from explain_capsules.training import CapsuleTrainConfig, accuracy, train_capsnet
+from explain_capsules.training import CapsuleTrainConfig, train_capsnet
 from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.training import accuracy
 
 LEVELS = 11  # REM's quantiser: centres 0, 0.1, …, 1.0
 TITLES = ("CapsNet+Q", "CapsNet+REM")
@@ -191,12 +192,12 @@ class ParseTreesDemoStep(DemoStep):
         if models is None:
             return DemoSection(self.title, unavailable="the capsule step did not run")
         from explain_core.errors import MissingDependencyError
+        from explain_core.extras import require
         from explain_core.parse_trees import compare_parse_trees
-        from explain_core.parse_trees._deps import require_graphviz, require_networkx
 
         try:
-            require_networkx()
-            require_graphviz()
+            require("networkx", "parse-tree graphs")
+            require("graphviz", "rendering parse trees")
         except MissingDependencyError as error:
             return DemoSection(self.title, unavailable=" ".join(str(error).split()))
         digits = context.digits()

@@ -25,7 +25,6 @@ __all__ = [
     "CHECKPOINT_NAME",
     "CapsuleTrainConfig",
     "CapsuleTrainHistory",
-    "accuracy",
     "load_capsule_checkpoint",
     "save_capsule_checkpoint",
     "train_capsnet",
@@ -180,29 +179,3 @@ def load_capsule_checkpoint(
         path, model, optimizer, config=None if config is None else asdict(config)
     )
     return epoch, CapsuleTrainHistory(**history)
-
-
-@torch.no_grad()
-def accuracy(
-    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256
-) -> float:
-    """Fraction of ``images`` whose longest class capsule is ``labels`` (batched).
-
-    Raises:
-        InvalidInputError: On mismatched images and labels or an empty set.
-    """
-    _check_data(images, labels)
-    if len(labels) == 0:
-        raise InvalidInputError("accuracy: expected at least one sample; got 0")
-    was_training = model.training
-    model.eval()
-    try:
-        correct = sum(
-            int((model(chunk).argmax(1) == target.to(chunk.device)).sum())
-            for chunk, target in zip(
-                images.split(batch_size), labels.split(batch_size), strict=True
-            )
-        )
-    finally:
-        model.train(was_training)
-    return correct / len(labels)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from explain_coda.contributions import coda_contributions
 from explain_coda.model import CoDANet, encode_input
-from explain_coda.training import TrainConfig, accuracy, train_coda
+from explain_coda.training import TrainConfig, train_coda
 from explain_core.demo import DemoContext, DemoSection, DemoStep
 from explain_core.plots import save_attribution_figure
+from explain_core.training import accuracy
 
 
 class CoDADemoStep(DemoStep):

@@ -235,14 +235,3 @@ def load_checkpoint(
         model_settings=_model_settings(model),
     )
     return epoch, TrainHistory(**history)
-
-
-@torch.no_grad()
-def accuracy(model: CoDANet, images: torch.Tensor, labels: torch.Tensor) -> float:
-    """Fraction of encoded ``images`` classified as ``labels`` (batched to bound memory)."""
-    model.eval()
-    correct = sum(
-        int((model(chunk).argmax(1) == target).sum())
-        for chunk, target in zip(images.split(256), labels.split(256), strict=True)
-    )
-    return correct / len(labels)

@@ -16,8 +16,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from explain_core.api import explain
-from explain_core.cli.check import faithfulness_card, format_value
 from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.metrics import faithfulness_card, format_value
 from explain_core.plots import save_attribution_figure
 from explain_core.training import accuracy, train_classifier
 

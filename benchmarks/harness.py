@@ -107,7 +107,7 @@ def write_results(
     Returns:
         The JSON path.
     """
-    folder = folder or Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    folder = folder or Path(__file__).resolve().parent / "results"
     folder.mkdir(parents=True, exist_ok=True)
     payload = {
         "title": title,
