@@ -5,6 +5,13 @@ the ``explain.plugins`` entry-point group::
 
     [project.entry-points."explain.plugins"]
     my_plugin = "my_package.plugin"
+
+The built-in plugins are entry points of this group too, declared by the ``explain-torch``
+distribution; the core's own commands and jobs are registered by its internal plugin
+(:mod:`explain_core.builtin`) through the same hooks. Every hook returns a list; a plugin whose
+hook raises or returns anything else fails alone, with a ``PluginWarning``. Names (methods,
+commands, jobs, export forms) are unique: a built-in keeps its name against a third-party plugin,
+and of two third-party plugins the first loaded keeps it (the other is warned about).
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from explain_core.cli.command import Command
     from explain_core.demo import DemoStep
+    from explain_core.distributed.jobs import Job
+    from explain_core.export_forms import ExportAdapter, ExportForm
     from explain_core.registry import MethodSpec
 
 PROJECT_NAME = "explain"
@@ -49,4 +59,46 @@ def explain_demo_steps() -> Sequence[DemoStep]:
 
     Returns:
         Demo steps, run in the order of their ``order`` attribute.
+    """
+
+
+@hookspec
+def explain_register_commands() -> Sequence[Command]:
+    """Return subcommands of the ``explain`` command line.
+
+    Returns:
+        :class:`~explain_core.cli.command.Command` objects: a name, help texts, a function
+        adding the subcommand's arguments to its ``argparse`` parser, and the function running
+        it (returning the exit status).
+    """
+
+
+@hookspec
+def explain_register_jobs() -> Sequence[Job]:
+    """Return evaluation jobs for ``explain evaluate`` (and ``explain_core.distributed``).
+
+    Returns:
+        :class:`~explain_core.distributed.jobs.Job` objects: per-chunk computation on every
+        rank, an exact merge of all chunks, and their own command-line options.
+    """
+
+
+@hookspec
+def explain_register_export_forms() -> Sequence[ExportForm]:
+    """Return explained-export forms: methods a model can be exported with.
+
+    Returns:
+        :class:`~explain_core.export_forms.ExportForm` objects: for a method name, a function
+        building a module ``(x[, target]) -> (logits, explanation)`` of exportable operations,
+        and the eager reference that parity checks compare it with.
+    """
+
+
+@hookspec
+def explain_register_export_adapters() -> Sequence[ExportAdapter]:
+    """Return export adapters: the exportable form of a model type.
+
+    Returns:
+        :class:`~explain_core.export_forms.ExportAdapter` objects: a model type (matched
+        exactly) and a function returning the module to export in its place.
     """

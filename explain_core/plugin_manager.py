@@ -1,19 +1,20 @@
 """Finding, loading and isolating plugins with pluggy.
 
-Built-in plugins (:data:`BUILTIN_PLUGINS`) are registered through the same hooks as third-party
-ones; third-party plugins come from the ``explain.plugins`` entry-point group. Every plugin is
+Plugins come from the ``explain.plugins`` entry-point group: the built-in ones are the entry points
+of the ``explain-torch`` distribution itself, third-party ones those of any other distribution.
+Both register through the same hooks (:mod:`explain_core.hookspecs`), as does the core's own
+internal plugin (:mod:`explain_core.builtin`: the core's commands and jobs). Every plugin is
 imported, registered and called in its own ``try``: one that fails (it raises, even
 ``SystemExit``, or its hooks return anything but the documented objects) is reported as a warning
-and listed by ``explain plugins``, and everything else keeps working. A third-party method named
-like a built-in one is left out with a warning; two third-party plugins registering the same name
-make :attr:`PluginManager.registry` raise :class:`~explain_core.errors.DuplicateMethodError`
-naming both. A second distribution declaring an entry-point name already loaded is reported, not
-loaded.
+and listed by ``explain plugins``, and everything else keeps working. A third-party method (or
+command, job, export form) named like a built-in one is left out with a warning; two third-party
+plugins registering the same method name make :attr:`PluginManager.registry` raise
+:class:`~explain_core.errors.DuplicateMethodError` naming both. A second distribution declaring
+an entry-point name already loaded is reported, not loaded.
 
 The environment variable ``EXPLAIN_PLUGINS`` controls autoloading of third-party plugins:
 unset loads all of them, an empty value (or ``none``) loads none, and a comma-separated list of
-entry-point names loads only those. The ONNX exporter's ``explain_onnx.explainers`` entry points
-follow the same setting (:func:`selected_entry_points`).
+entry-point names loads only those. Built-in plugins are always loaded.
 """
 
 from __future__ import annotations
@@ -36,18 +37,12 @@ from explain_core import hookspecs
 from explain_core.errors import DuplicateMethodError
 from explain_core.registry import MethodRegistry, MethodSpec
 
-BUILTIN_PLUGINS: tuple[str, ...] = (
-    "explain_gradients",
-    "explain_coda",
-    "explain_capsules",
-    "explain_modbp",
-)
-"""Modules of the plugins that ship with the package, loaded like entry points but always on."""
-
+DISTRIBUTION = "explain-torch"
+"""The distribution whose entry points are the built-in plugins."""
+CORE_PLUGIN = "explain_core"
+"""Name of the core's internal plugin (its commands and jobs), always registered."""
 ENV_VARIABLE = "EXPLAIN_PLUGINS"
 BUILTIN_SOURCE = "built-in"
-# Entry-point groups whose names EXPLAIN_PLUGINS selects (the ONNX exporter's explainers too).
-SELECTABLE_GROUPS = (hookspecs.ENTRY_POINT_GROUP, "explain_onnx.explainers")
 
 
 class PluginWarning(UserWarning):
@@ -91,14 +86,42 @@ class PluginManager:
         self._registry: MethodRegistry | None = None
         self._clashes: list[str] = []
         self._warned: set[str] = set()  # problems found again on every rebuild warn once
+        self._named_cache: dict[str, dict[str, Any]] = {}
+        self._owners: dict[tuple[str, str], str] = {}
 
-    def load(self, builtins: Sequence[str] = BUILTIN_PLUGINS, entry_points: bool = True) -> None:
-        """Register the built-in plugins and, unless switched off, the entry-point plugins."""
+    def load(self, builtins: Sequence[str] | None = None, entry_points: bool = True) -> None:
+        """Register the core's plugin, the built-in plugins and, unless off, third-party ones.
+
+        Args:
+            builtins: Names of the built-in plugins to load (``None``: all of them).
+            entry_points: Load third-party plugins (as ``EXPLAIN_PLUGINS`` selects them).
+        """
         version = package_version()
-        for module_name in builtins:
-            self._load_one(module_name, version, BUILTIN_SOURCE, lambda m=module_name: _import(m))
+        self._load_one(
+            CORE_PLUGIN, version, BUILTIN_SOURCE, lambda: _import(f"{CORE_PLUGIN}.builtin")
+        )
+        own, others = _split_by_distribution(
+            _unique(metadata.entry_points(group=hookspecs.ENTRY_POINT_GROUP))
+        )
+        if not own:
+            warnings.warn(
+                f"the {DISTRIBUTION} distribution is not installed (no metadata found), so its "
+                "built-in plugins are not loaded: install it (pip install -e . in a checkout)",
+                PluginWarning,
+                stacklevel=2,
+            )
+        wanted = None if builtins is None else set(builtins)
+        for entry_point in own:
+            if wanted is None or entry_point.name in wanted:
+                self._load_one(entry_point.name, version, BUILTIN_SOURCE, entry_point.load)
+        for name in sorted((wanted or set()) - {ep.name for ep in own}):
+            self._fail(
+                self._info(name, BUILTIN_SOURCE),
+                f"failed to load: no built-in plugin is named {name!r} (built-in: "
+                f"{', '.join(ep.name for ep in own)})",
+            )
         if entry_points:
-            for entry_point in selected_entry_points():
+            for entry_point in selected_entry_points(others):
                 dist = entry_point.dist
                 self._load_one(
                     entry_point.name,
@@ -139,6 +162,68 @@ class PluginManager:
             self._registry, self._clashes = self._build_registry()
         return self._registry
 
+    def commands(self) -> dict[str, Any]:
+        """Subcommand name → :class:`~explain_core.cli.command.Command`, from every plugin."""
+        from explain_core.cli.command import Command
+
+        return self._named("explain_register_commands", Command, "explain_core Command")
+
+    def jobs(self) -> dict[str, Any]:
+        """Job name → :class:`~explain_core.distributed.jobs.Job`, from every plugin."""
+        from explain_core.distributed.jobs import Job
+
+        return self._named("explain_register_jobs", Job, "explain_core Job")
+
+    def export_forms(self) -> dict[str, Any]:
+        """Method name → :class:`~explain_core.export_forms.ExportForm`, from every plugin."""
+        from explain_core.export_forms import ExportForm
+
+        return self._named("explain_register_export_forms", ExportForm, "ExportForm")
+
+    def export_adapters(self) -> dict[type, Any]:
+        """Model type → :class:`~explain_core.export_forms.ExportAdapter`, from every plugin."""
+        from explain_core.export_forms import ExportAdapter
+
+        adapters = self._named("explain_register_export_adapters", ExportAdapter, "ExportAdapter")
+        return {adapter.model_type: adapter for adapter in adapters.values()}
+
+    def owner(self, hook_name: str, name: str) -> str:
+        """The plugin whose item ``name`` of hook ``hook_name`` is used (``""`` if none)."""
+        return self._owners.get((hook_name, name), "")
+
+    def _named(self, hook_name: str, item_type: type, expected: str) -> dict[str, Any]:
+        """Items of one hook by their ``name``: built-ins first, then in loading order.
+
+        A name already taken is skipped with a :class:`PluginWarning` naming both plugins (a
+        built-in keeps its name); an item without a non-empty ``str`` name fails its plugin.
+        """
+        if hook_name in self._named_cache:
+            return self._named_cache[hook_name]
+        results = self._call_each(hook_name, item_type, expected)
+        results.sort(key=lambda pair: not self._info(pair[0]).builtin)
+        chosen: dict[str, Any] = {}
+        for plugin_name, items in results:
+            info = self._info(plugin_name)
+            unnamed = [item for item in items if not (isinstance(item.name, str) and item.name)]
+            if unnamed:
+                self._fail(info, f"returned {_short(unnamed[0])} without a name from {hook_name}")
+                continue
+            for item in items:
+                taken = self._owners.get((hook_name, item.name))
+                if item.name in chosen and taken != plugin_name:
+                    message = (
+                        f"explain plugin {info.name!r} ({info.source}): {item.name!r} from "
+                        f"{hook_name} skipped: plugin {taken!r} registers that name and keeps it"
+                    )
+                    if message not in self._warned:
+                        self._warned.add(message)
+                        warnings.warn(message, PluginWarning, stacklevel=3)
+                    continue
+                chosen[item.name] = item
+                self._owners[(hook_name, item.name)] = plugin_name
+        self._named_cache[hook_name] = chosen
+        return chosen
+
     def demo_steps(self) -> list[Any]:
         """Demo steps from all plugins, in their declared order.
 
@@ -177,6 +262,8 @@ class PluginManager:
         except (Exception, SystemExit) as error:  # sys.exit() in a plugin must not end the host
             self._fail(info, f"failed to load: {_describe(error)}")
         self._registry = None
+        self._named_cache.clear()
+        self._owners.clear()
 
     def _spare_key(self, key: str) -> str:
         """``key``, numbered if taken: every rejected twin keeps its own listing entry."""
@@ -197,9 +284,9 @@ class PluginManager:
                 self.pm.unregister(error.plugin)
                 self._fail(self._info(name), str(error))
 
-    def _info(self, name: str) -> PluginInfo:
+    def _info(self, name: str, source: str = "registered") -> PluginInfo:
         """The loaded plugin registered under ``name`` (one put into ``pm`` directly, too)."""
-        return self.plugins.setdefault(name, PluginInfo(name, "unknown", "registered"))
+        return self.plugins.setdefault(name, PluginInfo(name, "unknown", source))
 
     def _fail(self, info: PluginInfo, reason: str) -> None:
         info.error = _one_line(reason)
@@ -365,31 +452,32 @@ def _specs_problem(specs: list[MethodSpec]) -> str | None:
 
 
 def selected_entry_points(
-    group: str = hookspecs.ENTRY_POINT_GROUP, *, warn_missing: bool = True
+    entry_points: Sequence[metadata.EntryPoint],
 ) -> list[metadata.EntryPoint]:
-    """The entry points of ``group`` that ``EXPLAIN_PLUGINS`` selects (all while it is unset).
+    """The third-party ``entry_points`` that ``EXPLAIN_PLUGINS`` selects (all while it is unset).
 
-    Args:
-        group: Entry-point group, e.g. ``"explain.plugins"`` or ``"explain_onnx.explainers"``.
-        warn_missing: Warn about selected names that are not installed (for the plugin group;
-            other groups need not have every name).
+    Names it selects that are not installed are warned about.
     """
     setting = os.environ.get(ENV_VARIABLE)
-    found = _unique(metadata.entry_points(group=group))
     if setting is None:
-        return found
+        return list(entry_points)
     wanted = {name.strip() for name in setting.split(",") if name.strip()} - {"none"}
-    missing = wanted - {ep.name for ep in found} if warn_missing else set()
-    if missing:
-        # A name may select only an entry point of another group (e.g. ONNX explainers).
-        missing -= {ep.name for g in SELECTABLE_GROUPS for ep in metadata.entry_points(group=g)}
+    missing = wanted - {ep.name for ep in entry_points}
     if missing:
         warnings.warn(
             f"{ENV_VARIABLE} names plugins that are not installed: {', '.join(sorted(missing))}",
             PluginWarning,
             stacklevel=3,
         )
-    return [ep for ep in found if ep.name in wanted]
+    return [ep for ep in entry_points if ep.name in wanted]
+
+
+def _split_by_distribution(
+    entry_points: Sequence[metadata.EntryPoint],
+) -> tuple[list[metadata.EntryPoint], list[metadata.EntryPoint]]:
+    """``(built-in, third-party)``: entry points of this distribution, and of any other."""
+    own = [ep for ep in entry_points if _dist_key(ep) == DISTRIBUTION]
+    return own, [ep for ep in entry_points if _dist_key(ep) != DISTRIBUTION]
 
 
 def _unique(entry_points: Iterable[metadata.EntryPoint]) -> list[metadata.EntryPoint]:

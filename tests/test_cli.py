@@ -578,6 +578,14 @@ class _FailingStep(DemoStep):
 
 
 class _FakeManager:
+    """The real plugins' commands, and a demo step that fails."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
     def demo_steps(self):
         return [_FailingStep()]
 
@@ -589,7 +597,8 @@ def test_demo_failure_leaves_previous_output_and_no_staging(
     import explain_core.plugin_manager as plugin_manager
 
     monkeypatch.setattr(showcase, "BundledDataStep", _QuickStep)
-    monkeypatch.setattr(plugin_manager, "get_plugin_manager", lambda: _FakeManager())
+    fake = _FakeManager(plugin_manager.get_plugin_manager())
+    monkeypatch.setattr(plugin_manager, "get_plugin_manager", lambda: fake)
     out_dir = tmp_path / "demo"
     out_dir.mkdir()
     (out_dir / "summary.json").write_text("{}")  # an earlier demo output

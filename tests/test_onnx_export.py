@@ -142,10 +142,13 @@ def test_cnn_input_x_gradient(cnn, tmp_path):
     assert relative_difference(maps, reference.attribution.numpy()) <= 1e-3
 
 
-def test_registered_explainer_is_exported(cnn, tmp_path):
-    # The extension point other plugins (e.g. LRP composites) use: a build and a reference.
-    from explain_onnx import ExplainerSpec, available_explainers, register_explainer
-    from explain_onnx.explained import _EXPLAINERS
+def test_a_plugins_export_form_is_exported(cnn, tmp_path, monkeypatch):
+    # The extension point every plugin uses (the built-in forms too): a build and a reference,
+    # returned from the explain_register_export_forms hook.
+    import explain_core.plugin_manager as plugin_manager
+    from explain_core import hookimpl
+    from explain_core.export_forms import ExportForm
+    from explain_onnx import available_explainers
     from explain_onnx.gradtrace import input_gradient_graph
 
     def build(model, example, target_input, **options):
@@ -156,18 +159,22 @@ def test_registered_explainer_is_exported(cnn, tmp_path):
         result = explain(model, x, "gradient", target)
         return result.output, result.attribution
 
-    register_explainer(ExplainerSpec("test.gradient", build, reference, "plain gradient"))
-    try:
-        assert "test.gradient" in available_explainers()
-        with pytest.raises(ValueError, match="already registered"):
-            register_explainer(ExplainerSpec("test.gradient", build, reference))
-        model, example, _ = cnn
-        result = export_onnx(
-            model, example, tmp_path / "grad.onnx", explain="test.gradient", target_input=True
-        )
-        assert result.parity.passed and result.method == "test.gradient"
-    finally:
-        _EXPLAINERS.pop("test.gradient", None)
+    class GradientForm:
+        @hookimpl
+        def explain_register_export_forms(self):
+            return [ExportForm("gradient", build, reference, "plain gradient")]
+
+    manager = plugin_manager.PluginManager()
+    manager.load(entry_points=False)
+    manager.register(GradientForm(), "gradient-form")
+    monkeypatch.setattr(plugin_manager, "get_plugin_manager", lambda: manager)
+    assert available_explainers()["gradient"].description == "plain gradient"
+    assert manager.owner("explain_register_export_forms", "gradient") == "gradient-form"
+    model, example, _ = cnn
+    result = export_onnx(
+        model, example, tmp_path / "grad.onnx", explain="gradient", target_input=True
+    )
+    assert result.parity.passed and result.method == "gradient"
 
 
 def test_input_x_gradient_through_strided_grouped_transposed_and_average_pooling(tmp_path):

@@ -34,7 +34,9 @@ from explain_core import (
     explain,
     hookimpl,
 )
+from explain_core.cli.command import Command
 from explain_core.demo import DemoSection, DemoStep
+from explain_core.export_forms import ExportForm
 from explain_core.plugin_manager import ENV_VARIABLE, PluginManager, PluginWarning
 from explain_core.registry import MethodError
 from explain_core.targets import select_target
@@ -271,7 +273,8 @@ def test_demo_steps_that_are_not_demo_steps_fail_only_that_plugin() -> None:
     manager = _manager(("bad_demo", _DemoPlugin(["not a step"])), ("good", _DemoPlugin([_Step()])))
     with pytest.warns(PluginWarning, match=r"'bad_demo'.*returned str 'not a step' as item 0"):
         steps = manager.demo_steps()
-    assert [step.plugin for step in steps if step.plugin != "explain_gradients"] == ["good"]
+    builtin = ("explain_gradients", "explain_core")
+    assert [step.plugin for step in steps if step.plugin not in builtin] == ["good"]
     assert ("good step", "good") in [(step.title, step.plugin) for step in steps]
 
 
@@ -343,77 +346,64 @@ def test_a_plugin_registering_a_name_twice_is_named_once(use) -> None:
     assert sorted(registry) == GRADIENT_METHODS
 
 
-# --- 5. ONNX explainer entry points ----------------------------------------------------------
+# --- 5. export forms, commands and jobs of third-party plugins ------------------------------
 
-ONNX_MODULE = """
-from explain_onnx import ExplainerSpec
 
 def _build(model, example, target_input, **options):
     raise RuntimeError("third-party build")
 
+
 def _reference(model, x, target, **options):
     raise RuntimeError("third-party reference")
 
-def fine():
-    return [ExplainerSpec("third.fine", _build, _reference, "fine")]
 
-def override():
-    return [ExplainerSpec("input_x_gradient", _build, _reference, "replaces a built-in")]
+class _Forms:
+    def __init__(self, forms: object) -> None:
+        self.forms = forms
 
-def half():
-    return [ExplainerSpec("third.half", _build, _reference, "first ok"), "not a spec"]
-"""
-
-
-@pytest.fixture
-def onnx_entry_points(site, monkeypatch: pytest.MonkeyPatch):
-    pytest.importorskip("onnx")
-    from explain_onnx import explained
-
-    module = _unique("onnx_explainers")
-    names = {
-        _unique("fine"): f"{module}:fine",
-        _unique("override"): f"{module}:override",
-        _unique("half"): f"{module}:half",
-    }
-    group = {"explain_onnx.explainers": names}
-    _distribution(site(), "onnx-third-party", "1.0", group, {module: ONNX_MODULE})
-    monkeypatch.setattr(explained, "_EXPLAINERS", {})
-    monkeypatch.setattr(explained, "_LOADED", False)
-    return explained, list(names)
+    @hookimpl
+    def explain_register_export_forms(self) -> object:
+        return self.forms
 
 
-def test_onnx_entry_points_follow_explain_plugins(onnx_entry_points, monkeypatch) -> None:
-    explained, _ = onnx_entry_points
-    monkeypatch.setenv(ENV_VARIABLE, "")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        explainers = explained.available_explainers()
-    assert not [name for name in explainers if name.startswith("third.")]
-    assert explainers["input_x_gradient"] is explained.BUILTIN_EXPLAINERS[2]
-
-
-def test_onnx_entry_points_cannot_replace_builtins_or_register_half_a_list(
-    onnx_entry_points, monkeypatch
-) -> None:
-    explained, (fine, override, half) = onnx_entry_points
-    monkeypatch.setenv(ENV_VARIABLE, ",".join([fine, override, half]))
+def test_export_forms_of_third_parties_cannot_replace_builtins_or_register_half_a_list() -> None:
+    fine = ExportForm("third.fine", _build, _reference, "fine")
+    manager = PluginManager()
+    manager.load(entry_points=False)
+    manager.register(_Forms([fine]), "fine")
+    manager.register(
+        _Forms([ExportForm("input_x_gradient", _build, _reference, "replaces")]), "override"
+    )
+    manager.register(_Forms([ExportForm("third.half", _build, _reference), "x"]), "half")
     with pytest.warns(PluginWarning) as seen:
-        explainers = explained.available_explainers()
+        forms = manager.export_forms()
     messages = [str(w.message) for w in seen]
-    assert any(override in m and "'input_x_gradient'" in m for m in messages), messages
-    assert any(half in m and "str 'not a spec' as item 1" in m for m in messages), messages
-    assert explainers["input_x_gradient"] is explained.BUILTIN_EXPLAINERS[2]
-    assert "third.fine" in explainers
-    assert "third.half" not in explainers
+    assert any("'override'" in m and "'input_x_gradient'" in m for m in messages), messages
+    assert any("'half'" in m and "str 'x' as item 1" in m for m in messages), messages
+    assert forms["input_x_gradient"].description.startswith("Input×Gradient")
+    assert manager.owner("explain_register_export_forms", "input_x_gradient") == "explain_onnx"
+    assert forms["third.fine"] is fine
+    assert "third.half" not in forms
+    assert manager.plugins["half"].error is not None
 
 
-def test_names_of_onnx_entry_points_alone_are_no_missing_plugins(onnx_entry_points, monkeypatch):
-    _, (fine, _, _) = onnx_entry_points
-    monkeypatch.setenv(ENV_VARIABLE, fine)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", PluginWarning)
-        PluginManager().load(builtins=(), entry_points=True)
+class _Commands:
+    @hookimpl
+    def explain_register_commands(self) -> object:
+        def broken(parser):
+            raise RuntimeError("cannot set up")
+
+        return [Command("broken-cmd", "h", "d", broken, lambda args: 0)]
+
+
+def test_a_command_that_cannot_set_up_its_arguments_fails_alone(use, capsys) -> None:
+    manager = PluginManager()
+    manager.load(entry_points=False)
+    manager.register(_Commands(), "cmd")
+    use(manager)
+    _, out, err = run_cli(["plugins"], capsys)
+    assert "'broken-cmd' of plugin 'cmd' could not set up its arguments" in err
+    assert "explain_gradients" in out
 
 
 # --- 6. two distributions declaring the same entry-point name --------------------------------
@@ -562,6 +552,7 @@ def test_a_multi_line_failure_is_listed_on_one_line(use, capsys) -> None:
     code, out, _ = run_cli(["plugins"], capsys)
     assert code == 1
     assert all(
-        line.startswith(("explain_gradients ", "badarg ", "    ")) for line in out.splitlines()
+        line.startswith(("explain_core ", "explain_gradients ", "badarg ", "    "))
+        for line in out.splitlines()
     )
     assert "config" in _line(out, "badarg ")

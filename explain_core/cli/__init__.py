@@ -1,8 +1,10 @@
 """The ``explain`` command line: ``explain --help`` lists the subcommands.
 
+Every subcommand is registered by a plugin through ``explain_register_commands`` (the core's
+own through its internal plugin), so a third-party plugin adds one exactly as the built-ins do.
 Errors a user can fix end with one line on stderr and exit status 1 (2 for bad usage); a
-traceback appears only with ``--debug``. Nothing is loaded before it is needed, so ``--help``
-works even when an installed plugin is broken.
+traceback appears only with ``--debug``. A broken plugin is one warning line: ``--help`` and the
+other subcommands keep working.
 """
 
 from __future__ import annotations
@@ -14,11 +16,9 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from explain_core.cli import attribute, check, demo, evaluate, export, parse_tree, plugins
 from explain_core.errors import ExplainError
 
 PROGRAM = "explain"
-COMMANDS = (plugins, demo, attribute, check, evaluate, parse_tree, export)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -50,10 +50,21 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(
         dest="command", metavar="COMMAND", parser_class=_SubcommandParser
     )
-    for command in COMMANDS:
-        subparser = subparsers.add_parser(
-            command.NAME, help=command.HELP, description=command.DESCRIPTION
-        )
+    from explain_core.plugin_manager import get_plugin_manager
+
+    manager = get_plugin_manager()
+    for name, command in manager.commands().items():
+        try:  # tried on a scratch parser first: a plugin's broken command fails alone
+            command.add_arguments(_SubcommandParser(prog=f"{PROGRAM} {name}"))
+        except (Exception, SystemExit) as error:
+            plugin = manager.owner("explain_register_commands", name)
+            warnings.warn(
+                f"the command {name!r} of plugin {plugin!r} could not set up its arguments "
+                f"({type(error).__name__}: {error}); the other commands still work",
+                stacklevel=2,
+            )
+            continue
+        subparser = subparsers.add_parser(name, help=command.help, description=command.description)
         command.add_arguments(subparser)
         subparser.set_defaults(run=command.run, command_parser=subparser)
     return parser
@@ -74,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    parser = build_parser()
+    with warnings.catch_warnings():  # a broken plugin: one line, while the parser is built
+        warnings.showwarning = _one_line_warning
+        parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         # argparse blames the top-level parser; the subcommand's --help lists its options.

@@ -48,20 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def collect_steps() -> list[Any]:
-    """The core's data step, every plugin's steps and the ONNX exporter's step, in order."""
-    from explain_core.data.showcase import BundledDataStep
+    """Every plugin's demo steps (the core's data step too), in their declared order."""
     from explain_core.plugin_manager import get_plugin_manager
 
-    steps = [BundledDataStep(), *get_plugin_manager().demo_steps()]
-    try:  # the exporter is a package beside the plugins, not a plugin
-        from explain_onnx.demo import OnnxDemoStep
-    except ImportError:
-        pass
-    else:
-        step = OnnxDemoStep()
-        step.plugin = "explain_onnx"
-        steps.append(step)
-    return sorted(steps, key=lambda step: (step.order, step.title))
+    return get_plugin_manager().demo_steps()
 
 
 def run(args: argparse.Namespace) -> int:

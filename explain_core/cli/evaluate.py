@@ -23,18 +23,16 @@ from explain_core.cli.common import (
     parse_options,
     run_model,
 )
-
-JOB_NAMES = ("attributions", "localisation", "pixel-removal", "csc", "rem-dictionary")
-
+from explain_core.distributed.jobs import Job, JobArgument, registered_jobs
 
 NAME = "evaluate"
 HELP = "attribution and metric jobs over a data set (runs under torchrun)"
 DESCRIPTION = (
     "Build a model from package.module:factory, load its weights and run an evaluation job over "
-    "a bundled data set: attribution maps to resumable shards, localisation, pixel removal, CSC "
-    "or REM parse-tree dictionaries. Runs unchanged under torchrun --nproc_per_node=N (gloo on "
-    "CPU, NCCL with --device cuda); results are merged exactly on rank 0, which writes them and "
-    "prints the summary."
+    "a bundled data set: attribution maps to resumable shards, localisation, pixel removal, CSC, "
+    "or a job a plugin adds (REM parse-tree dictionaries). Runs unchanged under torchrun "
+    "--nproc_per_node=N (gloo on CPU, NCCL with --device cuda); results are merged exactly on "
+    "rank 0, which writes them and prints the summary."
 )
 
 
@@ -48,8 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="digits: the test split (450 images); cluttered: digits on cluttered canvases "
         "with ink masks",
     )
-    parser.add_argument("--job", required=True, choices=JOB_NAMES, help="what to compute")
-    parser.add_argument("--method", help="registered attribution method (all jobs but REM)")
+    jobs = registered_jobs()
+    parser.add_argument(
+        "--job",
+        required=True,
+        choices=list(jobs),
+        help="what to compute: "
+        + "; ".join(f"{name}: {job.summary}" for name, job in jobs.items() if job.summary),
+    )
+    parser.add_argument("--method", help="registered attribution method (for jobs that need one)")
     parser.add_argument("--out", type=output_path, required=True, help="output folder")
     parser.add_argument(
         "--batch-size", type=_positive_int, default=64, help="samples per pass (64)"
@@ -77,24 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--threads", type=int, help="torch threads per process")
     add_option_argument(parser, "method option, repeatable (e.g. --option steps=32)")
-    group = parser.add_argument_group("job options")
-    group.add_argument("--levels", type=int, default=11, help="rem-dictionary: K levels (11)")
-    group.add_argument("--layer", help="rem-dictionary: routing layer (default: the last)")
-    group.add_argument(
-        "--fraction",
-        type=_fraction,
-        default=0.25,
-        help="pixel-removal: fraction of the pixels removed, in (0, 1] (0.25)",
-    )
-    group.add_argument(
-        "--removal-steps", type=int, help="pixel-removal: steps (default: one pixel per step)"
-    )
-    group.add_argument(
-        "--order", choices=("least", "most"), default="least", help="pixel-removal order"
-    )
-    group.add_argument("--vectors", type=int, default=5, help="csc: random vectors (5)")
-    group.add_argument("--seed", type=int, default=0, help="csc: base seed (0)")
-    group.add_argument("--start", help="csc: layer whose output is randomised (default: last)")
+    add_job_arguments(parser.add_argument_group("job options"), jobs)
     _usage_errors_once_per_machine(parser)
 
 
@@ -126,22 +114,33 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _fraction(text: str) -> float:
-    """``--fraction``: a number in (0, 1]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not 0.0 < value <= 1.0:  # also refuses NaN
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], e.g. 0.25; got {text!r}")
-    return value
+def add_job_arguments(group: argparse._ArgumentGroup, jobs: dict[str, Job]) -> None:
+    """Every job's flags, prefixed with its name in the help (a flag taken stays the first's)."""
+    taken: dict[str, str] = {}
+    for name, job in jobs.items():
+        for argument in job.arguments:
+            if argument.flag in taken:
+                continue
+            taken[argument.flag] = name
+            extra = {"type": argument.type} if argument.type is not None else {}
+            if argument.choices is not None:
+                extra["choices"] = argument.choices
+            group.add_argument(
+                argument.flag,
+                dest=_dest(argument),
+                default=argument.default,
+                help=f"{name}: {argument.help}",
+                **extra,
+            )
 
 
-_JOB_ARGUMENTS = {
-    "rem-dictionary": {"levels": "levels", "layer": "layer"},
-    "pixel-removal": {"fraction": "fraction", "removal_steps": "removal_steps", "order": "order"},
-    "csc": {"n_vectors": "vectors", "seed": "seed", "start": "start"},
-}
+def _dest(argument: JobArgument) -> str:
+    return "job_" + argument.flag.lstrip("-").replace("-", "_")
+
+
+def _job_options(args: argparse.Namespace, job: Job) -> dict[str, Any]:
+    """The selected job's options from its flags."""
+    return {argument.option: getattr(args, _dest(argument)) for argument in job.arguments}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -169,8 +168,9 @@ def _run(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise InvalidInputError(f"--threads must be >= 1; got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.job != "rem-dictionary" and args.method is None:
-        raise InvalidInputError(f"--job {args.job} needs --method (e.g. --method gradient)")
+    job = registered_jobs()[args.job]
+    if job.needs_method and args.method is None:
+        raise InvalidInputError(f"--job {args.job} needs --method (a registered method)")
     if args.limit is not None and args.limit < 1:
         raise InvalidInputError(f"--limit must be >= 1; got {args.limit}")
     options = parse_options(args.option)
@@ -186,7 +186,7 @@ def _run(args: argparse.Namespace) -> int:
         failed = [f"rank {rank}: {status}" for rank, status in enumerate(statuses) if status]
         if failed:
             raise DistributedError("loading failed on " + "; ".join(failed))
-        job_options = {k: getattr(args, v) for k, v in _JOB_ARGUMENTS.get(args.job, {}).items()}
+        job_options = _job_options(args, job)
         result = evaluate(
             args.job,
             model,
@@ -241,17 +241,7 @@ def _check_fit(args: argparse.Namespace, model: Any, data: Any) -> None:
     Raises:
         InvalidInputError: Saying which option to change.
     """
-    from explain_core.errors import InvalidInputError
-    from explain_core.interfaces.routing import RoutingLayer
-
-    if args.job == "rem-dictionary" and not any(
-        isinstance(module, RoutingLayer) for module in model.modules()
-    ):
-        raise InvalidInputError(
-            f"--job rem-dictionary needs a capsule network, but {type(model).__name__} has no "
-            "routing layers (modules deriving from explain_core.RoutingLayer); choose another "
-            "--job for this model"
-        )
+    registered_jobs()[args.job].check_model(model)
     if len(data) == 0:
         return  # the job reports an empty data set itself
     size = "--image-size" if args.dataset == "digits" else "--canvas-size"

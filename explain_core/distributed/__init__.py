@@ -13,17 +13,19 @@ from explain_core.distributed.context import (
     shutdown_distributed,
 )
 from explain_core.distributed.data import DATASETS, EvaluationData, load_dataset
-from explain_core.distributed.jobs import JOBS
+from explain_core.distributed.jobs import Job, JobArgument, JobConfig, registered_jobs
 from explain_core.distributed.runner import EvaluationResult, evaluate
 from explain_core.distributed.sharding import ShardSampler, chunk_ranges, shard_indices
 from explain_core.distributed.store import StoredAttributions, load_attributions, read_index
 
 __all__ = [
     "DATASETS",
-    "JOBS",
     "DistributedContext",
     "EvaluationData",
     "EvaluationResult",
+    "Job",
+    "JobArgument",
+    "JobConfig",
     "ShardSampler",
     "StoredAttributions",
     "chunk_ranges",
@@ -33,6 +35,7 @@ __all__ = [
     "load_attributions",
     "load_dataset",
     "read_index",
+    "registered_jobs",
     "shard_indices",
     "shutdown_distributed",
 ]

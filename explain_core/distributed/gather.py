@@ -28,7 +28,6 @@ __all__ = [
     "gather_chunk_results",
     "gather_to_main",
     "merge_csc",
-    "merge_dictionaries",
 ]
 
 
@@ -120,16 +119,6 @@ def concat_ordered(parts: Sequence[tuple[range, Any]], key: str) -> torch.Tensor
                 f"{key} of samples {piece.start}..{piece.stop - 1} has {tensor.shape[0]} rows"
             )
     return torch.cat(tensors) if tensors else torch.empty(0)
-
-
-def merge_dictionaries(states: Sequence[dict[str, Any]]) -> Any:
-    """One :class:`~explain_capsules.ParseTreeDictionary` from per-chunk states (counts summed)."""
-    from explain_capsules.rem import ParseTreeDictionary
-
-    merged = ParseTreeDictionary()
-    for state in states:
-        merged.merge(ParseTreeDictionary.from_state(state))
-    return merged
 
 
 def merge_csc(parts: Sequence[dict[str, Any]]) -> Any:

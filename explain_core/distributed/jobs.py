@@ -10,12 +10,15 @@ every rank) and computes the statistics once from all per-sample values.
 ``localisation``          fraction of positive attribution inside the ground-truth mask
 ``pixel-removal``         target score while pixels are removed in attribution order
 ``csc``                   cosine similarity convergence (median over all samples' cosines)
-``rem-dictionary``        REM parse-tree dictionary of a capsule net (counts summed over ranks)
 ========================  =====================================================================
+
+Plugins add jobs through the ``explain_register_jobs`` hook; ``explain evaluate`` offers every
+registered job with the command-line options it declares (:class:`JobArgument`).
 """
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,14 +29,19 @@ import torch
 from torch import nn
 
 from explain_core.distributed.data import EvaluationData
-from explain_core.distributed.gather import (
-    concat_ordered,
-    merge_csc,
-    merge_dictionaries,
-)
+from explain_core.distributed.gather import concat_ordered, merge_csc
 from explain_core.errors import InvalidInputError
 
-__all__ = ["JOBS", "Job", "JobConfig"]
+__all__ = [
+    "CORE_JOBS",
+    "Job",
+    "JobArgument",
+    "JobConfig",
+    "attribute_batch",
+    "batches",
+    "concat_ordered",
+    "registered_jobs",
+]
 
 
 @dataclass(frozen=True)
@@ -41,14 +49,12 @@ class JobConfig:
     """Settings shared by the jobs (each job reads the ones it needs).
 
     Attributes:
-        method: Registered attribution method (all jobs but ``rem-dictionary``).
+        method: Registered attribution method (for jobs that need one).
         options: Method options.
         target: ``"label"`` (explain the true class), ``"predicted"``, or ``"auto"`` (labels
             when the data set has them).
         batch_size: Samples per forward/backward pass.
         shard_size: Samples per chunk (and per shard file).
-        levels: REM quantisation levels ``K``.
-        layer: REM routing layer (default: the last one).
         fraction: Pixel removal: largest fraction of pixels removed.
         removal_steps: Pixel removal: number of steps (``None``: one pixel per step).
         order: Pixel removal: ``"least"`` or ``"most"`` important first.
@@ -59,6 +65,7 @@ class JobConfig:
         out_dir: Output folder (``attributions`` writes its shards there).
         run_key: Identifies the model, method, options and data of an ``attributions`` run.
         sample_shape: Shape of one attribution map (checked when reusing a shard).
+        extra: Options of a job that are not fields here (a plugin job's own), by name.
     """
 
     method: str | None = None
@@ -66,8 +73,6 @@ class JobConfig:
     target: str = "auto"
     batch_size: int = 64
     shard_size: int = 256
-    levels: int = 11
-    layer: str | None = None
     fraction: float = 0.25
     removal_steps: int | None = None
     order: str = "least"
@@ -78,6 +83,30 @@ class JobConfig:
     out_dir: Path | None = None
     run_key: str = ""
     sample_shape: tuple[int, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class JobArgument:
+    """One option of a job and its ``explain evaluate`` flag.
+
+    Attributes:
+        option: The option's name (a :class:`JobConfig` field, or the job's own, which it reads
+            from ``config.extra``).
+        flag: The command-line flag, e.g. ``"--levels"``.
+        help: Its help text.
+        type: Converts the flag's text (``int``, ``float``, a checking function); ``None``
+            keeps the text.
+        default: The value when the flag is not given.
+        choices: The values allowed, if limited.
+    """
+
+    option: str
+    flag: str
+    help: str
+    type: Any = None
+    default: Any = None
+    choices: tuple[Any, ...] | None = None
 
 
 def tensor_digest(hasher: Any, tensor: torch.Tensor) -> None:
@@ -117,7 +146,8 @@ def _target(batch: EvaluationData, config: JobConfig) -> torch.Tensor | None:
     return batch.labels
 
 
-def _attribute(model: nn.Module, batch: EvaluationData, config: JobConfig) -> Any:
+def attribute_batch(model: nn.Module, batch: EvaluationData, config: JobConfig) -> Any:
+    """``explain()`` of ``config.method`` on one batch, on the model's device."""
     from explain_core.api import explain
 
     assert config.method is not None
@@ -132,6 +162,17 @@ def _attribute(model: nn.Module, batch: EvaluationData, config: JobConfig) -> An
     )
 
 
+def fraction(text: str) -> float:
+    """A number in (0, 1] from the command line (``--fraction``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 < value <= 1.0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], e.g. 0.25; got {text!r}")
+    return value
+
+
 def _spatial_maps(attribution: torch.Tensor) -> torch.Tensor:
     if attribution.dim() != 4:
         raise InvalidInputError(
@@ -142,13 +183,35 @@ def _spatial_maps(attribution: torch.Tensor) -> torch.Tensor:
 
 
 class Job:
-    """A job: ``compute_chunk`` on the ranks, ``merge`` of all chunks, ``write`` on rank 0."""
+    """A job: ``compute_chunk`` on the ranks, ``merge`` of all chunks on every rank.
+
+    Attributes:
+        name: The job's name (``explain evaluate --job NAME``).
+        summary: One line for listings and ``--help``.
+        needs_method: Whether it explains with an attribution method.
+        needs_masks: Whether the data set must have ground-truth masks.
+        needs_out_dir: Whether it writes files itself (else rank 0 writes its results).
+        arguments: Its options, with their command-line flags.
+    """
 
     name = ""
+    summary = ""
     needs_method = True
     needs_masks = False
     needs_out_dir = False
-    options: frozenset[str] = frozenset()  # JobConfig fields this job takes as options
+    arguments: tuple[JobArgument, ...] = ()
+
+    @property
+    def options(self) -> frozenset[str]:
+        """The option names this job takes."""
+        return frozenset(argument.option for argument in self.arguments)
+
+    def check_model(self, model: nn.Module) -> None:
+        """Refuse a model the job cannot run on, before any work (default: accept any).
+
+        Raises:
+            InvalidInputError: Saying what the job needs.
+        """
 
     def compute_chunk(
         self, model: nn.Module, data: Any, piece: range, config: JobConfig
@@ -187,6 +250,7 @@ class AttributionsJob(Job):
     """Attribution maps to safetensors shards; a valid existing shard is not recomputed."""
 
     name = "attributions"
+    summary = "attribution maps to resumable safetensors shards"
     needs_out_dir = True
 
     def compute_chunk(
@@ -203,7 +267,7 @@ class AttributionsJob(Job):
             return {"entry": entry, "reused": True}
         tensors: dict[str, list[torch.Tensor]] = {"attribution": [], "target": [], "score": []}
         for part in batches(piece, config.batch_size):
-            result = _attribute(model, data.slice(part.start, part.stop), config)
+            result = attribute_batch(model, data.slice(part.start, part.stop), config)
             rows = torch.arange(len(part), device=result.output.device)
             tensors["attribution"].append(result.attribution.detach().cpu())
             tensors["target"].append(result.target.detach().cpu())
@@ -227,6 +291,7 @@ class LocalisationJob(Job):
     """Fraction of positive attribution (summed over channels) inside each sample's mask."""
 
     name = "localisation"
+    summary = "fraction of positive attribution inside ground-truth masks"
     needs_masks = True
 
     def compute_batch(
@@ -235,7 +300,7 @@ class LocalisationJob(Job):
         """Scores of one batch."""
         from explain_core.metrics import localisation_score
 
-        result = _attribute(model, batch, config)
+        result = attribute_batch(model, batch, config)
         maps = _spatial_maps(result.attribution).cpu()
         assert batch.masks is not None
         score = localisation_score(maps, batch.masks.bool().cpu())
@@ -259,7 +324,27 @@ class PixelRemovalJob(Job):
     """Target-score curves while pixels are removed in attribution order."""
 
     name = "pixel-removal"
-    options = frozenset({"fraction", "removal_steps", "order", "removed_value"})
+    summary = "target score while pixels are removed in attribution order"
+    arguments = (
+        JobArgument(
+            "fraction",
+            "--fraction",
+            "fraction of the pixels removed, in (0, 1] (0.25)",
+            type=fraction,
+            default=0.25,
+        ),
+        JobArgument(
+            "removal_steps", "--removal-steps", "steps (default: one pixel per step)", type=int
+        ),
+        JobArgument(
+            "order",
+            "--order",
+            "least or most important first",
+            default="least",
+            choices=("least", "most"),
+        ),
+        JobArgument("removed_value", "--removed-value", "value of a removed pixel (0)", float, 0.0),
+    )
 
     def compute_batch(
         self, model: nn.Module, batch: EvaluationData, part: range, config: JobConfig
@@ -267,7 +352,7 @@ class PixelRemovalJob(Job):
         """Curves of one batch."""
         from explain_core.metrics import pixel_removal_curve
 
-        result = _attribute(model, batch, config)
+        result = attribute_batch(model, batch, config)
         inputs = batch.inputs.to(_device(model))
         curve = pixel_removal_curve(
             model,
@@ -300,7 +385,12 @@ class CSCJob(Job):
     """Cosine similarity convergence; the batch at global index ``i`` uses seed ``seed + i``."""
 
     name = "csc"
-    options = frozenset({"n_vectors", "seed", "start"})
+    summary = "cosine similarity convergence of random relevance vectors"
+    arguments = (
+        JobArgument("n_vectors", "--vectors", "random vectors per sample (5)", int, 5),
+        JobArgument("seed", "--seed", "base seed (0)", int, 0),
+        JobArgument("start", "--start", "layer whose output is randomised (default: last)"),
+    )
 
     def compute_batch(
         self, model: nn.Module, batch: EvaluationData, part: range, config: JobConfig
@@ -343,70 +433,12 @@ class CSCJob(Job):
         return summary, cosines, merged
 
 
-class RemDictionaryJob(Job):
-    """REM parse-tree dictionary (quantised couplings of the predicted class) per chunk."""
-
-    name = "rem-dictionary"
-    needs_method = False
-    options = frozenset({"levels", "layer"})
-
-    def compute_chunk(
-        self, model: nn.Module, data: Any, piece: range, config: JobConfig
-    ) -> dict[str, Any]:
-        """The chunk's dictionary state and predictions."""
-        from explain_capsules.recording import record_parse_tree_data
-        from explain_capsules.rem import ParseTreeDictionary
-
-        dictionary = ParseTreeDictionary(levels=config.levels)
-        predicted, labels = [], []
-        for part in batches(piece, config.batch_size):
-            batch = data.slice(part.start, part.stop)
-            recording = record_parse_tree_data(
-                model, batch.inputs, levels=config.levels, batch_size=len(part)
-            )
-            if not recording.layers:
-                raise InvalidInputError("the model has no routing layers")
-            layer = recording.layers[-1] if config.layer is None else recording.layer(config.layer)
-            dictionary.update(layer.couplings, recording.predicted, config.levels)
-            predicted.append(recording.predicted)
-            if batch.labels is not None:
-                labels.append(batch.labels.cpu())
-        return {
-            "state": dictionary.to_state(),
-            "predicted": torch.cat(predicted),
-            "label": torch.cat(labels) if labels else None,
-            "reused": False,
-        }
-
-    def merge(
-        self, parts: Sequence[tuple[range, dict[str, Any]]], config: JobConfig
-    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], Any]:
-        """Counts summed over chunks; entropies and key counts of the merged dictionary."""
-        dictionary = merge_dictionaries([value["state"] for _, value in parts])
-        predicted = concat_ordered(parts, "predicted")
-        per_sample = {"predicted": predicted}
-        summary: dict[str, Any] = {
-            "levels": config.levels,
-            "mean_entropy": dictionary.mean_entropy(),
-            "entropy": [float(v) for v in dictionary.entropy()],
-            "keys_per_class": dictionary.keys_per_class().tolist(),
-            "samples_per_class": dictionary.samples_per_class().tolist(),
-        }
-        if all(value["label"] is not None for _, value in parts):
-            labels = concat_ordered(parts, "label")
-            per_sample["label"] = labels
-            summary["accuracy"] = float((predicted == labels).double().mean())
-        return summary, per_sample, dictionary
+CORE_JOBS: tuple[Job, ...] = (AttributionsJob(), LocalisationJob(), PixelRemovalJob(), CSCJob())
+"""The core's jobs (registered by its plugin, :mod:`explain_core.builtin`)."""
 
 
-JOBS: dict[str, Job] = {
-    job.name: job
-    for job in (
-        AttributionsJob(),
-        LocalisationJob(),
-        PixelRemovalJob(),
-        CSCJob(),
-        RemDictionaryJob(),
-    )
-}
-"""The jobs by name."""
+def registered_jobs() -> dict[str, Job]:
+    """Every job of the loaded plugins, by name."""
+    from explain_core.plugin_manager import get_plugin_manager
+
+    return get_plugin_manager().jobs()

@@ -12,7 +12,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from torch import nn
 from explain_core.distributed.context import DistributedContext, init_distributed
 from explain_core.distributed.data import as_evaluation_data
 from explain_core.distributed.gather import all_gather_objects, gather_chunk_results
-from explain_core.distributed.jobs import JOBS, JobConfig, tensor_digest
+from explain_core.distributed.jobs import JobConfig, registered_jobs, tensor_digest
 from explain_core.distributed.sharding import Mode, assign_chunks, chunk_ranges
 from explain_core.errors import DistributedError, InvalidInputError
 
@@ -110,12 +110,12 @@ def evaluate(
     initialised process group, it initialises one (gloo on CPU, NCCL on CUDA).
 
     Args:
-        job: ``"attributions"``, ``"localisation"``, ``"pixel-removal"``, ``"csc"`` or
-            ``"rem-dictionary"``.
+        job: A registered job: ``"attributions"``, ``"localisation"``, ``"pixel-removal"``,
+            ``"csc"``, or one a plugin adds (``"rem-dictionary"`` of the capsules plugin).
         model: The model (in eval mode); moved to this rank's device.
         dataset: Tensor, tuple ``(inputs, labels[, masks])``, ``TensorDataset``,
             :class:`~explain_core.distributed.EvaluationData` or map-style ``Dataset``.
-        method: Registered attribution method (not for ``rem-dictionary``).
+        method: Registered attribution method (for the jobs that need one).
         out_dir: Output folder: required for ``attributions`` (its shards and ``index.json``);
             for the metric jobs rank 0 writes ``{job}.json`` and ``{job}.safetensors`` there.
         batch_size: Samples per pass.
@@ -125,9 +125,9 @@ def evaluate(
         device: ``"cpu"`` (default) or ``"cuda"`` (GPU ``LOCAL_RANK`` on each rank).
         mode: How chunks are dealt: ``"strided"`` (round robin) or ``"contiguous"``.
         progress: Called as ``progress(chunk_range, reused)`` after each chunk of this rank.
-        **options: Options of the job (``levels``, ``layer`` for ``rem-dictionary``;
-            ``fraction``, ``removal_steps``, ``order``, ``removed_value`` for
-            ``pixel-removal``; ``n_vectors``, ``seed``, ``start`` for ``csc``); any other
+        **options: Options of the job (``fraction``, ``removal_steps``, ``order``,
+            ``removed_value`` for ``pixel-removal``; ``n_vectors``, ``seed``, ``start`` for
+            ``csc``; a plugin job's own, e.g. ``levels``, ``layer``); any other
             keyword is a method option (e.g. ``steps=32`` for integrated gradients), as are the
             entries of ``method_options={...}``.
 
@@ -139,9 +139,10 @@ def evaluate(
         DistributedError: If a rank failed or stopped, the ranks' samples do not partition the
             data, or (``attributions``) rank 0 cannot see a shard another rank wrote.
     """
-    if job not in JOBS:
-        raise InvalidInputError(f"unknown job {job!r}; choose from {', '.join(JOBS)}")
-    runner = JOBS[job]
+    jobs = registered_jobs()
+    if job not in jobs:
+        raise InvalidInputError(f"unknown job {job!r}; choose from {', '.join(jobs)}")
+    runner = jobs[job]
     method_options = dict(options.pop("method_options", None) or {})
     job_options = {k: options.pop(k) for k in list(options) if k in runner.options}
     method_options.update(options)
@@ -181,7 +182,8 @@ def evaluate(
         shard_size=shard_size,
         out_dir=None if out_dir is None else Path(out_dir),
         sample_shape=tuple(first.inputs.shape[1:]),
-        **job_options,
+        **{k: v for k, v in job_options.items() if k in _CONFIG_FIELDS},
+        extra={k: v for k, v in job_options.items() if k not in _CONFIG_FIELDS},
     )
     if runner.needs_out_dir:
         config = replace(config, run_key=_run_key(model, config, first.name, n))
@@ -237,6 +239,9 @@ def evaluate(
 
 def _one_line(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
+
+
+_CONFIG_FIELDS = frozenset(f.name for f in fields(JobConfig))
 
 
 def _run_key(model: nn.Module, config: JobConfig, name: str, n: int) -> str:

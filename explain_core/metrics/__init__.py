@@ -13,7 +13,6 @@ from explain_core.metrics.csc import (
     UnsupportedMethodError,
     cosine_similarity_convergence,
     layer_propagator,
-    register_layer_propagator,
     relevance_cosines,
 )
 from explain_core.metrics.localisation import (
@@ -61,7 +60,6 @@ __all__ = [
     "pointing_game_grids",
     "random_logit_ssim",
     "randomisation_layers",
-    "register_layer_propagator",
     "relevance_cosines",
     "removed_pixel_counts",
     "signal_ssim",

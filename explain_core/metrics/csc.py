@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -42,7 +42,6 @@ __all__ = [
     "UnsupportedMethodError",
     "cosine_similarity_convergence",
     "layer_propagator",
-    "register_layer_propagator",
     "relevance_cosines",
 ]
 
@@ -138,22 +137,6 @@ class AutogradPropagator:
         return result
 
 
-PropagatorFactory = Callable[[nn.Module, torch.Tensor, torch.Tensor | None], LayerPropagator]
-
-_BY_NAME: dict[str, PropagatorFactory] = {
-    "gradient": lambda model, x, _: AutogradPropagator(model, x, times_input=False),
-    "input_x_gradient": lambda model, x, _: AutogradPropagator(model, x, times_input=True),
-}
-
-
-def register_layer_propagator(name: str, factory: PropagatorFactory) -> None:
-    """Let the registered method ``name`` support CSC through ``factory(model, x, baselines)``.
-
-    For methods whose class cannot implement :class:`SupportsLayerPropagation` itself.
-    """
-    _BY_NAME[name] = factory
-
-
 @eager_mode()  # the forward pass runs the method's hooks as written
 def layer_propagator(
     model: nn.Module,
@@ -173,10 +156,7 @@ def layer_propagator(
     if isinstance(method, str):
         from explain_core.plugin_manager import get_registry
 
-        spec = get_registry()[method]
-        if method in _BY_NAME and not options:
-            return _BY_NAME[method](model, inputs, baselines)
-        method = spec.create(**options)
+        method = get_registry()[method].create(**options)
     elif options:
         raise InvalidInputError("options only apply to a method given by name")
     if isinstance(method, SupportsLayerPropagation):
@@ -184,8 +164,8 @@ def layer_propagator(
     raise UnsupportedMethodError(
         f"method {name!r} cannot propagate a given relevance from an intermediate layer, so "
         "CSC cannot be computed for it: give its Method class a "
-        "layer_propagator(model, inputs, baselines) method returning a LayerPropagator, or call "
-        "explain_core.metrics.register_layer_propagator(name, factory)"
+        "layer_propagator(model, inputs, baselines) method returning a LayerPropagator (e.g. "
+        "explain_core.metrics.AutogradPropagator for gradient-like methods)"
     )
 
 

@@ -7,26 +7,20 @@ the CPU, and reports the provider in use. The optional dependencies (the ``onnx`
 onnxscript, onnxruntime) are imported only when a function needs them.
 
 Modules: :mod:`~explain_onnx.export` (export and its errors), :mod:`~explain_onnx.explained`
-(explained graphs and the explainer registry, the extension point for more methods),
+(explained graphs; more methods come from plugins' ``explain_register_export_forms`` hooks),
 :mod:`~explain_onnx.adapters` (export forms of the library's models),
+:mod:`~explain_onnx.plugin` (this package as a plugin: command, demo step, forms, adapters),
 :mod:`~explain_onnx.gradtrace` (gradient functions traced into graphs),
 :mod:`~explain_onnx.runtime` (sessions), :mod:`~explain_onnx.parity` (checks).
 """
 
-from explain_onnx.adapters import exportable, register_adapter
-from explain_onnx.explained import (
-    ExplainerSpec,
-    available_explainers,
-    explained_module,
-    get_explainer,
-    register_explainer,
-)
+from explain_onnx.adapters import exportable
+from explain_onnx.explained import available_explainers, explained_module, get_explainer
 from explain_onnx.export import ExportResult, export_onnx
 from explain_onnx.parity import ParityReport, check_graph, check_parity
 from explain_onnx.runtime import OnnxSession, choose_providers, cuda_usable
 
 __all__ = [
-    "ExplainerSpec",
     "ExportResult",
     "OnnxSession",
     "ParityReport",
@@ -39,6 +33,4 @@ __all__ = [
     "export_onnx",
     "exportable",
     "get_explainer",
-    "register_adapter",
-    "register_explainer",
 ]

@@ -6,32 +6,26 @@ NaN couplings), which is right in eager mode and impossible in a graph. An adapt
 model's forward from the model's own submodules and parameters, leaving only those checks out;
 parity checks (:mod:`explain_onnx.parity`) compare every export against the model itself.
 
-Adapters are looked up by the model's exact type (a subclass may have changed ``forward``);
-:func:`register_adapter` adds one for another model type. Models without an adapter are exported
-as they are.
+Adapters (:class:`~explain_core.export_forms.ExportAdapter`) are registered by plugins through the
+``explain_register_export_adapters`` hook (this package's own in :mod:`explain_onnx.plugin`) and
+looked up by the model's exact type (a subclass may have changed ``forward``). Models without an
+adapter are exported as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-Adapter = Callable[[nn.Module], nn.Module]
-_ADAPTERS: dict[type, Adapter] = {}
+from explain_core import plugin_manager
 
-
-def register_adapter(model_type: type, adapter: Adapter) -> None:
-    """Export models of exactly ``model_type`` through ``adapter(model)`` (an ``nn.Module``)."""
-    _ADAPTERS[model_type] = adapter
+__all__ = ["CapsuleGraph", "CoDAGraph", "FactorisedDAU", "exportable", "route"]
 
 
 def exportable(model: nn.Module) -> nn.Module:
     """The module to hand to ``torch.export`` for ``model``: its adapter, or the model itself."""
-    _register_builtin_adapters()
-    adapter = _ADAPTERS.get(type(model))
-    return adapter(model) if adapter is not None else model
+    adapter = plugin_manager.get_plugin_manager().export_adapters().get(type(model))
+    return adapter.build(model) if adapter is not None else model
 
 
 class FactorisedDAU(nn.Module):
@@ -54,7 +48,7 @@ class FactorisedDAU(nn.Module):
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
-        from explain_coda.layers import _orthonormal_columns
+        from explain_coda.layers import orthonormal_columns
 
         self.layer = layer
         out, rank, k = layer.out_channels, layer.rank, layer.kernel_size
@@ -67,7 +61,7 @@ class FactorisedDAU(nn.Module):
                 ],
                 2,
             ).permute(1, 0, 2)  # (out, patch_dim, n): A'_j, as the layer builds it
-            coords = _orthonormal_columns(a).transpose(1, 2) @ a  # (out, m, n) = Q_jᵀA'_j
+            coords = orthonormal_columns(a).transpose(1, 2) @ a  # (out, m, n) = Q_jᵀA'_j
             m = coords.shape[1]
             kernel = a.transpose(1, 2).reshape(out * n, layer.in_channels, k, k)
             norm_kernel = coords.reshape(out * m, n)
@@ -136,8 +130,8 @@ def route(layer: nn.Module, votes: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """Dynamic routing of ``layer`` (a routing capsule layer) over its fixed iterations, unrolled.
 
     The forward arithmetic of :func:`explain_capsules.routing.dynamic_routing` (the gradient
-    options do not change values), without its NaN check; the layer's ``coupling_transform`` is
-    applied in eval mode, as the layer does.
+    options do not change values), without its NaN check; the layer's coupling transform in force
+    (``active_coupling_transform``) is applied in eval mode, as the layer does.
 
     Returns:
         ``(v, c)``: output capsules ``(batch, n_out, d_out)`` and final couplings
@@ -145,7 +139,7 @@ def route(layer: nn.Module, votes: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     """
     from explain_capsules.routing import squash
 
-    transform = None if layer.training else layer.coupling_transform
+    transform = None if layer.training else layer.active_coupling_transform
     logits = votes.new_zeros(votes.shape[:3])
     for r in range(layer.iterations):
         couplings = torch.softmax(logits, dim=2)
@@ -185,26 +179,3 @@ class CapsuleGraph(nn.Module):
         from explain_capsules.routing import capsule_length
 
         return capsule_length(self.capsules(x)[1])
-
-
-_BUILTINS_REGISTERED = False
-
-
-def _register_builtin_adapters() -> None:
-    global _BUILTINS_REGISTERED
-    if _BUILTINS_REGISTERED:
-        return
-    _BUILTINS_REGISTERED = True
-    try:
-        from explain_coda import CoDANet
-    except ImportError:  # pragma: no cover - the plugin ships with the package
-        pass
-    else:
-        _ADAPTERS.setdefault(CoDANet, CoDAGraph)
-    try:
-        from explain_capsules import DRCapsNet, MultiLayerCapsNet
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        _ADAPTERS.setdefault(DRCapsNet, CapsuleGraph)
-        _ADAPTERS.setdefault(MultiLayerCapsNet, CapsuleGraph)

@@ -1,8 +1,7 @@
 """The demo's ONNX section: export models with their explanations, check parity, time them.
 
-The exporter is not a plugin, so ``explain demo`` adds this step itself when ``explain_onnx``
-imports. Without the ``onnx`` extra (onnx, onnxscript, onnxruntime) the step says so and the
-section is listed as not available.
+Registered by the exporter's plugin (:mod:`explain_onnx.plugin`). Without the ``onnx`` extra (onnx,
+onnxscript, onnxruntime) the step says so and the section is listed as not available.
 """
 
 from __future__ import annotations

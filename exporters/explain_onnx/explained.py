@@ -1,11 +1,12 @@
 """Explained exports: one graph returning ``(logits, explanation)``, and the explainer registry.
 
-An explainer is registered under a method name (the same names as ``explain()`` uses) with two
-functions: ``build(model, example, target_input, **options)`` returns an ``nn.Module`` computing
-``(logits, explanation)`` from ``x`` (and, with ``target_input``, the class to explain, int64
-``(batch,)``; otherwise the predicted class) with exportable operations only, and
-``reference(model, x, target, **options)`` computes the same with the library's PyTorch method,
-which is what parity checks compare the exported graph against.
+An explained-export form (:class:`~explain_core.export_forms.ExportForm`) is registered under a
+method name (the same names as ``explain()`` uses) with two functions: ``build(model, example,
+target_input, **options)`` returns an ``nn.Module`` computing ``(logits, explanation)`` from ``x``
+(and, with ``target_input``, the class to explain, int64 ``(batch,)``; otherwise the predicted
+class) with exportable operations only, and ``reference(model, x, target, **options)`` computes the
+same with the library's PyTorch method, which is what parity checks compare the exported graph
+against.
 
 Built in:
 
@@ -22,12 +23,10 @@ Built in:
   ``excitation_bp.contrastive`` (with their options, e.g. ``epsilon=0.25``): the engine's own
   rules, attached by its hooks, with the whole attribution traced (:mod:`explain_onnx.lrp`).
 
-Extension point: a plugin adds methods with :func:`register_explainer`, or lazily through an
-entry point in the group ``explain_onnx.explainers`` naming a callable that returns a list of
-:class:`ExplainerSpec` (``EXPLAIN_PLUGINS`` selects these entry points by name, as it does the
-method plugins; an entry point cannot replace a built-in explainer, and one whose list holds
-anything but valid specs is skipped whole, with a ``PluginWarning``). For rules that act on the
-gradient, ``build`` can call
+Extension point: a plugin adds methods through the ``explain_register_export_forms`` hook,
+returning :class:`~explain_core.export_forms.ExportForm` objects, exactly as this package
+registers the built-in ones (:mod:`explain_onnx.plugin`); a name a built-in plugin registers stays
+the built-in's. For rules that act on the gradient, ``build`` can call
 :func:`explain_onnx.gradtrace.input_gradient_graph` while the composite's hooks are attached:
 the gradient is traced as it is computed, so hooks that rewrite it (checked for forward hooks of
 the form ``z.detach() + (r - r.detach())``) end up in the graph; backward operators without an
@@ -38,67 +37,32 @@ operations, as ``coda.contributions`` is.
 from __future__ import annotations
 
 import difflib
-import importlib.metadata
-import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from explain_core import plugin_manager
 from explain_core.errors import InvalidInputError, UnknownMethodError
+from explain_core.export_forms import ExportForm
 from explain_core.quantisation import quantise_couplings
 
-ENTRY_POINT_GROUP = "explain_onnx.explainers"
-
-Build = Callable[..., nn.Module]
-Reference = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class ExplainerSpec:
-    """An explanation method that can be exported with the model.
-
-    Attributes:
-        name: Method name, as in ``explain(model, x, name)``.
-        build: ``build(model, example, target_input, **options) -> nn.Module`` returning
-            ``(logits, explanation)``.
-        reference: ``reference(model, x, target, **options) -> (logits, explanation)`` in
-            PyTorch; ``target`` is int64 ``(batch,)`` or ``None`` for the predicted class.
-        description: One line for listings.
-    """
-
-    name: str
-    build: Build
-    reference: Reference
-    description: str = ""
+__all__ = [
+    "BUILTIN_FORMS",
+    "available_explainers",
+    "explained_module",
+    "get_explainer",
+    "lrp_forms",
+]
 
 
-_EXPLAINERS: dict[str, ExplainerSpec] = {}
-_LOADED = False
+def available_explainers() -> dict[str, ExportForm]:
+    """Every exportable method, by name, from every plugin's export forms."""
+    return dict(sorted(plugin_manager.get_plugin_manager().export_forms().items()))
 
 
-def register_explainer(spec: ExplainerSpec, *, replace: bool = False) -> None:
-    """Make ``spec.name`` exportable.
-
-    Raises:
-        ValueError: If the name is taken and ``replace`` is false.
-    """
-    _load()
-    if spec.name in _EXPLAINERS and not replace:
-        raise ValueError(f"an ONNX explainer named {spec.name!r} is already registered")
-    _EXPLAINERS[spec.name] = spec
-
-
-def available_explainers() -> dict[str, ExplainerSpec]:
-    """Every exportable method, by name (built-ins and entry points)."""
-    _load()
-    return dict(sorted(_EXPLAINERS.items()))
-
-
-def get_explainer(name: str) -> ExplainerSpec:
+def get_explainer(name: str) -> ExportForm:
     """The explainer registered as ``name``.
 
     Raises:
@@ -109,9 +73,7 @@ def get_explainer(name: str) -> ExplainerSpec:
     """
     explainers = available_explainers()
     if name not in explainers:
-        from explain_core.plugin_manager import get_registry
-
-        registry = get_registry()
+        registry = plugin_manager.get_plugin_manager().registry
         if name not in registry:  # a typo: say so before "cannot be exported"
             raise UnknownMethodError(name, {*registry, *explainers})
         close = difflib.get_close_matches(name, explainers, n=3, cutoff=0.4)
@@ -308,7 +270,7 @@ def _reference_input_x_gradient(
 # --- LRP composites (modified backprop) -----------------------------------------------------
 
 
-def _lrp_spec(name: str, summary: str) -> ExplainerSpec:
+def _lrp_spec(name: str, summary: str) -> ExportForm:
     def build(
         model: nn.Module, example: torch.Tensor, target_input: bool, **options: Any
     ) -> nn.Module:
@@ -324,10 +286,10 @@ def _lrp_spec(name: str, summary: str) -> ExplainerSpec:
         result = explain(model, x, name, target, **options)
         return result.output, result.attribution
 
-    return ExplainerSpec(name, build, reference, f"{summary} (engine's rules, traced)")
+    return ExportForm(name, build, reference, f"{summary} (engine's rules, traced)")
 
 
-def lrp_explainers() -> list[ExplainerSpec]:
+def lrp_forms() -> list[ExportForm]:
     """The exportable methods of the modified-backprop plugin (none without the plugin)."""
     try:
         from explain_onnx.lrp import composite_methods
@@ -347,83 +309,23 @@ def _no_options(method: str, options: dict[str, Any]) -> None:
         )
 
 
-BUILTIN_EXPLAINERS = (
-    ExplainerSpec(
+BUILTIN_FORMS = (
+    ExportForm(
         "coda.contributions",
         _build_coda,
         _reference_coda,
         "CoDA-Net contributions W_{0→L}(x)_t ⊙ x, backward pass written out",
     ),
-    ExplainerSpec(
+    ExportForm(
         "capsules.saliency",
         _build_saliency,
         _reference_saliency,
         "REM saliency maps of a DR-CapsNet (option levels=K), routing unrolled",
     ),
-    ExplainerSpec(
+    ExportForm(
         "input_x_gradient",
         _build_input_x_gradient,
         _reference_input_x_gradient,
         "Input×Gradient of models of standard layers (gradient function traced first)",
     ),
 )
-
-
-def _load() -> None:
-    global _LOADED
-    if _LOADED:
-        return
-    _LOADED = True
-    for spec in (*BUILTIN_EXPLAINERS, *lrp_explainers()):
-        _EXPLAINERS.setdefault(spec.name, spec)
-    from explain_core.plugin_manager import selected_entry_points
-
-    builtin = set(_EXPLAINERS)
-    # EXPLAIN_PLUGINS selects these entry points by name, as it does the method plugins.
-    for entry_point in selected_entry_points(ENTRY_POINT_GROUP, warn_missing=False):
-        _load_entry_point(entry_point, builtin)
-
-
-def _load_entry_point(entry_point: importlib.metadata.EntryPoint, builtin: set[str]) -> None:
-    """Register an entry point's explainers: all valid ones, or none if its list is broken."""
-    where = f"ONNX explainers from entry point {entry_point.name!r} ({entry_point.value})"
-    try:
-        returned = entry_point.load()()
-        listed = _is_list(returned)
-        specs = list(returned) if listed else []
-    except (Exception, SystemExit) as error:  # one broken plugin must not break the others
-        _warn(f"{where} could not be loaded: {type(error).__name__}: {error}")
-        return
-    problem = _specs_problem(specs) if listed else f"{type(returned).__name__} instead of a list"
-    if problem is not None:
-        _warn(f"{where} not used: it returned {problem}; expected a list of ExplainerSpec")
-        return
-    for spec in specs:
-        if spec.name in builtin:
-            _warn(f"{where}: skipped {spec.name!r}, a built-in explainer (the built-in one stays)")
-        elif spec.name in _EXPLAINERS:
-            _warn(f"{where}: skipped {spec.name!r}, already registered by another entry point")
-        else:
-            _EXPLAINERS[spec.name] = spec
-
-
-def _is_list(returned: Any) -> bool:
-    return isinstance(returned, Iterable) and not isinstance(returned, (str, bytes, Mapping))
-
-
-def _specs_problem(specs: list[Any]) -> str | None:
-    """What is wrong with an entry point's explainers, or ``None``."""
-    for index, spec in enumerate(specs):
-        if not isinstance(spec, ExplainerSpec):
-            return f"{type(spec).__name__} {str(spec)[:40]!r} as item {index}"
-        if not isinstance(spec.name, str) or not spec.name.strip():
-            return f"an ExplainerSpec named {spec.name!r} as item {index}"
-        if not (callable(spec.build) and callable(spec.reference)):
-            return f"{spec.name!r} with a build or reference function that is not callable"
-    return None
-
-
-def _warn(message: str) -> None:
-    from explain_core.plugin_manager import PluginWarning
-
-    warnings.warn(message, PluginWarning, stacklevel=4)

@@ -37,6 +37,8 @@ from explain_capsules.saliency import (
     saliency_grid,
 )
 from explain_capsules.training import CapsuleTrainConfig, train_capsnet
+from explain_core.cli.command import Command
+from explain_core.distributed.jobs import Job
 from explain_core.hookspecs import hookimpl
 from explain_core.registry import MethodSpec
 
@@ -92,3 +94,19 @@ def explain_demo_steps() -> list[object]:
     from explain_capsules.demo import CapsulesREMDemoStep, ParseTreesDemoStep
 
     return [CapsulesREMDemoStep(), ParseTreesDemoStep()]
+
+
+@hookimpl
+def explain_register_commands() -> list[Command]:
+    """``explain parse-tree``."""
+    from explain_capsules import cli
+
+    return [Command.from_module(cli)]
+
+
+@hookimpl
+def explain_register_jobs() -> list[Job]:
+    """``rem-dictionary``: REM parse-tree dictionaries over a data set, merged over ranks."""
+    from explain_capsules.jobs import RemDictionaryJob
+
+    return [RemDictionaryJob()]

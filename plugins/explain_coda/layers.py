@@ -254,7 +254,7 @@ class DAUConv2d(DynamicLinear):
 
         # Squared norm in an orthonormal basis Q_j of A'_j's column space, a constant (see the
         # module docstring): coords = Q_jᵀA'_j (≈ R_j of A'_j = Q_j R_j) is differentiable in A'.
-        basis = _orthonormal_columns(a)  # (out, patch_dim, m), m = min(patch_dim, n)
+        basis = orthonormal_columns(a)  # (out, patch_dim, m), m = min(patch_dim, n)
         coords = basis.transpose(1, 2) @ a  # (out, m, n)
         m = coords.shape[1]
         # Q_jᵀw_j = coords_j z' for all j at once: one (B·h·w, n) × (n, out·m) product.
@@ -281,7 +281,7 @@ class DAUConv2d(DynamicLinear):
 _THREADS_LOCK = threading.Lock()
 
 
-def _orthonormal_columns(a: torch.Tensor) -> torch.Tensor:
+def orthonormal_columns(a: torch.Tensor) -> torch.Tensor:
     """``Q`` of the reduced QR factorisation of every ``a[j]``, as a constant (no autograd)."""
     with torch.no_grad():
         # LAPACK and cuSOLVER have no half-precision QR; the matrices are small, float32 is free.

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from explain_core.interfaces.dynamic_linear import dynamic_linear_contributions
+from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 
@@ -36,6 +37,10 @@ class Gradient(Method):
         output, chosen, gradient = _output_and_gradient(model, inputs, target)
         return MethodResult(gradient, output, chosen)
 
+    def layer_propagator(self, model, inputs, baselines) -> AutogradPropagator:
+        """The gradient from any Linear/Conv layer (for the CSC metric)."""
+        return AutogradPropagator(model, inputs, times_input=False)
+
 
 @dataclass
 class InputXGradient(Method):
@@ -46,6 +51,10 @@ class InputXGradient(Method):
         attribution = inputs * gradient
         explained = output.gather(1, chosen[:, None])[:, 0]
         return MethodResult(attribution, output, chosen, explained - _per_sample_sum(attribution))
+
+    def layer_propagator(self, model, inputs, baselines) -> AutogradPropagator:
+        """Input×Gradient from any Linear/Conv layer (for the CSC metric)."""
+        return AutogradPropagator(model, inputs, times_input=True)
 
 
 @dataclass
