@@ -24,6 +24,12 @@ from explain_core.validation import (
     refuse_inference_mode,
 )
 
+__all__ = [
+    "Explainer",
+    "explain",
+    "quantus_explain",
+]
+
 
 def explain(
     model: nn.Module,

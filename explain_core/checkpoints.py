@@ -16,6 +16,11 @@ from torch import nn
 
 from explain_core.errors import ModelLoadError
 
+__all__ = [
+    "load_training_checkpoint",
+    "save_training_checkpoint",
+]
+
 
 def save_training_checkpoint(
     path: str | Path,

@@ -34,6 +34,19 @@ import torch
 from explain_core.errors import InvalidInputError
 from explain_core.files import give_default_permissions, temporary_beside
 
+__all__ = [
+    "CACHE_FORMAT",
+    "PLANNED_SECTIONS",
+    "REPORT_MARKER",
+    "DemoContext",
+    "DemoResult",
+    "DemoSection",
+    "DemoStep",
+    "default_cache_dir",
+    "markdown_to_html",
+    "run_demo",
+]
+
 REPORT_MARKER = "summary.json"
 CACHE_FORMAT = 1
 

@@ -19,6 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+__all__ = [
+    "eager_mode",
+    "uncompiled",
+    "uncompiled_tree",
+]
+
 
 def uncompiled(model: nn.Module) -> nn.Module:
     """The module a ``torch.compile`` wrapper runs (``model`` itself if it is not one)."""

@@ -10,6 +10,28 @@ import difflib
 from collections.abc import Iterable
 from pathlib import Path
 
+__all__ = [
+    "DistributedError",
+    "DuplicateMethodError",
+    "ExplainError",
+    "ExportError",
+    "GraphvizNotFoundError",
+    "GraphvizRenderError",
+    "InvalidInputError",
+    "MethodError",
+    "MissingDependencyError",
+    "ModelLoadError",
+    "ModelRunError",
+    "ModelStateError",
+    "OutputPathError",
+    "ParityError",
+    "PluginLoadError",
+    "RuntimeConflictError",
+    "UnknownMethodError",
+    "UnsupportedMethodError",
+    "UnsupportedOperatorError",
+]
+
 
 class ExplainError(Exception):
     """Base class of the errors a user can fix (bad input, missing plugin, bad file)."""

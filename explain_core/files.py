@@ -22,6 +22,14 @@ from typing import BinaryIO
 
 from explain_core.errors import OutputPathError
 
+__all__ = [
+    "check_output_folder",
+    "check_output_path",
+    "give_default_permissions",
+    "temporary_beside",
+    "write_atomically",
+]
+
 _ADVICE = "choose a path in a folder that exists (or can be created) and is writable"
 _NOT_A_FOLDER = "not a folder"  # the problem of a would-be folder that is a file
 

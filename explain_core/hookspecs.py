@@ -28,6 +28,19 @@ if TYPE_CHECKING:
     from explain_core.export_forms import ExportAdapter, ExportForm
     from explain_core.registry import MethodSpec
 
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "PROJECT_NAME",
+    "explain_demo_steps",
+    "explain_register_commands",
+    "explain_register_export_adapters",
+    "explain_register_export_forms",
+    "explain_register_jobs",
+    "explain_register_methods",
+    "hookimpl",
+    "hookspec",
+]
+
 PROJECT_NAME = "explain"
 ENTRY_POINT_GROUP = "explain.plugins"
 

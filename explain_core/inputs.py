@@ -10,6 +10,12 @@ import torch
 from explain_core.errors import InvalidInputError
 from explain_core.extras import require
 
+__all__ = [
+    "IMAGE_SUFFIXES",
+    "load_input",
+    "stack_inputs",
+]
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".tif", ".tiff")
 
 

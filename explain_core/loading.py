@@ -22,6 +22,14 @@ from torch import nn
 from explain_core.eager import uncompiled_tree
 from explain_core.errors import ModelLoadError
 
+__all__ = [
+    "SAFETENSORS_SUFFIXES",
+    "TORCH_SUFFIXES",
+    "load_factory",
+    "load_model",
+    "load_state_dict",
+]
+
 _REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 SAFETENSORS_SUFFIXES = (".safetensors",)
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")

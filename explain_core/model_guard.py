@@ -17,6 +17,11 @@ from torch import nn
 
 from explain_core.errors import ModelStateError
 
+__all__ = [
+    "ModelGuard",
+    "require_eval_mode",
+]
+
 # Containers a module keeps its state in; restored as shallow copies (object identity preserved).
 _STATE_DICTS = (
     "_parameters",

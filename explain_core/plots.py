@@ -15,6 +15,10 @@ import torch
 from explain_core.extras import require
 from explain_core.viz import attribution_to_rgb, image_to_rgb
 
+__all__ = [
+    "save_attribution_figure",
+]
+
 
 def _pyplot() -> Any:
     matplotlib = require("matplotlib", "plotting")

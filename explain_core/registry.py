@@ -15,6 +15,14 @@ from torch import nn
 from explain_core.errors import InvalidInputError, MethodError, UnknownMethodError
 from explain_core.option_types import check_option_types
 
+__all__ = [
+    "Method",
+    "MethodRegistry",
+    "MethodResult",
+    "MethodSpec",
+    "check_method_result",
+]
+
 
 @dataclass(frozen=True)
 class MethodResult:

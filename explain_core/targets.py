@@ -10,6 +10,12 @@ import torch
 from explain_core.errors import InvalidInputError
 from explain_core.validation import check_scores
 
+__all__ = [
+    "TargetLike",
+    "normalize_target",
+    "select_target",
+]
+
 TargetLike = int | Sequence[int] | np.ndarray | torch.Tensor | None
 
 

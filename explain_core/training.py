@@ -14,6 +14,18 @@ from tqdm.auto import tqdm
 
 from explain_core.errors import InvalidInputError
 
+__all__ = [
+    "BatchLoss",
+    "EpochHistory",
+    "EpochSettings",
+    "History",
+    "Loss",
+    "Settings",
+    "accuracy",
+    "train_classifier",
+    "train_resumable",
+]
+
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 BatchLoss = Callable[[torch.Tensor, torch.Tensor, torch.Generator], torch.Tensor]
 

@@ -17,6 +17,18 @@ from torch import nn
 
 from explain_core.errors import ExplainError, InvalidInputError, ModelRunError
 
+__all__ = [
+    "check_inputs",
+    "check_output_finite",
+    "check_scores",
+    "clear_model_errors",
+    "diagnose_failure",
+    "model_error",
+    "non_finite_samples",
+    "refuse_inference_mode",
+    "run_once",
+]
+
 
 def check_inputs(
     inputs: Any, model: object = None, *, name: str = "inputs", allow_empty: bool = False

@@ -10,6 +10,13 @@ import torch
 
 from explain_core.extras import require
 
+__all__ = [
+    "ArrayLike",
+    "attribution_to_rgb",
+    "image_to_rgb",
+    "save_grid",
+]
+
 ArrayLike = np.ndarray | torch.Tensor
 
 

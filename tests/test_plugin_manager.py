@@ -7,6 +7,7 @@ with those folders on ``PYTHONPATH``, so entry points are found exactly as for a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,9 @@ import textwrap
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from explain_core import DuplicateMethodError, MethodSpec, UnknownMethodError, hookimpl
 from explain_core.plugin_manager import ENV_VARIABLE, PluginManager, PluginWarning
@@ -128,18 +131,90 @@ def broken_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_installed_example_is_listed(sign_target: Path) -> None:
-    assert (sign_target / "explain_sign_plugin-0.2.0.dist-info").is_dir()
+    assert (sign_target / "explain_sign_plugin-0.3.0.dist-info").is_dir()
     done = _plugins_cli([sign_target])
     assert done.returncode == 0, done.stderr
     assert _plugin_line(done.stdout, "sign") == (
-        "sign 0.2.0 (entry point of explain-sign-plugin) - 1 method"
+        "sign 0.3.0 (entry point of explain-sign-plugin) - 1 method"
     )
+    assert "    commands: sign-count" in done.stdout
+    assert "    jobs: sign-balance" in done.stdout
+    assert "    export forms: sign.gradient_sign" in done.stdout
     assert "sign.gradient_sign" in done.stdout
     assert "[gradient] Sign of the gradient of the target output" in done.stdout
     # The built-in plugin is still there next to it.
     assert _plugin_line(done.stdout, "explain_gradients") is not None
     assert "integrated_gradients" in done.stdout
     assert "warning" not in done.stderr
+
+
+TINY_MODEL = """
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(256, 10)
+    ).eval()
+"""
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-model")
+    (folder / "tinymodel.py").write_text(TINY_MODEL)
+    return folder
+
+
+def test_a_third_party_command_job_and_export_form_work_end_to_end(
+    sign_target: Path, tiny_model: Path, tmp_path: Path
+) -> None:
+    # The installed example adds a subcommand, an evaluation job and an explained-export form
+    # through the same hooks as the built-ins; each runs as a user would run it.
+    paths = [sign_target, tiny_model]
+    model = ["--model", "tinymodel:build"]
+    done = _run(["-m", "explain_core", "sign-count", *model, "--input-shape", "1,8,8"], paths)
+    assert done.returncode == 0, done.stderr
+    up, down, zero = (int(n) for n in done.stdout.split()[1::2])
+    assert up + down + zero == 4 * 64 and up > 0 and down > 0
+
+    out = tmp_path / "balance"
+    evaluate = ["evaluate", *model, "--dataset", "digits", "--limit", "8", "--job"]
+    done = _run(
+        ["-m", "explain_core", *evaluate, "sign-balance", "--method", "sign.gradient_sign",
+         "--above", "0", "--out", str(out)],
+        paths,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "sign-balance.json").read_text())["summary"]
+    assert 0.0 < summary["mean_fraction"] < 1.0
+
+    pytest.importorskip("onnxruntime")
+    onnx_file = tmp_path / "sign.onnx"
+    done = _run(
+        ["-m", "explain_core", "export", *model, "--out", str(onnx_file),
+         "--explain", "sign.gradient_sign", "--input-shape", "1,8,8"],
+        paths,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "parity" in done.stdout.lower() and onnx_file.is_file()
+    # The graph's maps are signs, and equal the method's on the same inputs.
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(onnx_file), providers=["CPUExecutionProvider"])
+    x = torch.rand(3, 1, 8, 8, generator=torch.Generator().manual_seed(5))
+    logits, signs = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    assert set(np.unique(signs)) <= {-1.0, 0.0, 1.0}
+    namespace: dict = {}
+    exec(TINY_MODEL, namespace)
+    net = namespace["build"]()
+    x = x.requires_grad_(True)
+    output = net(x)
+    (gradient,) = torch.autograd.grad(output.gather(1, output.argmax(1, keepdim=True)).sum(), x)
+    assert np.array_equal(signs, gradient.sign().detach().numpy())
+    assert np.allclose(logits, output.detach().numpy(), atol=1e-5)
 
 
 def test_installed_example_computes_gradient_sign(sign_target: Path) -> None:

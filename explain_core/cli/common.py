@@ -16,6 +16,19 @@ from typing import Any
 
 from explain_core.errors import InvalidInputError
 
+__all__ = [
+    "add_model_arguments",
+    "add_option_argument",
+    "check_not_overwriting",
+    "load_model",
+    "method_options",
+    "note",
+    "output_path",
+    "parse_device",
+    "parse_options",
+    "run_model",
+]
+
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, method: bool = False) -> None:
     """``--model`` and ``--weights``; with ``method``, also the required ``--method``."""

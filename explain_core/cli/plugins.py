@@ -7,15 +7,15 @@ import json
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # imported by run() only, so that --help works with broken plugins
-    from explain_core.plugin_manager import PluginInfo
+    from explain_core.plugin_manager import PluginInfo, PluginManager
     from explain_core.registry import MethodRegistry, MethodSpec
 
 NAME = "plugins"
 HELP = "list plugins, versions and the methods they register"
 DESCRIPTION = (
     "List the loaded plugins (built-in and installed through the 'explain.plugins' entry-point "
-    "group), their versions and methods. Set EXPLAIN_PLUGINS='' to load no third-party plugins, "
-    "or EXPLAIN_PLUGINS=a,b to load only those."
+    "group), their versions, methods, commands, jobs and export forms. Set EXPLAIN_PLUGINS='' "
+    "to load no third-party plugins, or EXPLAIN_PLUGINS=a,b to load only those."
 )
 
 
@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
     # Also when two plugins clash on a name: the listing is how the user finds the culprit.
     registry = manager.registry_without_clashes()
     infos = list(manager.plugins.values())
+    contributions = _contributions(manager)
     if args.json:
         payload = [
             {
@@ -44,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
                     {"name": s.name, "family": s.family, "summary": s.summary}
                     for s in _specs(registry, info)
                 ],
+                **{kind: names for kind, names in contributions.get(info.name, {}).items()},
             }
             for info in infos
         ]
@@ -53,7 +55,31 @@ def run(args: argparse.Namespace) -> int:
             print(f"{info.name} {info.version} ({info.source}) - {_status(info)}")
             for spec in _specs(registry, info):
                 print(f"    {spec.name:<28} [{spec.family}] {spec.summary}")
+            for kind, names in contributions.get(info.name, {}).items():
+                print(f"    {kind}: {', '.join(names)}")
     return 1 if any(info.error or info.problems for info in infos) else 0
+
+
+_KINDS = {
+    "commands": "explain_register_commands",
+    "jobs": "explain_register_jobs",
+    "export forms": "explain_register_export_forms",
+}
+
+
+def _contributions(manager: PluginManager) -> dict[str, dict[str, list[str]]]:
+    """Plugin name → kind → the names it registers of commands, jobs and export forms."""
+    found: dict[str, dict[str, list[str]]] = {}
+    items = {
+        "commands": manager.commands(),
+        "jobs": manager.jobs(),
+        "export forms": manager.export_forms(),
+    }
+    for kind, named in items.items():
+        for name in named:
+            plugin = manager.owner(_KINDS[kind], name)
+            found.setdefault(plugin, {}).setdefault(kind, []).append(name)
+    return found
 
 
 def _specs(registry: MethodRegistry, info: PluginInfo) -> list[MethodSpec]:

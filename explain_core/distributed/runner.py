@@ -41,7 +41,7 @@ class EvaluationResult:
         summary: JSON-serialisable statistics (means, medians, entropies, …).
         per_sample: Per-sample tensors in global sample order (scores, curves, predictions,
             CSC cosines).
-        details: Job-specific object: the :class:`~explain_capsules.ParseTreeDictionary`, the
+        details: Job-specific object: e.g. a plugin job's dictionary, the
             :class:`~explain_core.metrics.CSCResult`, or the shard entries of ``attributions``.
         files: Files written by rank 0.
         computed: Index ranges computed in this run.

@@ -20,6 +20,14 @@ from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.scoped import scoped_setting, scoped_settings
 
+__all__ = [
+    "Contributions",
+    "DynamicLinear",
+    "dynamic_linear_contributions",
+    "dynamic_linear_rows",
+    "explanation_mode",
+]
+
 
 class DynamicLinear(nn.Module):
     """Base class of layers computing ``y = W(x)·x (+ b)``.

@@ -29,6 +29,16 @@ from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.scoped import ModuleListener, listening
 
+__all__ = [
+    "Canonizer",
+    "Composite",
+    "Matcher",
+    "Predicate",
+    "Rule",
+    "RuleCall",
+    "RuleMapping",
+]
+
 Predicate = Callable[[str, nn.Module], bool]
 
 # True while a rule's backward runs: rules typically re-run their module (with modified

@@ -21,6 +21,14 @@ from torch import nn
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.scoped import scoped_setting, scoped_settings
 
+__all__ = [
+    "CouplingTransform",
+    "RoutingEvent",
+    "RoutingLayer",
+    "RoutingRecording",
+    "record_routing",
+]
+
 CouplingTransform = Callable[[torch.Tensor], torch.Tensor]
 
 

@@ -7,8 +7,8 @@ The card (Sixt et al. 2020, *When explanations lie*; Adebayo et al. 2018) holds
 - **CSC at the first layer**: random relevance vectors set at the output layer and propagated
   down by the method; the median ``|cos|`` between them at the input of the first layer (near 1:
   the explanation has stopped depending on what was explained). Only for methods that can
-  propagate relevance from a layer (all of ``explain_modbp``, ``gradient``,
-  ``input_x_gradient``);
+  propagate relevance from a layer (methods with a
+  ``layer_propagator``: the modified-backpropagation family, the gradient);
 - **random-logit SSIM**: maps for the explained class vs. a random other class (1: not class
   sensitive);
 - **randomisation SSIM**: maps of the model vs. copies with the output layer, then every layer

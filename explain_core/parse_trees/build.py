@@ -505,8 +505,8 @@ def parse_tree(
 ) -> Any:
     """One entry point for the three modes: ``sample=``, ``cls=`` or neither (whole data set).
 
-    ``data`` is a :class:`ParseTreeData` or a recording shaped like
-    ``explain_capsules.CapsuleRecording``. ``sample`` and ``cls`` are integers (ints, NumPy
+    ``data`` is a :class:`ParseTreeData` or a capsule recording (see
+    :meth:`ParseTreeData.from_recording`). ``sample`` and ``cls`` are integers (ints, NumPy
     integers or 0-d integer tensors); ``threshold`` is a number (Python, NumPy or a 0-d tensor),
     one per routing layer, or ``None`` for the uniform couplings (:func:`default_thresholds`).
 

@@ -59,8 +59,8 @@ def compare_parse_trees(
 
     Args:
         recordings: One per model, each a :class:`~explain_core.parse_trees.data.ParseTreeData`
-            or a recording shaped like ``explain_capsules.CapsuleRecording`` (e.g. from
-            ``record_parse_tree_data(model, digits, levels=11)``), all of the same samples.
+            or a capsule recording (see ``ParseTreeData.from_recording``; e.g. a capsule
+            plugin's record of the digits at ``levels=11``), all of the same samples.
         out_dir: Folder for the pictures (``sample-3.svg`` …) and their ``.gv`` sources.
         titles: One title per recording.
         samples: Sample indices: one picture each, every tree backtracked from that model's

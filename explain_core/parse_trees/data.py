@@ -7,8 +7,8 @@ layer (the classes). ``couplings[l-1]`` are the couplings ``c_ij^[l]`` from caps
 the routing softmax over the parents ``j``.
 
 :class:`ParseTreeData` holds ``N`` samples as plain CPU tensors and is made from tensors
-(:meth:`ParseTreeData.from_tensors`), from any recording with the shape of
-``explain_capsules.CapsuleRecording`` (:meth:`ParseTreeData.from_recording`) or by running a model
+(:meth:`ParseTreeData.from_tensors`), from any capsule recording with
+``layers`` and ``predicted`` (:meth:`ParseTreeData.from_recording`) or by running a model
 with routing layers (:func:`collect_parse_tree_data`, built on
 :func:`~explain_core.interfaces.routing.record_routing` only). Nothing here imports networkx.
 """
@@ -30,7 +30,13 @@ from explain_core.interfaces.routing import RoutingEvent, RoutingLayer, record_r
 from explain_core.model_guard import ModelGuard
 from explain_core.quantisation import quantise_couplings
 
-__all__ = ["LayerStack", "ParseTreeData", "collect_parse_tree_data"]
+__all__ = [
+    "LayerStack",
+    "ParseTreeData",
+    "check_record_inputs",
+    "collect_parse_tree_data",
+    "routing_parents",
+]
 
 
 def as_index(value: Any, what: str) -> int:
@@ -60,7 +66,7 @@ def routing_parents(layer: nn.Module, n_out: int) -> int:
 
     All ``n_out`` output capsules for fully connected routing. A layer routing every receptive
     field on its own says so by an int ``out_types`` attribute, as
-    ``explain_capsules.ConvolutionalCapsules`` does: each window's couplings are a softmax over
+    convolutional capsule layers do: each window's couplings are a softmax over
     its ``out_types`` capsules, so their uniform value is ``1/out_types``, not ``1/n_out``.
     """
     types = getattr(layer, "out_types", None)
@@ -196,7 +202,7 @@ class ParseTreeData:
     def from_recording(
         cls, recording: Any, *, class_names: Sequence[str] | None = None
     ) -> ParseTreeData:
-        """Build from a recording shaped like ``explain_capsules.CapsuleRecording``.
+        """Build from a capsule recording (e.g. a capsule plugin's per-layer record).
 
         The recording needs ``layers`` (routing layers in forward order, each with
         ``couplings (N, n_in, n_out)``, ``input_activations (N, n_in)`` and
@@ -213,8 +219,8 @@ class ParseTreeData:
         layers = getattr(recording, "layers", None)
         if not layers or not hasattr(recording, "predicted"):
             raise InvalidInputError(
-                f"expected a capsule recording with .layers and .predicted (e.g. from "
-                f"explain_capsules.record_parse_tree_data); got {type(recording).__name__}"
+                f"expected a capsule recording with .layers and .predicted (e.g. a capsule "
+                f"plugin's recording of parse-tree data); got {type(recording).__name__}"
             )
         try:
             couplings = [layer.couplings for layer in layers]
@@ -337,7 +343,7 @@ def collect_parse_tree_data(
             copies are rounded: the model still routes with its own couplings, so predictions,
             activations and the couplings of later layers are those of the unquantised model.
             For REM's "+Q" model, which routes with quantised couplings, run this inside
-            ``explain_capsules.rem.quantised_routing(model, levels=K)``.
+            the capsule plugin's quantised routing (REM's +Q model).
         batch_size: Samples per forward pass.
         class_names: Names of the class capsules.
 

@@ -31,6 +31,13 @@ from torch import nn
 
 from explain_onnx.windows import window_elements
 
+__all__ = [
+    "TracedGradientGraph",
+    "input_gradient_graph",
+    "logits_and_selector",
+    "trace_explanation",
+]
+
 aten = torch.ops.aten
 
 # Output channels from which a transposed convolution is exported as a convolution.

@@ -49,13 +49,13 @@ UNSUPPORTED = {"lrp.zb": "the z^B rule checks its input bounds with a branch on 
 def composite_methods() -> dict[str, Any]:
     """Registered method name → spec, for the plugin's one-composite methods."""
     from explain_modbp import method_specs
-    from explain_modbp.methods import _CompositeMethod
+    from explain_modbp.methods import CompositeMethod
 
     return {
         spec.name: spec
         for spec in method_specs()
         if isinstance(spec.factory, type)
-        and issubclass(spec.factory, _CompositeMethod)
+        and issubclass(spec.factory, CompositeMethod)
         and spec.name not in UNSUPPORTED
     }
 
@@ -112,7 +112,7 @@ def lrp_graph(
             engine does not support (``UnsupportedModelError``, naming the module).
     """
     from explain_core.scoped import listening
-    from explain_modbp.attach import _Attached
+    from explain_modbp.attach import RulePass
     from explain_modbp.base import safe_divide
     from explain_modbp.tracing import trace
     from explain_onnx.gradtrace import logits_and_selector, trace_explanation
@@ -139,7 +139,7 @@ def lrp_graph(
 
     def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
         x = x.detach().requires_grad_(True)
-        with listening(_Attached(model, plan, record=False)), torch.enable_grad():
+        with listening(RulePass(model, plan, record=False)), torch.enable_grad():
             logits, signal = logits_and_selector(model, state, x, target)
             if start_one:  # relevance 1 at the explained output
                 signal = safe_divide(signal, logits.detach())

@@ -29,6 +29,16 @@ from explain_core.registry import Method, MethodResult
 from explain_core.targets import normalize_target, select_target
 from explain_core.validation import check_inputs, refuse_inference_mode
 
+__all__ = [
+    "MAX_EXPLICIT_ELEMENTS",
+    "Classes",
+    "CoDAContributions",
+    "Unit",
+    "coda_contributions",
+    "explicit_matrix",
+    "require_dau_model",
+]
+
 Classes = Sequence[int] | torch.Tensor | Literal["all"]
 Unit = int | tuple[int, int, int]
 MAX_EXPLICIT_ELEMENTS = 50_000_000

@@ -47,6 +47,14 @@ from torch import nn
 from explain_coda.nonlinearity import Nonlinearity, check_nonlinearity, scale_from_squared_norm
 from explain_core.interfaces.dynamic_linear import DynamicLinear
 
+__all__ = [
+    "FORMS",
+    "DAUConv2d",
+    "DAULinear",
+    "Form",
+    "orthonormal_columns",
+]
+
 Form = Literal["auto", "factorised", "direct"]
 FORMS: tuple[str, ...] = ("auto", "factorised", "direct")
 

@@ -21,6 +21,15 @@ from explain_coda.layers import DAUConv2d
 from explain_coda.nonlinearity import Nonlinearity, check_nonlinearity
 from explain_core.errors import InvalidInputError
 
+__all__ = [
+    "DEFAULT_LOGIT_BIAS",
+    "PRESETS",
+    "CoDANet",
+    "LayerSpec",
+    "bce_one_vs_all",
+    "encode_input",
+]
+
 DEFAULT_LOGIT_BIAS = math.log(0.1 / 0.9)
 """b₀ of the reference code: a sigmoid output of 0.1 for a zero contribution sum."""
 

@@ -10,6 +10,14 @@ from typing import Literal
 
 import torch
 
+__all__ = [
+    "EPS",
+    "NONLINEARITIES",
+    "Nonlinearity",
+    "check_nonlinearity",
+    "scale_from_squared_norm",
+]
+
 Nonlinearity = Literal["l2", "squash"]
 NONLINEARITIES: tuple[str, ...] = ("l2", "squash")
 EPS = 1e-12

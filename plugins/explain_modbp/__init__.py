@@ -51,6 +51,7 @@ __all__ = [
     "ZBox",
     "ZPlus",
     "Zero",
+    "method_specs",
 ]
 
 

@@ -24,6 +24,12 @@ from explain_modbp.layers import AFFINE_TYPES, AffineLayer
 from explain_modbp.ops import OpHandler, op_name
 from explain_modbp.tracing import Plan
 
+__all__ = [
+    "LayerRecord",
+    "RulePass",
+    "RuleState",
+]
+
 
 @dataclass
 class RuleState:
@@ -70,7 +76,7 @@ class _RuleFunction(torch.autograd.Function):
 
 
 class _HandlerMode(TorchFunctionMode):
-    def __init__(self, handler: OpHandler, attached: _Attached) -> None:
+    def __init__(self, handler: OpHandler, attached: RulePass) -> None:
         super().__init__()
         self.handler = handler
         self.attached = attached
@@ -85,7 +91,7 @@ class _HandlerMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _Attached(ModuleListener):
+class RulePass(ModuleListener):
     """The rules of one attribution pass, applied to the module calls of its context only.
 
     Other threads running the same model (plain forwards, other attributions) are not seen: the
@@ -108,6 +114,7 @@ class _Attached(ModuleListener):
 
     @contextlib.contextmanager
     def internal_ops(self) -> Iterator[None]:
+        """Operations inside the block are the engine's own (a handler leaves them alone)."""
         previous, self.internal = self.internal, True
         try:
             yield
@@ -138,11 +145,13 @@ class _Attached(ModuleListener):
         return self.calls
 
     def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        """Count the call (when validating a cached plan)."""
         name = self.counted.get(id(module))
         if name is not None:
             self.calls[name] = self.calls.get(name, 0) + 1
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+        """Stash a merged layer's input, or return a ruled layer's output with its rule."""
         key = id(module)
         stashed = self.stashed.get(key)
         if stashed is not None:

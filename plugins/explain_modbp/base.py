@@ -16,7 +16,14 @@ from explain_core.interfaces.relevance import Composite, Matcher, Rule, RuleCall
 from explain_modbp.layers import AffineLayer
 
 if TYPE_CHECKING:
-    from explain_modbp.attach import _Attached
+    from explain_modbp.attach import RulePass
+
+__all__ = [
+    "Gradient",
+    "LayerComposite",
+    "LayerRule",
+    "safe_divide",
+]
 
 
 class LayerRule(Rule):
@@ -58,7 +65,7 @@ class LayerRule(Rule):
         return self.relevance_backward(layer, state, x, signal * z)
 
     def attach(
-        self, engine_pass: _Attached, layer: AffineLayer, x: torch.Tensor, output: torch.Tensor
+        self, engine_pass: RulePass, layer: AffineLayer, x: torch.Tensor, output: torch.Tensor
     ) -> torch.Tensor | None:
         """Return the module's replacement output during the forward pass (``None``: keep it)."""
         return engine_pass.apply_rule(self, layer, x, output)

@@ -41,7 +41,7 @@ from torch import nn
 
 from explain_core.interfaces.relevance import Composite
 from explain_core.scoped import listening
-from explain_modbp.attach import LayerRecord, _Attached, _HandlerMode
+from explain_modbp.attach import LayerRecord, RulePass, _HandlerMode
 from explain_modbp.errors import UnsupportedModelError
 from explain_modbp.ops import OpHandler
 from explain_modbp.plan_cache import expected_calls, forget_plan, planned
@@ -193,7 +193,7 @@ class ModifiedBackprop:
                 plan, cached = planned(
                     model, inputs, self.composite, self.extra_ops, cache=use_cache
                 )
-                attached = _Attached(model, plan, self.record)
+                attached = RulePass(model, plan, self.record)
                 calls = attached.count_calls() if cached else {}
                 stack.enter_context(listening(attached))
                 if plan.custom:

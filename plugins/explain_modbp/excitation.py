@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from explain_modbp import composites
-from explain_modbp.methods import _CompositeMethod
+from explain_modbp.methods import CompositeMethod
 
 
 @dataclass
-class ExcitationBP(_CompositeMethod):
+class ExcitationBP(CompositeMethod):
     """Excitation backprop: marginal winning probabilities (sum to 1 on bias-free models)."""
 
     preset = staticmethod(composites.excitation)
@@ -23,7 +23,7 @@ class ExcitationBP(_CompositeMethod):
 
 
 @dataclass
-class ContrastiveExcitationBP(_CompositeMethod):
+class ContrastiveExcitationBP(CompositeMethod):
     """Contrastive excitation backprop: ``(Z⁺ − N⁺) m_k`` at the output layer, W⁺ below."""
 
     preset = staticmethod(composites.contrastive_excitation)

@@ -23,6 +23,27 @@ from explain_modbp.activations import PassActivations
 from explain_modbp.base import LayerComposite, safe_divide
 from explain_modbp.engine import ForwardPass, ModifiedBackprop
 
+__all__ = [
+    "LRPCMP",
+    "LRPW2",
+    "LRPZ",
+    "LRPZB",
+    "CompositeMethod",
+    "ContrastiveLRP",
+    "LRPAlphaBeta",
+    "LRPCustom",
+    "LRPEpsilon",
+    "LRPEpsilonPlus",
+    "LRPFlat",
+    "LRPGamma",
+    "LRPZPlus",
+    "input_relevance",
+    "lrp_engine",
+    "one_hot",
+    "per_sample_sum",
+    "run_composite",
+]
+
 
 def one_hot(output: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """``(batch, n_outputs)`` with a 1 at each sample's explained output."""
@@ -82,7 +103,7 @@ def run_composite(
     )
 
 
-class _CompositeMethod(Method):
+class CompositeMethod(Method):
     """A method defined by one preset composite.
 
     Attributes:
@@ -102,7 +123,7 @@ class _CompositeMethod(Method):
         """The composite with this method's options."""
         return self.preset(**{option.name: getattr(self, option.name) for option in fields(self)})
 
-    def attribute(self, model, inputs, target, baselines) -> MethodResult:
+    def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         return run_composite(
             self.build_composite(),
             model,
@@ -113,6 +134,7 @@ class _CompositeMethod(Method):
         )
 
     def layer_propagator(self, model, inputs, baselines):
+        """Relevance from any layer with this method's rules (for the CSC metric)."""
         from explain_modbp.propagation import EnginePropagator
 
         engine = lrp_engine(
@@ -123,14 +145,14 @@ class _CompositeMethod(Method):
 
 
 @dataclass
-class LRPZ(_CompositeMethod):
+class LRPZ(CompositeMethod):
     """LRP-0 on every layer (equals Input×Gradient on ReLU networks)."""
 
     preset = staticmethod(composites.lrp_z)
 
 
 @dataclass
-class LRPEpsilon(_CompositeMethod):
+class LRPEpsilon(CompositeMethod):
     """LRP-ε on every layer.
 
     Attributes:
@@ -142,7 +164,7 @@ class LRPEpsilon(_CompositeMethod):
 
 
 @dataclass
-class LRPZPlus(_CompositeMethod):
+class LRPZPlus(CompositeMethod):
     """z⁺ (LRP-α1β0) on every layer.
 
     Attributes:
@@ -155,7 +177,7 @@ class LRPZPlus(_CompositeMethod):
 
 
 @dataclass
-class LRPAlphaBeta(_CompositeMethod):
+class LRPAlphaBeta(CompositeMethod):
     """LRP-αβ on every layer (``alpha - beta == 1``).
 
     Attributes:
@@ -172,7 +194,7 @@ class LRPAlphaBeta(_CompositeMethod):
 
 
 @dataclass
-class LRPGamma(_CompositeMethod):
+class LRPGamma(CompositeMethod):
     """LRP-γ on every layer.
 
     Attributes:
@@ -187,7 +209,7 @@ class LRPGamma(_CompositeMethod):
 
 
 @dataclass
-class LRPW2(_CompositeMethod):
+class LRPW2(CompositeMethod):
     """Deep Taylor decomposition for real-valued inputs: w² on the input layer, z⁺ elsewhere.
 
     Attributes:
@@ -200,7 +222,7 @@ class LRPW2(_CompositeMethod):
 
 
 @dataclass
-class LRPZB(_CompositeMethod):
+class LRPZB(CompositeMethod):
     """Deep Taylor decomposition for bounded inputs: z^B on the input layer, z⁺ elsewhere.
 
     Attributes:
@@ -217,7 +239,7 @@ class LRPZB(_CompositeMethod):
 
 
 @dataclass
-class LRPFlat(_CompositeMethod):
+class LRPFlat(CompositeMethod):
     """Flat rule on the input layer, z⁺ on convolutions, ε on dense layers.
 
     Attributes:
@@ -232,7 +254,7 @@ class LRPFlat(_CompositeMethod):
 
 
 @dataclass
-class LRPEpsilonPlus(_CompositeMethod):
+class LRPEpsilonPlus(CompositeMethod):
     """The ε+z⁺ composite: z⁺ on convolutions, ε on dense layers.
 
     Attributes:
@@ -247,7 +269,7 @@ class LRPEpsilonPlus(_CompositeMethod):
 
 
 @dataclass
-class LRPCMP(_CompositeMethod):
+class LRPCMP(CompositeMethod):
     """LRP-CMP: αβ (``β = α − 1``; α = 1 or 2 in the paper) on convolutions, LRP-0 on dense.
 
     Attributes:
@@ -262,7 +284,7 @@ class LRPCMP(_CompositeMethod):
 
 
 @dataclass
-class LRPCustom(_CompositeMethod):
+class LRPCustom(CompositeMethod):
     """LRP with your own composite, e.g. a preset with rules of your own for some modules.
 
     ``explain(model, x, "lrp.custom", composite=composites.lrp_epsilon_plus().with_rules(

@@ -39,6 +39,15 @@ from explain_modbp.ops import (
     op_name,
 )
 
+__all__ = [
+    "Plan",
+    "Step",
+    "move_custom_rules",
+    "resolve_rule",
+    "resolve_rules",
+    "trace",
+]
+
 # One step of the data flow: (operation or module name, input ids, output ids, problem or None).
 Step = tuple[str, list[int], list[int], "str | None"]
 
