@@ -19,14 +19,18 @@ import torch
 from torch import nn
 
 from explain_core.eager import eager_mode, uncompiled
+from explain_core.errors import InvalidInputError
+from explain_core.model_guard import ModelGuard
 from explain_core.scoped import scoped_setting, scoped_settings
 
 __all__ = [
     "CouplingTransform",
+    "RoutedBatches",
     "RoutingEvent",
     "RoutingLayer",
     "RoutingRecording",
     "record_routing",
+    "record_routing_batches",
 ]
 
 CouplingTransform = Callable[[torch.Tensor], torch.Tensor]
@@ -226,3 +230,103 @@ def record_routing(
 
 
 _RECORDINGS = "routing_recordings"
+
+
+@dataclass(frozen=True)
+class RoutedBatches:
+    """Every routing layer's events over a data set, from :func:`record_routing_batches`.
+
+    Attributes:
+        layers: Layer name → its concatenated event (couplings and activations of all samples,
+            on the CPU), in the order the forward pass calls the layers.
+        outputs: The model's scores ``(N, n_outputs)`` on the CPU.
+    """
+
+    layers: dict[str, RoutingEvent]
+    outputs: torch.Tensor
+
+
+def record_routing_batches(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    *,
+    batch_size: int = 256,
+    transform: CouplingTransform | None = None,
+) -> RoutedBatches:
+    """Run ``model`` over ``inputs`` in batches and record every routing layer's couplings.
+
+    The one capsule recorder: parse-tree data and REM's dictionaries are built from it. The model
+    runs under ``torch.no_grad`` in eval mode (so eval-only coupling transforms such as REM's
+    quantiser apply) on the device of its parameters; its training flags and what a forward pass
+    sets on it (e.g. a capsule grid's shape) are put back, also on error. Every forward pass must
+    call each routing layer exactly once, in the same order.
+
+    Args:
+        model: A model with :class:`RoutingLayer` submodules returning ``(batch, n_outputs)``.
+        inputs: ``(N, ...)`` inputs.
+        batch_size: Samples per forward pass.
+        transform: Applied to the *recorded* couplings only (e.g. a quantiser); the model routes
+            with its own.
+
+    Raises:
+        InvalidInputError: For a bad ``batch_size``, a model without routing layers, an output
+            that is not ``(batch, n_outputs)``, or routing layers called twice in one pass or
+            differently from batch to batch.
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise InvalidInputError(f"batch_size must be a positive int; got {batch_size!r}")
+    device = next((p.device for p in model.parameters()), inputs.device)
+    per_batch: list[dict[str, RoutingEvent]] = []
+    outputs = []
+    flags = [(module, module.training) for module in model.modules()]
+    with (
+        ModelGuard(model, restore=True),
+        torch.no_grad(),
+        record_routing(model, transform=transform) as recording,
+    ):
+        model.eval()
+        try:
+            for start in range(0, inputs.shape[0], batch_size):
+                output = model(inputs[start : start + batch_size].to(device))
+                if not isinstance(output, torch.Tensor) or output.dim() != 2:
+                    shape = tuple(output.shape) if isinstance(output, torch.Tensor) else output
+                    raise InvalidInputError(
+                        f"{type(model).__name__} must return (batch, n_outputs) scores; got "
+                        f"{shape if isinstance(shape, tuple) else type(shape).__name__}"
+                    )
+                events = _one_event_per_layer(recording.drain())
+                if per_batch and list(events) != list(per_batch[0]):
+                    raise InvalidInputError(
+                        f"routing layers {list(events)} ran for the batch starting at {start}, "
+                        f"but {list(per_batch[0])} for the first batch; every forward pass must "
+                        "call each routing layer exactly once, in the same order"
+                    )
+                per_batch.append(events)
+                outputs.append(output.detach().cpu().clone())
+        finally:
+            for module, flag in flags:
+                module.training = flag
+    layers = {
+        name: RoutingEvent(
+            name,
+            0,
+            torch.cat([batch[name].couplings for batch in per_batch]),
+            torch.cat([batch[name].input_activations for batch in per_batch]),
+            torch.cat([batch[name].output_activations for batch in per_batch]),
+        )
+        for name in (per_batch[0] if per_batch else {})
+    }
+    return RoutedBatches(layers, torch.cat(outputs) if outputs else torch.empty(0, 0))
+
+
+def _one_event_per_layer(events: list[RoutingEvent]) -> dict[str, RoutingEvent]:
+    """One event per layer of one forward pass, in call order; routing twice is an error."""
+    found: dict[str, RoutingEvent] = {}
+    for event in events:
+        if event.layer in found:
+            raise InvalidInputError(
+                f"routing layer {event.layer!r} ran more than once in one forward pass; "
+                "parse-tree data needs each routing layer called exactly once per pass"
+            )
+        found[event.layer] = event
+    return found

@@ -7,10 +7,11 @@ layer (the classes). ``couplings[l-1]`` are the couplings ``c_ij^[l]`` from caps
 the routing softmax over the parents ``j``.
 
 :class:`ParseTreeData` holds ``N`` samples as plain CPU tensors and is made from tensors
-(:meth:`ParseTreeData.from_tensors`), from any capsule recording with
-``layers`` and ``predicted`` (:meth:`ParseTreeData.from_recording`) or by running a model
-with routing layers (:func:`collect_parse_tree_data`, built on
-:func:`~explain_core.interfaces.routing.record_routing` only). Nothing here imports networkx.
+(:meth:`ParseTreeData.from_tensors`), from any capsule recording with ``layers`` and ``predicted``
+(:meth:`ParseTreeData.from_recording`) or by running a model with routing layers
+(:func:`collect_parse_tree_data`, built on
+:func:`~explain_core.interfaces.routing.record_routing_batches`, the one capsule recorder). Nothing
+here imports networkx.
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ from torch import Tensor, nn
 
 from explain_core.eager import uncompiled
 from explain_core.errors import InvalidInputError
-from explain_core.interfaces.routing import RoutingEvent, RoutingLayer, record_routing
-from explain_core.model_guard import ModelGuard
+from explain_core.interfaces.routing import RoutingLayer, record_routing_batches
 from explain_core.quantisation import quantise_couplings
 
 __all__ = [
@@ -357,20 +357,12 @@ def collect_parse_tree_data(
             f"{type(model).__name__} has no routing layers (modules deriving from "
             "explain_core.RoutingLayer); parse trees need a capsule network"
         )
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidInputError(f"batch_size must be a positive int; got {batch_size!r}")
     check_record_inputs(model, inputs)
-    batches, outputs = _run_recorded(model, inputs, batch_size)
-    order = [e.layer for e in batches[0]]
-    for events in batches:
-        if [e.layer for e in events] != order or len(set(order)) != len(order):
-            raise InvalidInputError(
-                "every forward pass must call each routing layer exactly once, in the same "
-                f"order; got {[e.layer for e in events]}"
-            )
-    couplings = [torch.cat([b[k].couplings for b in batches]) for k in range(len(order))]
-    activations = [torch.cat([b[k].input_activations for b in batches]) for k in range(len(order))]
-    activations.append(torch.cat([b[-1].output_activations for b in batches]))
+    routed = record_routing_batches(model, inputs, batch_size=batch_size)
+    order = list(routed.layers)
+    couplings = [routed.layers[name].couplings for name in order]
+    activations = [routed.layers[name].input_activations for name in order]
+    activations.append(routed.layers[order[-1]].output_activations)
     for k in range(len(order) - 1):
         if couplings[k].shape[2] != couplings[k + 1].shape[1]:
             raise InvalidInputError(
@@ -383,7 +375,7 @@ def collect_parse_tree_data(
         routing_parents(modules[name], int(c.shape[2]))
         for name, c in zip(order, couplings, strict=True)
     ]
-    predicted = torch.cat(outputs).argmax(dim=1)
+    predicted = routed.outputs.argmax(dim=1)
     return ParseTreeData.from_tensors(
         couplings,
         activations,
@@ -392,28 +384,6 @@ def collect_parse_tree_data(
         levels=levels,
         parents=parents,
     )
-
-
-def _run_recorded(
-    model: nn.Module, inputs: Tensor, batch_size: int
-) -> tuple[list[list[RoutingEvent]], list[Tensor]]:
-    """The routing events and outputs of every batch, the model left as it was."""
-    device = next((p.device for p in model.parameters()), inputs.device)
-    batches: list[list[RoutingEvent]] = []
-    outputs = []
-    # The guard restores training flags and what a forward pass sets (e.g. grid shapes).
-    with ModelGuard(model, restore=True), torch.no_grad(), record_routing(model) as recording:
-        model.eval()
-        for start in range(0, inputs.shape[0], batch_size):
-            output = model(inputs[start : start + batch_size].to(device))
-            if not isinstance(output, Tensor) or output.dim() != 2:
-                raise InvalidInputError(
-                    f"{type(model).__name__} must return (batch, classes) scores; got "
-                    f"{tuple(output.shape) if isinstance(output, Tensor) else type(output)}"
-                )
-            batches.append(recording.drain())
-            outputs.append(output.detach().cpu())
-    return batches, outputs
 
 
 def _recorded_parents(layers: Sequence[Any]) -> tuple[int, ...] | None:

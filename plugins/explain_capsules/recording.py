@@ -24,11 +24,9 @@ import torch
 from torch import nn
 
 from explain_core.eager import uncompiled
-from explain_core.interfaces.routing import RoutingEvent, record_routing
-from explain_core.model_guard import ModelGuard
+from explain_core.interfaces.routing import RoutingEvent, record_routing_batches
 from explain_core.parse_trees.data import check_record_inputs, routing_parents
 from explain_core.quantisation import check_levels, quantise_couplings
-from explain_core.targets import select_target
 
 __all__ = ["CapsuleRecording", "LayerRecording", "record_parse_tree_data"]
 
@@ -115,25 +113,6 @@ def inference_mode_of(model: nn.Module) -> Iterator[None]:
             module.training = flag
 
 
-def _model_device(model: nn.Module, fallback: torch.device) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    return fallback
-
-
-def _events_by_layer(events: list[RoutingEvent]) -> dict[str, RoutingEvent]:
-    """One event per layer for one forward pass, in call order; routing twice is an error."""
-    found: dict[str, RoutingEvent] = {}
-    for event in events:
-        if event.layer in found:
-            raise ValueError(
-                f"routing layer {event.layer!r} ran more than once in one forward pass; "
-                "parse-tree data needs each routing layer called exactly once per pass"
-            )
-        found[event.layer] = event
-    return found
-
-
 def record_parse_tree_data(
     model: nn.Module,
     inputs: torch.Tensor,
@@ -174,54 +153,27 @@ def record_parse_tree_data(
             only or in another order.
     """
     check_levels(levels, optional=True)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
     check_record_inputs(model, inputs)
     transform = None if levels is None else partial(quantise_couplings, levels=levels)
-    device = _model_device(model, inputs.device)
-    per_layer: dict[str, list[RoutingEvent]] | None = None
-    outputs: list[torch.Tensor] = []
-    with (
-        ModelGuard(model, restore=True),
-        inference_mode_of(model),
-        record_routing(model, transform=transform) as recording,
-    ):
-        for start in range(0, inputs.shape[0], batch_size):
-            output = model(inputs[start : start + batch_size].to(device))
-            select_target(output, None)  # checks the (batch, n_outputs) shape
-            events = _events_by_layer(recording.drain())
-            if per_layer is None:
-                per_layer = {name: [] for name in events}
-            if list(events) != list(per_layer):
-                raise ValueError(
-                    f"routing layers {list(events)} ran for batch starting at {start}, but "
-                    f"{list(per_layer)} for the first batch; the forward pass must call the "
-                    "same routing layers in the same order for every batch"
-                )
-            for name, event in events.items():
-                per_layer[name].append(event)
-            outputs.append(output.detach().cpu().clone())
-    assert per_layer is not None  # at least one batch ran
+    routed = record_routing_batches(model, inputs, batch_size=batch_size, transform=transform)
     modules = dict(uncompiled(model).named_modules())
-    layers = [_layer_recording(name, events, modules[name]) for name, events in per_layer.items()]
-    all_outputs = torch.cat(outputs)
+    layers = [_layer_recording(event, modules[name]) for name, event in routed.layers.items()]
     return CapsuleRecording(
         layers=tuple(layers),
-        predicted=all_outputs.argmax(dim=1),
-        outputs=all_outputs,
+        predicted=routed.outputs.argmax(dim=1),
+        outputs=routed.outputs,
         levels=levels,
     )
 
 
-def _layer_recording(name: str, events: list[RoutingEvent], module: nn.Module) -> LayerRecording:
-    couplings = torch.cat([e.couplings for e in events])
-    n_out = int(couplings.shape[2])
+def _layer_recording(event: RoutingEvent, module: nn.Module) -> LayerRecording:
+    n_out = int(event.couplings.shape[2])
     return LayerRecording(
-        name=name,
-        n_in=int(couplings.shape[1]),
+        name=event.layer,
+        n_in=int(event.couplings.shape[1]),
         n_out=n_out,
-        couplings=couplings,
-        input_activations=torch.cat([e.input_activations for e in events]),
-        output_activations=torch.cat([e.output_activations for e in events]),
+        couplings=event.couplings,
+        input_activations=event.input_activations,
+        output_activations=event.output_activations,
         parents=routing_parents(module, n_out),
     )
