@@ -124,3 +124,57 @@ def test_names_imported_from_another_package_are_in_its_all(package):
             ]
             offending += [f"{path}: {module}.{name}" for name in missing]
     assert not offending
+
+
+def _module_name(package: str, path: str) -> str:
+    relative = Path(path).relative_to(PACKAGES[package].relative_to(ROOT)).with_suffix("")
+    parts = [package, *relative.parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles_not_even_through_lazy_imports():
+    # Module-level imports form no cycle, and no import inside a function closes one: a lazy
+    # import is there to keep optional work out of `import`, never to break a cycle.
+    trees = {
+        _module_name(package, path): tree for package in PACKAGES for path, tree in modules(package)
+    }
+
+    def targets(node: ast.AST) -> set[str]:
+        if isinstance(node, ast.Import):
+            return {alias.name for alias in node.names} & set(trees)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names} & set(trees)
+            whole = {node.module} if len(submodules) < len(node.names) else set()
+            return (submodules | whole) & set(trees)
+        return set()
+
+    eager: dict[str, set[str]] = {name: set() for name in trees}
+    lazy: dict[str, set[str]] = {name: set() for name in trees}
+    for name, tree in trees.items():
+        for node in tree.body:
+            body = [node]
+            if isinstance(node, ast.If):
+                if "TYPE_CHECKING" in ast.unparse(node.test):
+                    continue
+                body = [*node.body, *node.orelse]
+            for statement in body:
+                eager[name] |= targets(statement)
+        for function in ast.walk(tree):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for node in ast.walk(function):
+                    lazy[name] |= targets(node)
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, stack = set(), [start]
+        while stack:
+            current = stack.pop()
+            if current == goal:
+                return True
+            if current not in seen:
+                seen.add(current)
+                stack.extend(eager[current])
+        return False
+
+    cycles = [f"{a} -> {b}" for a in trees for b in eager[a] if b != a and reaches(b, a)]
+    held = [f"{a} -> {b} (lazily)" for a in trees for b in lazy[a] if b != a and reaches(b, a)]
+    assert not cycles and not held

@@ -30,6 +30,7 @@ from torch import nn
 
 from explain_core.distributed.data import EvaluationData
 from explain_core.distributed.gather import concat_ordered, merge_csc
+from explain_core.distributed.store import read_valid_shard, tensor_digest, write_shard
 from explain_core.errors import InvalidInputError
 
 __all__ = [
@@ -107,13 +108,6 @@ class JobArgument:
     type: Any = None
     default: Any = None
     choices: tuple[Any, ...] | None = None
-
-
-def tensor_digest(hasher: Any, tensor: torch.Tensor) -> None:
-    """Feed a tensor's dtype, shape and bytes into a ``hashlib`` hasher."""
-    tensor = tensor.detach().cpu().contiguous()
-    hasher.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
-    hasher.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def chunk_fingerprint(chunk: EvaluationData, config: JobConfig) -> str:
@@ -257,8 +251,6 @@ class AttributionsJob(Job):
         self, model: nn.Module, data: Any, piece: range, config: JobConfig
     ) -> dict[str, Any]:
         """Reuse the chunk's shard if it is complete, else compute and write it."""
-        from explain_core.distributed.store import read_valid_shard, write_shard
-
         assert config.out_dir is not None
         extra = {"inputs_sha256": chunk_fingerprint(data.slice(piece.start, piece.stop), config)}
         sample_shape = config.sample_shape

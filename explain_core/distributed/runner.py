@@ -22,8 +22,9 @@ from torch import nn
 from explain_core.distributed.context import DistributedContext, init_distributed
 from explain_core.distributed.data import as_evaluation_data
 from explain_core.distributed.gather import all_gather_objects, gather_chunk_results
-from explain_core.distributed.jobs import JobConfig, registered_jobs, tensor_digest
+from explain_core.distributed.jobs import JobConfig, registered_jobs
 from explain_core.distributed.sharding import Mode, assign_chunks, chunk_ranges
+from explain_core.distributed.store import tensor_digest
 from explain_core.errors import DistributedError, InvalidInputError
 
 __all__ = ["EvaluationResult", "evaluate"]

@@ -27,7 +27,6 @@ from typing import Any
 
 import torch
 
-from explain_core.distributed.jobs import tensor_digest
 from explain_core.errors import DistributedError
 from explain_core.files import write_atomically
 
@@ -41,6 +40,7 @@ __all__ = [
     "read_index",
     "read_valid_shard",
     "shard_path",
+    "tensor_digest",
     "write_index",
     "write_shard",
 ]
@@ -53,6 +53,13 @@ SHARED_FOLDER_ADVICE = (
     "--out (out_dir) must be one folder that every rank can see (a shared filesystem when the "
     "ranks run on several machines)"
 )
+
+
+def tensor_digest(hasher: Any, tensor: torch.Tensor) -> None:
+    """Feed a tensor's dtype, shape and bytes into a ``hashlib`` hasher."""
+    tensor = tensor.detach().cpu().contiguous()
+    hasher.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+    hasher.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
 
 
 def shard_path(out_dir: str | Path, piece: range) -> Path:

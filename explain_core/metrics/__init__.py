@@ -20,14 +20,10 @@ from explain_core.metrics.localisation import (
     localisation_score,
     pointing_game_grids,
 )
+from explain_core.metrics.maps import method_maps, to_maps
 from explain_core.metrics.matrix_chain import MatrixChainCurve, matrix_chain_convergence
 from explain_core.metrics.pixel_removal import pixel_removal_curve, removed_pixel_counts
-from explain_core.metrics.random_logit import (
-    RandomLogitResult,
-    method_maps,
-    random_logit_ssim,
-    to_maps,
-)
+from explain_core.metrics.random_logit import RandomLogitResult, random_logit_ssim
 from explain_core.metrics.randomisation import (
     RandomisationStep,
     cascading_randomisation,

@@ -28,7 +28,8 @@ from torch import nn
 from explain_core.api import explain
 from explain_core.errors import UnsupportedMethodError
 from explain_core.metrics.csc import cosine_similarity_convergence
-from explain_core.metrics.random_logit import method_maps, random_logit_ssim
+from explain_core.metrics.maps import method_maps
+from explain_core.metrics.random_logit import random_logit_ssim
 from explain_core.metrics.randomisation import cascading_randomisation, randomisation_layers
 
 __all__ = ["faithfulness_card", "format_card", "format_value"]

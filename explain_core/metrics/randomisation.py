@@ -26,6 +26,7 @@ from explain_core.metrics._checks import (
     input_layout,
     required_targets,
 )
+from explain_core.metrics.maps import resolve_maps
 from explain_core.targets import TargetLike
 from explain_core.validation import check_inputs
 
@@ -206,7 +207,7 @@ def cascading_randomisation(
         maps: ``maps(model, inputs, targets) -> (N, H, W)`` attribution maps (``(N, C, L)`` for
             signal inputs), or a registered method name (``options`` go to the method; its maps
             are summed over channels for images, see
-            :func:`explain_core.metrics.random_logit.method_maps`).
+            :func:`explain_core.metrics.maps.method_maps`).
         inputs: Model inputs ``(N, ...)``, finite floating point.
         targets: Explained class: one int for all samples, or one int per sample.
         layers: Qualified names of submodules, in randomisation order (output side first); a
@@ -224,7 +225,6 @@ def cascading_randomisation(
             method name inside ``torch.inference_mode()``.
         ModelStateError: If the model is in training mode.
     """
-    from explain_core.metrics.random_logit import resolve_maps  # it imports this module
     from explain_core.model_guard import require_eval_mode
 
     maps = resolve_maps(maps, options, "cascading_randomisation()")

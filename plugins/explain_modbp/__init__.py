@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from explain_core.hookspecs import hookimpl
 from explain_core.registry import MethodSpec
+from explain_modbp import deeplift, excitation, guided, methods, pattern
 from explain_modbp.base import Gradient, LayerComposite, LayerRule
 from explain_modbp.engine import BackwardResult, ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError, UnsupportedModelError
@@ -56,8 +57,7 @@ __all__ = [
 
 
 def method_specs() -> list[MethodSpec]:
-    """Every method of the plugin (imported lazily by the hook)."""
-    from explain_modbp import deeplift, excitation, guided, methods, pattern
+    """Every method of the plugin."""
 
     def spec(name: str, factory: object, summary: str) -> MethodSpec:
         return MethodSpec(name, factory, FAMILY, summary)  # type: ignore[arg-type]
