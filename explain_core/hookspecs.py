@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from explain_core.demo import DemoStep
     from explain_core.distributed.jobs import Job
     from explain_core.export_forms import ExportAdapter, ExportForm
+    from explain_core.interfaces.relevance import CompositeSpec
     from explain_core.registry import MethodSpec
 
 __all__ = [
@@ -114,4 +115,14 @@ def explain_register_export_adapters() -> Sequence[ExportAdapter]:
     Returns:
         :class:`~explain_core.export_forms.ExportAdapter` objects: a model type (matched
         exactly) and a function returning the module to export in its place.
+    """
+
+
+@hookspec
+def explain_register_composites() -> Sequence[CompositeSpec]:
+    """Return composites by name, for the attributors that take gradients (``composite=``).
+
+    Returns:
+        :class:`~explain_core.interfaces.relevance.CompositeSpec` objects: a name and a function
+        building the :class:`~explain_core.interfaces.relevance.ModifiedGradient`.
     """

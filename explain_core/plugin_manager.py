@@ -187,6 +187,12 @@ class PluginManager:
         adapters = self._named("explain_register_export_adapters", ExportAdapter, "ExportAdapter")
         return {adapter.model_type: adapter for adapter in adapters.values()}
 
+    def composites(self) -> dict[str, Any]:
+        """Composite name → :class:`~explain_core.interfaces.relevance.CompositeSpec`."""
+        from explain_core.interfaces.relevance import CompositeSpec
+
+        return self._named("explain_register_composites", CompositeSpec, "CompositeSpec")
+
     def owner(self, hook_name: str, name: str) -> str:
         """The plugin whose item ``name`` of hook ``hook_name`` is used (``""`` if none)."""
         return self._owners.get((hook_name, name), "")

@@ -32,7 +32,9 @@ from explain_core.scoped import ModuleListener, listening
 __all__ = [
     "Canonizer",
     "Composite",
+    "CompositeSpec",
     "Matcher",
+    "ModifiedGradient",
     "Predicate",
     "Rule",
     "RuleCall",
@@ -104,6 +106,49 @@ class Canonizer(ABC):
         """Rewrite ``model`` in place and return a function that restores it exactly."""
 
 
+class ModifiedGradient(ABC):
+    """A backward signal in place of the gradient: a composite's rules, an explanation mode.
+
+    Any attributor that takes gradients (gradient, Input×Gradient, SmoothGrad, Integrated
+    Gradients) runs over any of them (the ``composite=`` option of those methods).
+    """
+
+    @abstractmethod
+    def gradient(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        select: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``model`` at ``inputs`` and propagate a signal back to them.
+
+        Args:
+            model: The model.
+            inputs: ``(batch, ...)`` inputs (not changed).
+            select: Maps the detached output to the signal started at the output (e.g. a
+                one-hot of the explained class).
+
+        Returns:
+            ``(output, signal at the inputs)``: the detached output, and the modified gradient
+            shaped like ``inputs``.
+        """
+
+
+@dataclass(frozen=True)
+class CompositeSpec:
+    """A composite registered by name (``explain_register_composites``).
+
+    Attributes:
+        name: The name methods take (``composite="epsilon_plus"``).
+        build: Builds the :class:`ModifiedGradient` with its defaults.
+        summary: One line for listings.
+    """
+
+    name: str
+    build: Callable[[], ModifiedGradient]
+    summary: str = ""
+
+
 @dataclass(frozen=True)
 class RuleMapping:
     """One entry of a composite: modules matching ``matcher`` get ``rule``."""
@@ -123,8 +168,10 @@ class RuleMapping:
         return bool(matcher(name, module))
 
 
-class Composite:
+class Composite(ModifiedGradient):
     """Maps the modules of a model to rules; the first matching entry wins.
+
+    As a :class:`ModifiedGradient` it runs the model inside :meth:`context`.
 
     Args:
         mapping: ``(matcher, rule)`` pairs. A matcher is a module type (or tuple of types), a
@@ -184,6 +231,19 @@ class Composite:
                     "SomeRule()), or list the type in passthrough"
                 )
         return assigned
+
+    def gradient(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        select: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The signal at the inputs with this composite's rules (see :class:`ModifiedGradient`)."""
+        x = inputs.detach().requires_grad_(True)
+        with self.context(model), torch.enable_grad():
+            output = model(x)
+            (signal,) = torch.autograd.grad(output, x, select(output.detach()))
+        return output.detach(), signal
 
     @contextmanager
     def context(self, model: nn.Module) -> Iterator[nn.Module]:

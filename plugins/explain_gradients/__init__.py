@@ -7,9 +7,11 @@ Registers ``gradient``, ``input_x_gradient``, ``integrated_gradients``, ``smooth
 from __future__ import annotations
 
 from explain_core.hookspecs import hookimpl
+from explain_core.interfaces.relevance import CompositeSpec
 from explain_core.registry import MethodSpec
 from explain_gradients.methods import (
     DynamicLinearContributions,
+    ExplanationMode,
     Gradient,
     InputXGradient,
     IntegratedGradients,
@@ -52,3 +54,13 @@ def explain_demo_steps() -> list[object]:
     from explain_gradients.demo import GradientBaselinesStep
 
     return [GradientBaselinesStep()]
+
+
+@hookimpl
+def explain_register_composites() -> list[CompositeSpec]:
+    """``explanation_mode``: dynamic-linear layers' weights detached."""
+    return [
+        CompositeSpec(
+            "explanation_mode", ExplanationMode, "dynamic weights detached (exact contributions)"
+        )
+    ]

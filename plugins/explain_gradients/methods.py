@@ -7,22 +7,63 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from explain_core.interfaces.dynamic_linear import dynamic_linear_contributions
+from explain_core.composites import resolve_composite
+from explain_core.interfaces.dynamic_linear import dynamic_linear_contributions, explanation_mode
+from explain_core.interfaces.relevance import ModifiedGradient
 from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 
+Composite = str | ModifiedGradient | None
+
 
 def _output_and_gradient(
-    model: nn.Module, inputs: torch.Tensor, target: torch.Tensor | None
+    model: nn.Module,
+    inputs: torch.Tensor,
+    target: torch.Tensor | None,
+    composite: Composite = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Model output, explained target and ``d output[target] / d inputs`` per sample."""
+    """Model output, explained target and ``d output[target] / d inputs`` per sample.
+
+    With a ``composite`` the gradient is its modified gradient (e.g. an LRP composite's signal,
+    whose product with the input is the composite's relevance).
+    """
+    if composite is not None:
+        chosen: list[torch.Tensor] = []
+
+        def select(output: torch.Tensor) -> torch.Tensor:
+            chosen.append(select_target(output, target))
+            return torch.zeros_like(output).scatter_(1, chosen[0][:, None], 1.0)
+
+        output, gradient = resolve_composite(composite).gradient(model, inputs, select)
+        return output, chosen[0], gradient
     x = inputs.detach().requires_grad_(True)
     with torch.enable_grad():
         output = model(x)
-        chosen = select_target(output, target)
-        (gradient,) = torch.autograd.grad(output.gather(1, chosen[:, None]).sum(), x)
-    return output.detach(), chosen, gradient
+        chosen_now = select_target(output, target)
+        (gradient,) = torch.autograd.grad(output.gather(1, chosen_now[:, None]).sum(), x)
+    return output.detach(), chosen_now, gradient
+
+
+def _check_composite(composite: Composite) -> None:
+    if composite is not None:
+        resolve_composite(composite)  # an unknown name fails when the method is created
+
+
+class ExplanationMode(ModifiedGradient):
+    """The gradient with every dynamic-linear layer's weights detached (``dynamic.contributions``).
+
+    As a composite (``composite="explanation_mode"``) it makes Input×Gradient the exact
+    contributions ``W_{0→L}(x) ⊙ x`` of a dynamic-linear model, and lets SmoothGrad and
+    Integrated Gradients run over them.
+    """
+
+    def gradient(self, model, inputs, select):  # noqa: D102
+        x = inputs.detach().requires_grad_(True)
+        with explanation_mode(model), torch.enable_grad():
+            output = model(x)
+            (gradient,) = torch.autograd.grad(output, x, select(output.detach()))
+        return output.detach(), gradient
 
 
 def _per_sample_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -31,10 +72,20 @@ def _per_sample_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Gradient(Method):
-    """The gradient of the explained output with respect to the input (a saliency map)."""
+    """The gradient of the explained output with respect to the input (a saliency map).
+
+    Attributes:
+        composite: A composite's name or object: its modified gradient instead (see
+            :class:`~explain_core.interfaces.relevance.ModifiedGradient`).
+    """
+
+    composite: Composite = None
+
+    def __post_init__(self) -> None:
+        _check_composite(self.composite)
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        output, chosen, gradient = _output_and_gradient(model, inputs, target)
+        output, chosen, gradient = _output_and_gradient(model, inputs, target, self.composite)
         return MethodResult(gradient, output, chosen)
 
     def layer_propagator(self, model, inputs, baselines) -> AutogradPropagator:
@@ -44,10 +95,21 @@ class Gradient(Method):
 
 @dataclass
 class InputXGradient(Method):
-    """Input times gradient; the delta is the output minus the summed attribution."""
+    """Input times gradient; the delta is the output minus the summed attribution.
+
+    Attributes:
+        composite: A composite's name or object: its modified gradient instead, which makes
+            this the composite's relevance (``composite="epsilon_plus"`` is
+            ``lrp.epsilon_plus``; ``"explanation_mode"`` is ``dynamic.contributions``).
+    """
+
+    composite: Composite = None
+
+    def __post_init__(self) -> None:
+        _check_composite(self.composite)
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        output, chosen, gradient = _output_and_gradient(model, inputs, target)
+        output, chosen, gradient = _output_and_gradient(model, inputs, target, self.composite)
         attribution = inputs * gradient
         explained = output.gather(1, chosen[:, None])[:, 0]
         return MethodResult(attribution, output, chosen, explained - _per_sample_sum(attribution))
@@ -64,13 +126,16 @@ class IntegratedGradients(Method):
     Attributes:
         steps: Number of points on the straight path from the baseline to the input.
         internal_batch_size: Path points evaluated per forward pass (bounds memory).
+        composite: A composite's name or object: its modified gradient is integrated instead.
     """
 
     steps: int = 20
     internal_batch_size: int = 64
+    composite: Composite = None
     uses_baselines = True
 
     def __post_init__(self) -> None:
+        _check_composite(self.composite)
         if self.steps < 1 or self.internal_batch_size < 1:
             raise ValueError(
                 f"steps and internal_batch_size must be >= 1; got {self.steps} and "
@@ -93,7 +158,7 @@ class IntegratedGradients(Method):
             shape = (-1,) + (1,) * inputs.dim()
             path = reference[None] + chunk.reshape(shape) * difference[None]
             _, _, gradient = _output_and_gradient(
-                model, path.flatten(0, 1), chosen.repeat(len(chunk))
+                model, path.flatten(0, 1), chosen.repeat(len(chunk)), self.composite
             )
             total += gradient.reshape(len(chunk), *inputs.shape).sum(dim=0)
         attribution = difference * total / self.steps
@@ -125,6 +190,7 @@ class SmoothGrad(Method):
         times_input: Multiply the averaged gradient by the input.
         seed: Seed of the noise.
         internal_batch_size: Noisy inputs evaluated per forward pass (bounds memory).
+        composite: A composite's name or object: its modified gradient is averaged instead.
     """
 
     samples: int = 25
@@ -132,8 +198,10 @@ class SmoothGrad(Method):
     times_input: bool = False
     seed: int = 0
     internal_batch_size: int = 64
+    composite: Composite = None
 
     def __post_init__(self) -> None:
+        _check_composite(self.composite)
         if self.samples < 1 or self.internal_batch_size < 1:
             raise ValueError(
                 f"samples and internal_batch_size must be >= 1; got {self.samples} and "
@@ -164,7 +232,9 @@ class SmoothGrad(Method):
                 ]
             )
             noisy = (inputs[None] + sigma[None] * noise).flatten(0, 1)
-            _, _, gradient = _output_and_gradient(model, noisy, chosen.repeat(copies))
+            _, _, gradient = _output_and_gradient(
+                model, noisy, chosen.repeat(copies), self.composite
+            )
             total += gradient.reshape(copies, *inputs.shape).sum(dim=0)
         attribution = total / self.samples
         if self.times_input:

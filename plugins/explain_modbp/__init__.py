@@ -9,11 +9,13 @@ family ``"modified-bp"``; see :func:`explain_register_methods` for the names.
 from __future__ import annotations
 
 from explain_core.hookspecs import hookimpl
+from explain_core.interfaces.relevance import CompositeSpec
 from explain_core.registry import MethodSpec
 from explain_modbp import deeplift, excitation, guided, methods, pattern
-from explain_modbp.base import Gradient, LayerComposite, LayerRule
+from explain_modbp.base import Gradient, LayerRule
 from explain_modbp.engine import BackwardResult, ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError, UnsupportedModelError
+from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.layers import AffineLayer
 from explain_modbp.ops import OpHandler
 from explain_modbp.rules import (
@@ -100,3 +102,21 @@ def explain_demo_steps() -> list[object]:
     from explain_modbp.demo import ModifiedBackpropDemoStep
 
     return [ModifiedBackpropDemoStep()]
+
+
+@hookimpl
+def explain_register_composites() -> list[CompositeSpec]:
+    """The presets whose rules give a signal at the input, for the gradient attributors."""
+    from explain_modbp import composites
+
+    presets = [
+        ("z", composites.lrp_z, "LRP-0 on every layer"),
+        ("epsilon", composites.lrp_epsilon, "LRP-ε on every layer"),
+        ("zplus", composites.lrp_zplus, "z⁺ on every layer"),
+        ("alpha2beta1", composites.lrp_alpha_beta, "LRP-αβ with α=2, β=1 on every layer"),
+        ("gamma", composites.lrp_gamma, "LRP-γ on every layer"),
+        ("epsilon_plus", composites.lrp_epsilon_plus, "z⁺ on convolutions, ε on dense layers"),
+        ("cmp", composites.lrp_cmp, "αβ on convolutions, LRP-0 on dense layers"),
+        ("excitation", composites.excitation, "the W⁺ rule on every layer"),
+    ]
+    return [CompositeSpec(name, build, summary) for name, build, summary in presets]

@@ -1,18 +1,16 @@
-"""Base classes of the affine-layer rules and the composite with first/last layer slots.
+"""Base classes of the affine-layer rules.
 
 A :class:`LayerRule` turns the relevance (or signal) at an affine layer's output into the signal
-at its input; :class:`LayerComposite` maps modules to rules like the core composite and adds rules
-for the layer reading the model input and the layer producing the output.
+at its input (:class:`~explain_modbp.layer_composite.LayerComposite` maps modules to them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from explain_core.interfaces.relevance import Composite, Matcher, Rule, RuleCall
+from explain_core.interfaces.relevance import Rule, RuleCall
 from explain_modbp.layers import AffineLayer
 
 if TYPE_CHECKING:
@@ -20,7 +18,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Gradient",
-    "LayerComposite",
     "LayerRule",
     "safe_divide",
 ]
@@ -100,35 +97,3 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Ten
     """``numerator / denominator`` with 0 where the denominator is 0."""
     zero = denominator == 0
     return numerator / denominator.masked_fill(zero, 1.0) * ~zero
-
-
-class LayerComposite(Composite):
-    """A core :class:`~explain_core.Composite` plus rules for the first and the last layer.
-
-    Args:
-        mapping: ``(matcher, rule)`` pairs as for the core composite; the first match wins.
-        first: Rule for the affine layer that reads the model input (e.g. z^B, flat, w²).
-        last: Rule for the affine layer that produces the output (e.g. contrastive excitation).
-        name: Short description for error messages and listings.
-    """
-
-    def __init__(
-        self,
-        mapping: Sequence[tuple[Matcher, Rule]],
-        *,
-        first: LayerRule | None = None,
-        last: LayerRule | None = None,
-        name: str = "composite",
-        canonizers: Sequence[Any] = (),
-    ) -> None:
-        super().__init__(mapping, canonizers=canonizers)
-        self.first = first
-        self.last = last
-        self.name = name
-
-    def with_rules(self, *entries: tuple[Matcher, Rule]) -> LayerComposite:
-        """A copy with ``entries`` taking precedence over the existing mapping."""
-        mapping = [*entries, *((m.matcher, m.rule) for m in self.mapping)]
-        return LayerComposite(
-            mapping, first=self.first, last=self.last, name=self.name, canonizers=self.canonizers
-        )

@@ -31,7 +31,8 @@ from __future__ import annotations
 from torch import nn
 
 from explain_modbp import rules
-from explain_modbp.base import Gradient, LayerComposite, LayerRule
+from explain_modbp.base import Gradient, LayerRule
+from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)

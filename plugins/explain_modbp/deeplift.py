@@ -35,9 +35,10 @@ from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_modbp.activations import Activation, secant_slope
-from explain_modbp.base import LayerComposite, LayerRule
+from explain_modbp.base import LayerRule
 from explain_modbp.composites import gradient_composite
 from explain_modbp.engine import ModifiedBackprop
+from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
 from explain_modbp.methods import one_hot, per_sample_sum
 from explain_modbp.ops import ACTIVATION_OPS, ADD_OPS, RELU_OPS, OpHandler

@@ -55,13 +55,13 @@ class AffineLayer:
     @classmethod
     def from_module(cls, name: str, module: nn.Module) -> AffineLayer:
         """View a Linear or Conv module (its current parameters, detached)."""
+        if isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d):
+            scale, shift = batchnorm_affine(name, module)  # also without affine parameters
+            return cls(name, "scale", scale, shift)
         weight = module.weight.detach()
         bias = module.bias.detach() if module.bias is not None else None
         if isinstance(module, nn.Linear):
             return cls(name, "linear", weight, bias)
-        if isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d):
-            scale, shift = batchnorm_affine(name, module)
-            return cls(name, "scale", scale, shift)
         dims = weight.dim() - 2
         if module.padding_mode != "zeros":
             raise UnsupportedModelError(

@@ -20,8 +20,9 @@ from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_modbp import composites
 from explain_modbp.activations import PassActivations
-from explain_modbp.base import LayerComposite, safe_divide
+from explain_modbp.base import safe_divide
 from explain_modbp.engine import ForwardPass, ModifiedBackprop
+from explain_modbp.layer_composite import LayerComposite
 
 __all__ = [
     "LRPCMP",

@@ -32,9 +32,10 @@ from explain_core.errors import InvalidInputError
 from explain_core.model_guard import require_eval_mode
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
-from explain_modbp.base import LayerComposite, LayerRule, safe_divide
+from explain_modbp.base import LayerRule, safe_divide
 from explain_modbp.engine import ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError
+from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.methods import one_hot
 

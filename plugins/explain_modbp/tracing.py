@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from explain_core.interfaces.relevance import Composite, Rule
 from explain_core.scoped import ModuleListener, listening
-from explain_modbp.base import LayerComposite, LayerRule
+from explain_modbp.base import LayerRule
 from explain_modbp.errors import RULE_HINT, UnsupportedModelError, op_hint
 from explain_modbp.layers import AFFINE_TYPES, BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.ops import (
@@ -551,11 +551,11 @@ def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) 
     """
     module = model.get_submodule(name)
     rule: Rule | None = None
-    if isinstance(composite, LayerComposite):
-        if composite.first is not None and name in plan.input_layers:
-            rule = composite.first
-        elif composite.last is not None and name == plan.order[-1]:
-            rule = composite.last
+    first, last = getattr(composite, "first", None), getattr(composite, "last", None)
+    if first is not None and name in plan.input_layers:
+        rule = first
+    elif last is not None and name == plan.order[-1]:
+        rule = last
     if rule is None:
         rule = composite.rule_for(name, module)
     type_name = type(module).__name__
