@@ -122,9 +122,12 @@ def add_job_arguments(group: argparse._ArgumentGroup, jobs: dict[str, Job]) -> N
             if argument.flag in taken:
                 continue
             taken[argument.flag] = name
-            extra = {"type": argument.type} if argument.type is not None else {}
-            if argument.choices is not None:
+            extra: dict[str, Any] = {"metavar": argument.flag.lstrip("-").replace("-", "_").upper()}
+            if argument.type is not None:
+                extra["type"] = argument.type
+            if argument.choices is not None:  # argparse shows the choices instead
                 extra["choices"] = argument.choices
+                del extra["metavar"]
             group.add_argument(
                 argument.flag,
                 dest=_dest(argument),
