@@ -7,19 +7,31 @@ from explain_core.interfaces.dynamic_linear import (
     dynamic_linear_rows,
     explanation_mode,
 )
-from explain_core.interfaces.relevance import Canonizer, Composite, Rule, RuleCall
+from explain_core.interfaces.relevance import (
+    Canonizer,
+    Composite,
+    CompositeSpec,
+    ModifiedGradient,
+    Rule,
+    RuleCall,
+)
 from explain_core.interfaces.routing import (
+    RoutedBatches,
     RoutingEvent,
     RoutingLayer,
     RoutingRecording,
     record_routing,
+    record_routing_batches,
 )
 
 __all__ = [
     "Canonizer",
     "Composite",
+    "CompositeSpec",
     "Contributions",
     "DynamicLinear",
+    "ModifiedGradient",
+    "RoutedBatches",
     "RoutingEvent",
     "RoutingLayer",
     "RoutingRecording",
@@ -29,4 +41,5 @@ __all__ = [
     "dynamic_linear_rows",
     "explanation_mode",
     "record_routing",
+    "record_routing_batches",
 ]
