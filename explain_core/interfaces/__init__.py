@@ -12,6 +12,7 @@ from explain_core.interfaces.relevance import (
     Composite,
     CompositeSpec,
     ModifiedGradient,
+    Op,
     Rule,
     RuleCall,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "Contributions",
     "DynamicLinear",
     "ModifiedGradient",
+    "Op",
     "RoutedBatches",
     "RoutingEvent",
     "RoutingLayer",

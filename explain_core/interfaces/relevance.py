@@ -35,6 +35,7 @@ __all__ = [
     "CompositeSpec",
     "Matcher",
     "ModifiedGradient",
+    "Op",
     "Predicate",
     "Rule",
     "RuleCall",
@@ -48,28 +49,30 @@ Predicate = Callable[[str, nn.Module], bool]
 _RULES_SUSPENDED: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "explain_rules_suspended", default=False
 )
-Matcher = type[nn.Module] | tuple[type[nn.Module], ...] | str | Predicate
 
 
 @dataclass
 class RuleCall:
-    """One forward call of a module with a rule attached.
+    """One forward call of a module, or one traced operation, with a rule attached.
 
     Attributes:
-        module: The module that was called.
-        name: Its qualified name inside the model (``""`` for the root).
+        module: The module that was called (``None`` for an operation).
+        name: Its qualified name inside the model (``""`` for the root), or the operation's kind.
         inputs: The tensor inputs of the call, detached.
         output: The output of the call, detached.
         state: Whatever :meth:`Rule.forward` returned for this call.
         grad_output: The signal that arrived at the output during backward (set by the engine).
+        function: For an operation: the call as written, applied out of place to other values
+            of its (first) tensor input, e.g. to take a derivative.
     """
 
-    module: nn.Module
+    module: nn.Module | None
     name: str
     inputs: tuple[torch.Tensor, ...]
     output: torch.Tensor
     state: Any = None
     grad_output: torch.Tensor | None = field(default=None, repr=False)
+    function: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
 
 
 class Rule(ABC):
@@ -149,9 +152,36 @@ class CompositeSpec:
     summary: str = ""
 
 
+class Op:
+    """Matches traced operations by kind (``Op("gelu", "silu")``), for a composite's entries.
+
+    A kind is the operation's normalised name: ``F.gelu`` and ``Tensor.gelu`` are ``"gelu"``,
+    ``Tensor.relu_`` is ``"relu_"``. Engines that trace operations (the modified-backpropagation
+    engine) apply the rule to every call of those operations on values that depend on the input.
+    Rules for operations see one tensor input and one output.
+    """
+
+    def __init__(self, *kinds: str) -> None:
+        if not kinds or not all(isinstance(kind, str) and kind for kind in kinds):
+            raise InvalidInputError(f"Op needs operation names such as 'gelu'; got {kinds!r}")
+        self.kinds = frozenset(kinds)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Op) and other.kinds == self.kinds
+
+    def __hash__(self) -> int:
+        return hash(("Op", self.kinds))
+
+    def __repr__(self) -> str:
+        return f"Op({', '.join(map(repr, sorted(self.kinds)))})"
+
+
+Matcher = type[nn.Module] | tuple[type[nn.Module], ...] | str | Predicate | Op
+
+
 @dataclass(frozen=True)
 class RuleMapping:
-    """One entry of a composite: modules matching ``matcher`` get ``rule``."""
+    """One entry of a composite: modules (or operations) matching ``matcher`` get ``rule``."""
 
     matcher: Matcher
     rule: Rule
@@ -159,6 +189,8 @@ class RuleMapping:
     def matches(self, name: str, module: nn.Module) -> bool:
         """Whether the module at ``name`` is matched by this entry."""
         matcher = self.matcher
+        if isinstance(matcher, Op):
+            return False
         if isinstance(matcher, str):
             return fnmatch.fnmatchcase(name, matcher)
         if isinstance(matcher, type) or (
@@ -208,6 +240,19 @@ class Composite(ModifiedGradient):
             if entry.matches(name, module):
                 return entry.rule
         return None
+
+    def rule_for_op(self, kind: str) -> Rule | None:
+        """The rule for traced operations of ``kind`` (e.g. ``"gelu"``), or ``None``."""
+        for entry in self.mapping:
+            if isinstance(entry.matcher, Op) and kind in entry.matcher.kinds:
+                return entry.rule
+        return None
+
+    @property
+    def op_kinds(self) -> frozenset[str]:
+        """Every operation kind an entry maps."""
+        kinds = (entry.matcher.kinds for entry in self.mapping if isinstance(entry.matcher, Op))
+        return frozenset().union(*kinds)
 
     def assignments(self, model: nn.Module) -> dict[str, Rule]:
         """Qualified module name → rule, for every module the composite maps.

@@ -5,17 +5,19 @@ relevance on unchanged. For other activations ``a = f(z)`` the gradient ``f'(z)`
 uses the pass rule instead (as zennit does for activations): ``R_z = R_a``, i.e. the signal
 ``s_z = s_a ⊙ f(z) / z`` (``f'(z)`` where ``z = 0``, its limit when ``f(0) = 0``). For positively
 homogeneous activations (LeakyReLU, PReLU-like slopes) ``f(z)/z = f'(z)``: LRP-0 stays
-Input×Gradient. DeepLIFT's activations are in :mod:`.deeplift`.
+Input×Gradient. The LRP presets map :data:`~explain_modbp.ops.ACTIVATION_OPS` to
+:class:`PassRelevance` (an operation rule, through the public composite API); DeepLIFT's
+activations are in :mod:`.deeplift`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from explain_modbp.ops import ACTIVATION_OPS, OpHandler
+from explain_core.interfaces.relevance import Rule, RuleCall
 
 
 class Activation:
@@ -70,25 +72,23 @@ def secant_slope(
     return ratio
 
 
-class _PassRelevance(torch.autograd.Function):
-    """An activation whose backward passes relevance on unchanged: ``s_z = s_a ⊙ f(z) / z``."""
+class PassRelevance(Rule):
+    """LRP's rule for element-wise activations: relevance passes unchanged, ``R_z = R_a``.
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, activation: Activation) -> Any:
-        z = x.detach().clone()
-        y = activation.apply_in_forward(ctx, x)
-        ctx.ratio = secant_slope(activation, z, y.detach(), z)
-        return y
+    In the signal convention ``s_z = s_a ⊙ f(z) / z`` (``f'(z)`` where ``z = 0``). Map it to the
+    activations' operations in a composite: ``(Op("gelu", "silu"), PassRelevance())``.
+    """
 
-    @staticmethod
-    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return signal * ctx.ratio, None
+    def forward(self, call: RuleCall) -> torch.Tensor:  # noqa: D102
+        (z,) = call.inputs
+        flat = z == 0
+        ratio = call.output / z.masked_fill(flat, 1.0)
+        if bool(flat.any()):  # the limit f'(0) (f(0) = 0 for these activations)
+            with torch.enable_grad():
+                t = z.detach().requires_grad_(True)
+                (slope,) = torch.autograd.grad(call.function(t), t, torch.ones_like(t))
+            ratio = torch.where(flat, slope, ratio)
+        return ratio
 
-
-class PassActivations(OpHandler):
-    """LRP's pass rule for every element-wise activation other than ReLU."""
-
-    ops: ClassVar[frozenset[str]] = ACTIVATION_OPS
-
-    def handle(self, name, func, args, kwargs):  # noqa: D102
-        return _PassRelevance.apply(args[0], Activation(func, args, kwargs))
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        return (grad_output * call.state,)

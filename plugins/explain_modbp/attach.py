@@ -18,6 +18,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
+from explain_core.interfaces.relevance import Composite, Rule, RuleCall
 from explain_core.scoped import ModuleListener
 from explain_modbp.base import LayerRule
 from explain_modbp.layers import AFFINE_TYPES, AffineLayer
@@ -75,9 +76,51 @@ class _RuleFunction(torch.autograd.Function):
         return core.rule.signal_backward(core.layer, core.state, x, core.z, signal), None, None
 
 
-class _HandlerMode(TorchFunctionMode):
-    def __init__(self, handler: OpHandler, attached: RulePass) -> None:
+class _OpRuleFunction(torch.autograd.Function):
+    """One traced operation as written, whose backward is the composite's rule for it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rule: Rule, call: RuleCall, apply: Any) -> Any:
+        y = apply(x)  # the call as written: in place where the model asked for that
+        if y is x:
+            ctx.mark_dirty(x)
+        call.output = y.detach().clone()
+        call.state = rule.forward(call)
+        ctx.rule, ctx.call = rule, call
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, None, None, None]:
+        call: RuleCall = ctx.call
+        call.grad_output = grad_output
+        (grad,) = ctx.rule.backward(call, grad_output)
+        return grad, None, None, None
+
+
+def apply_op_rule(
+    rule: Rule, kind: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``func(*args, **kwargs)`` with ``rule`` as the backward of its first (tensor) input."""
+    x, rest = args[0], args[1:]
+
+    def apply(value: torch.Tensor) -> torch.Tensor:
+        return func(value, *rest, **kwargs)
+
+    def out_of_place(value: torch.Tensor) -> torch.Tensor:
+        return apply(value.clone())
+
+    call = RuleCall(None, kind, (x.detach().clone(),), torch.empty(0), function=out_of_place)
+    return _OpRuleFunction.apply(x, rule, call, apply)
+
+
+class _OperationMode(TorchFunctionMode):
+    """Applies the composite's operation rules and the handler's to this pass's operations."""
+
+    def __init__(self, composite: Composite, handler: OpHandler | None, attached: RulePass) -> None:
         super().__init__()
+        self.composite = composite
+        self.kinds = composite.op_kinds
         self.handler = handler
         self.attached = attached
 
@@ -86,7 +129,11 @@ class _HandlerMode(TorchFunctionMode):
         if self.attached.internal:
             return func(*args, **kwargs)
         name = op_name(func)
-        if name in self.handler.ops:
+        if name in self.kinds and args and isinstance(args[0], torch.Tensor):
+            rule = self.composite.rule_for_op(name)
+            with self.attached.internal_ops():
+                return apply_op_rule(rule, name, func, args, kwargs)
+        if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
         return func(*args, **kwargs)
 

@@ -30,13 +30,20 @@ from __future__ import annotations
 
 from torch import nn
 
+from explain_core.interfaces.relevance import Op
 from explain_modbp import rules
+from explain_modbp.activations import PassRelevance
 from explain_modbp.base import Gradient, LayerRule
 from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
+from explain_modbp.ops import ACTIVATION_OPS
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 DENSE_TYPES = (nn.Linear,)
+
+
+ACTIVATIONS = (Op(*ACTIVATION_OPS), PassRelevance())
+"""LRP's pass rule for every element-wise activation other than ReLU (an operation rule)."""
 
 
 def uniform(
@@ -45,14 +52,15 @@ def uniform(
     *,
     first: LayerRule | None = None,
     batchnorm: LayerRule | None = None,
+    activations: bool = True,
 ) -> LayerComposite:
     """The same rule for every Linear/Conv layer.
 
-    ``first`` goes on the input layer, ``batchnorm`` on BatchNorms that cannot be merged.
+    ``first`` goes on the input layer, ``batchnorm`` on BatchNorms that cannot be merged;
+    ``activations`` maps LRP's pass rule to the element-wise activations (else they are refused).
     """
-    return LayerComposite(
-        _with_batchnorm([(LINEAR_TYPES, rule)], batchnorm), first=first, name=name
-    )
+    mapping = _with_batchnorm([(LINEAR_TYPES, rule)], batchnorm)
+    return LayerComposite(mapping + [ACTIVATIONS] * activations, first=first, name=name)
 
 
 def conv_dense(
@@ -63,9 +71,9 @@ def conv_dense(
     first: LayerRule | None = None,
     batchnorm: LayerRule | None = None,
 ) -> LayerComposite:
-    """One rule for convolutions and another for dense layers."""
+    """One rule for convolutions and another for dense layers (and LRP's activation rule)."""
     mapping = _with_batchnorm([(CONV_TYPES, conv), (DENSE_TYPES, dense)], batchnorm)
-    return LayerComposite(mapping, first=first, name=name)
+    return LayerComposite([*mapping, ACTIVATIONS], first=first, name=name)
 
 
 def _with_batchnorm(mapping: list, batchnorm: LayerRule | None) -> list:
@@ -152,7 +160,7 @@ def lrp_cmp(alpha: float = 1.0, bias: bool = False) -> LayerComposite:
 
 def excitation() -> LayerComposite:
     """Excitation backprop: the W⁺ rule everywhere."""
-    return uniform(rules.Excitation(), "excitation_bp")
+    return uniform(rules.Excitation(), "excitation_bp", activations=False)
 
 
 def contrastive_excitation() -> LayerComposite:

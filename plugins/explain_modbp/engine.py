@@ -41,7 +41,7 @@ from torch import nn
 
 from explain_core.interfaces.relevance import Composite
 from explain_core.scoped import listening
-from explain_modbp.attach import LayerRecord, RulePass, _HandlerMode
+from explain_modbp.attach import LayerRecord, RulePass, _OperationMode
 from explain_modbp.errors import UnsupportedModelError
 from explain_modbp.ops import OpHandler
 from explain_modbp.plan_cache import expected_calls, forget_plan, planned
@@ -178,7 +178,9 @@ class ModifiedBackprop:
         self.handler = handler
         self.record = record
         self.cache = cache
-        self.extra_ops = extra_ops | (handler.ops if handler is not None else frozenset())
+        self.extra_ops = (
+            extra_ops | composite.op_kinds | (handler.ops if handler is not None else frozenset())
+        )
 
     def forward(self, model: nn.Module, inputs: torch.Tensor, *, grad: bool = True) -> ForwardPass:
         """Trace, attach rules, run the forward pass and restore the model.
@@ -206,8 +208,8 @@ class ModifiedBackprop:
                     x = self.handler.prepare_inputs(x)
                 x = x.requires_grad_(grad)
                 with torch.set_grad_enabled(grad):
-                    if self.handler is not None and self.handler.ops:
-                        with _HandlerMode(self.handler, attached):
+                    if self.composite.op_kinds or (self.handler is not None and self.handler.ops):
+                        with _OperationMode(self.composite, self.handler, attached):
                             output = model(x)
                     else:
                         output = model(x)

@@ -19,7 +19,6 @@ class ExcitationBP(CompositeMethod):
 
     preset = staticmethod(composites.excitation)
     start = "one"
-    passes_activations = False
 
 
 @dataclass
@@ -28,4 +27,3 @@ class ContrastiveExcitationBP(CompositeMethod):
 
     preset = staticmethod(composites.contrastive_excitation)
     start = "one"
-    passes_activations = False

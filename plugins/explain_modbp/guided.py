@@ -15,58 +15,32 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 import torch
 
+from explain_core.interfaces.relevance import Op, Rule, RuleCall
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_modbp.composites import gradient_composite
 from explain_modbp.engine import ModifiedBackprop
+from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.methods import one_hot
-from explain_modbp.ops import RELU_OPS, OpHandler
+from explain_modbp.ops import RELU_OPS
 
 Mode = Literal["guided", "deconv", "rectgrad"]
 
 
-class _RectifiedReLU(torch.autograd.Function):
-    """ReLU whose backward pass is rectified (Guided BP, Deconv) or thresholded (RectGrad)."""
+class RectifiedReLU(Rule):
+    """A ReLU whose backward pass is rectified (Guided BP, Deconv) or thresholded (RectGrad).
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mode: Mode, quantile: float, inplace: bool) -> Any:
-        if inplace:
-            ctx.mark_dirty(x)
-            y = x.relu_()
-        else:
-            y = x.relu()
-        ctx.save_for_backward(y)
-        ctx.mode = mode
-        ctx.quantile = quantile
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
-        (y,) = ctx.saved_tensors
-        active = y > 0
-        if ctx.mode == "guided":
-            return g.clamp(min=0) * active, None, None, None
-        if ctx.mode == "deconv":
-            return g.clamp(min=0), None, None, None
-        importance = (y * g).reshape(g.shape[0], -1)
-        threshold = torch.quantile(importance, ctx.quantile, dim=1, keepdim=True)
-        keep = (importance > threshold).reshape(g.shape) & active
-        return g * keep, None, None, None
-
-
-class RectifiedReLUHandler(OpHandler):
-    """Replaces every ReLU's backward pass (see the module docstring).
+    An operation rule: map it to the ReLU operations in a composite,
+    ``(Op(*RELU_OPS), RectifiedReLU("guided"))``.
 
     Args:
         mode: ``"guided"``, ``"deconv"`` or ``"rectgrad"``.
         q: RectGrad's percentile in ``[0, 100)``.
     """
-
-    ops: ClassVar[frozenset[str]] = RELU_OPS
 
     def __init__(self, mode: Mode, q: float = 98.0) -> None:
         if mode not in ("guided", "deconv", "rectgrad"):
@@ -76,23 +50,33 @@ class RectifiedReLUHandler(OpHandler):
         self.mode = mode
         self.q = q
 
-    def handle(self, name, func, args, kwargs):  # noqa: D102
-        x = args[0]
-        inplace = name == "relu_" or bool(
-            kwargs.get("inplace", args[1] if len(args) > 1 else False)
-        )
-        return _RectifiedReLU.apply(x, self.mode, self.q / 100.0, inplace)
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        y, g = call.output, grad_output
+        active = y > 0
+        if self.mode == "guided":
+            return (g.clamp(min=0) * active,)
+        if self.mode == "deconv":
+            return (g.clamp(min=0),)
+        importance = (y * g).reshape(g.shape[0], -1)
+        threshold = torch.quantile(importance, self.q / 100.0, dim=1, keepdim=True)
+        keep = (importance > threshold).reshape(g.shape) & active
+        return (g * keep,)
+
+
+def rectified_composite(rule: RectifiedReLU) -> LayerComposite:
+    """The gradient through affine layers, ``rule`` at every ReLU."""
+    return gradient_composite(rule.mode).with_rules((Op(*RELU_OPS), rule))
 
 
 def rectified_signal(
     model: torch.nn.Module,
     inputs: torch.Tensor,
     target: torch.Tensor | None,
-    handler: RectifiedReLUHandler,
+    rule: RectifiedReLU,
     times_input: bool,
 ) -> MethodResult:
     """Run the gradient with rectified ReLUs from the explained output."""
-    forward = ModifiedBackprop(gradient_composite(), handler).forward(model, inputs)
+    forward = ModifiedBackprop(rectified_composite(rule)).forward(model, inputs)
     output = forward.output.detach()
     chosen = select_target(output, target)
     signal = forward.backward(one_hot(output, chosen)).input_signal
@@ -100,16 +84,17 @@ def rectified_signal(
     return MethodResult(attribution, output, chosen, None, {"signal": signal})
 
 
-def rectified_propagator(model, inputs, handler: RectifiedReLUHandler):
+def rectified_propagator(model, inputs, rule: RectifiedReLU):
     """Signals from any layer with rectified ReLUs (for CSC)."""
     from explain_modbp.propagation import EnginePropagator
 
-    forward = ModifiedBackprop(gradient_composite(), handler, record=True).forward(model, inputs)
-    return EnginePropagator(forward, "signal", method=handler.mode)
+    composite = rectified_composite(rule)
+    forward = ModifiedBackprop(composite, record=True).forward(model, inputs)
+    return EnginePropagator(forward, "signal", method=rule.mode)
 
 
 class _RectifiedMethod(Method):
-    """A method running the gradient with one :class:`RectifiedReLUHandler` mode.
+    """A method running the gradient with one :class:`RectifiedReLU` mode.
 
     Subclasses are dataclasses with a ``times_input`` option.
     """
@@ -117,15 +102,15 @@ class _RectifiedMethod(Method):
     mode: ClassVar[Mode]
     times_input: bool
 
-    def handler(self) -> RectifiedReLUHandler:
-        """The handler with this method's options."""
-        return RectifiedReLUHandler(self.mode)
+    def rule(self) -> RectifiedReLU:
+        """The ReLU rule with this method's options."""
+        return RectifiedReLU(self.mode)
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:
-        return rectified_signal(model, inputs, target, self.handler(), self.times_input)
+        return rectified_signal(model, inputs, target, self.rule(), self.times_input)
 
     def layer_propagator(self, model, inputs, baselines):
-        return rectified_propagator(model, inputs, self.handler())
+        return rectified_propagator(model, inputs, self.rule())
 
 
 @dataclass
@@ -166,10 +151,10 @@ class RectGrad(_RectifiedMethod):
     times_input: bool = False
 
     def __post_init__(self) -> None:
-        self.handler()  # an invalid q fails when the method is created
+        self.rule()  # an invalid q fails when the method is created
 
-    def handler(self) -> RectifiedReLUHandler:  # noqa: D102
-        return RectifiedReLUHandler(self.mode, self.q)
+    def rule(self) -> RectifiedReLU:  # noqa: D102
+        return RectifiedReLU(self.mode, self.q)
 
 
 def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:

@@ -1,9 +1,9 @@
 """The composite of the engine: a core composite plus rules for the first and the last layer.
 
 As a :class:`~explain_core.interfaces.relevance.ModifiedGradient` it runs the model through the
-modified-backpropagation engine (BatchNorms merged, LRP's pass rule at element-wise
-activations), so that any attributor taking gradients (Input×Gradient, SmoothGrad, Integrated
-Gradients) runs over it: ``explain(model, x, "smoothgrad", composite="epsilon_plus")``.
+modified-backpropagation engine (BatchNorms merged, its rules for layers and operations), so that
+any attributor taking gradients (Input×Gradient, SmoothGrad, Integrated Gradients) runs over it:
+``explain(model, x, "smoothgrad", composite="epsilon_plus")``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from torch import nn
 
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.relevance import Composite, Matcher, Rule
-from explain_modbp.activations import PassActivations
 from explain_modbp.base import LayerRule
 from explain_modbp.engine import ModifiedBackprop
 
@@ -66,7 +65,7 @@ class LayerComposite(Composite):
             InvalidInputError: For a composite whose input-layer rule returns relevance (w²,
                 flat, z^B): it defines no signal at the input; use its ``lrp.*`` method.
         """
-        forward = ModifiedBackprop(self, PassActivations()).forward(model, inputs)
+        forward = ModifiedBackprop(self).forward(model, inputs)
         output = forward.output.detach()
         result = forward.backward(select(output))
         if result.input_is_relevance:

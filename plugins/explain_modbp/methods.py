@@ -19,10 +19,10 @@ from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_modbp import composites
-from explain_modbp.activations import PassActivations
 from explain_modbp.base import safe_divide
 from explain_modbp.engine import ForwardPass, ModifiedBackprop
 from explain_modbp.layer_composite import LayerComposite
+from explain_modbp.ops import ACTIVATION_OPS
 
 __all__ = [
     "LRPCMP",
@@ -66,11 +66,9 @@ def input_relevance(forward: ForwardPass, signal: torch.Tensor, **kwargs: object
     return forward.input.detach() * result.input_signal
 
 
-def lrp_engine(
-    composite: LayerComposite, *, activations: bool = True, record: bool = False
-) -> ModifiedBackprop:
-    """The engine for a relevance composite, with LRP's pass rule for activations if asked."""
-    return ModifiedBackprop(composite, PassActivations() if activations else None, record=record)
+def lrp_engine(composite: LayerComposite, *, record: bool = False) -> ModifiedBackprop:
+    """The engine for a relevance composite (its rules for layers and operations)."""
+    return ModifiedBackprop(composite, record=record)
 
 
 def run_composite(
@@ -80,14 +78,9 @@ def run_composite(
     target: torch.Tensor | None,
     *,
     start: str = "logit",
-    activations: bool = True,
 ) -> MethodResult:
-    """Explain with a composite, starting from the logit (``"logit"``) or from 1 (``"one"``).
-
-    ``activations``: pass relevance through element-wise activations other than ReLU (LRP's
-    pass rule); ``False`` refuses them.
-    """
-    forward = lrp_engine(composite, activations=activations).forward(model, inputs)
+    """Explain with a composite, starting from the logit (``"logit"``) or from 1 (``"one"``)."""
+    forward = lrp_engine(composite).forward(model, inputs)
     output = forward.output.detach()
     chosen = select_target(output, target)
     signal = one_hot(output, chosen)
@@ -113,8 +106,6 @@ class CompositeMethod(Method):
     """
 
     start = "logit"
-    # LRP passes relevance through element-wise activations; Excitation BP is defined on ReLUs.
-    passes_activations: ClassVar[bool] = True
     preset: ClassVar[Callable[..., LayerComposite]]
 
     def __post_init__(self) -> None:
@@ -125,23 +116,13 @@ class CompositeMethod(Method):
         return self.preset(**{option.name: getattr(self, option.name) for option in fields(self)})
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        return run_composite(
-            self.build_composite(),
-            model,
-            inputs,
-            target,
-            start=self.start,
-            activations=self.passes_activations,
-        )
+        return run_composite(self.build_composite(), model, inputs, target, start=self.start)
 
     def layer_propagator(self, model, inputs, baselines):
         """Relevance from any layer with this method's rules (for the CSC metric)."""
         from explain_modbp.propagation import EnginePropagator
 
-        engine = lrp_engine(
-            self.build_composite(), activations=self.passes_activations, record=True
-        )
-        forward = engine.forward(model, inputs)
+        forward = lrp_engine(self.build_composite(), record=True).forward(model, inputs)
         return EnginePropagator(forward, "relevance", method=type(self).__name__)
 
 
@@ -302,19 +283,29 @@ class LRPCustom(CompositeMethod):
     composite: LayerComposite | None = None
     activations: bool = True
 
-    @property
-    def passes_activations(self) -> bool:  # type: ignore[override]
-        """The ``activations`` option."""
-        return self.activations
-
-    def build_composite(self) -> LayerComposite:  # noqa: D102
-        if not isinstance(self.composite, LayerComposite):
+    def build_composite(self) -> LayerComposite:
+        """The composite, with LRP's activation rule added (or removed: ``activations``)."""
+        composite = self.composite
+        if not isinstance(composite, LayerComposite):
             raise InvalidInputError(
                 "lrp.custom needs composite=: a LayerComposite such as "
                 "explain_modbp.composites.lrp_epsilon_plus().with_rules((nn.BatchNorm2d, "
-                f"Epsilon())); got {type(self.composite).__name__}"
+                f"Epsilon())); got {type(composite).__name__}"
             )
-        return self.composite
+        entries = [(m.matcher, m.rule) for m in composite.mapping]
+        if not self.activations:  # refuse activations, as Excitation BP does
+            entries = [(m, r) for m, r in entries if m != composites.ACTIVATIONS[0]]
+        elif not composite.op_kinds & ACTIVATION_OPS:
+            entries.append(composites.ACTIVATIONS)  # LRP's pass rule, after the user's own
+        else:
+            return composite
+        return LayerComposite(
+            entries,
+            first=composite.first,
+            last=composite.last,
+            name=composite.name,
+            canonizers=composite.canonizers,
+        )
 
 
 @dataclass

@@ -16,13 +16,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from explain_core.interfaces.relevance import Composite
+from explain_core.interfaces.relevance import Composite, Op
 from explain_core.scoped import is_own_hook
 from explain_modbp.tracing import Plan, move_custom_rules, resolve_rules, trace
 
-# Key: the composite's *shape* (matchers that are types, type tuples or name globs, and the type
-# of every rule), the handler's extra operations and the input's per-sample shape, dtype and
-# device. A composite with other matchers (callables) or with canonizers is never cached.
+# Key: the composite's *shape* (matchers that are types, type tuples, name globs or operation
+# kinds, and the type of every rule), the handler's extra operations and the input's per-sample
+# shape, dtype and device. A composite with other matchers (callables) or with canonizers is
+# never cached.
 # Validity, checked on every call: every submodule, parameter and buffer is the same object as
 # when traced (compared through weak references) and unchanged since (version counters), modules
 # are in the same train/eval mode with the same plain attributes (flags that may steer
@@ -49,7 +50,7 @@ def _composite_key(composite: Composite, extra_ops: frozenset[str]) -> Any:
     for entry in composite.mapping:
         matcher = entry.matcher
         if not (
-            isinstance(matcher, (str, type))
+            isinstance(matcher, (str, type, Op))
             or (isinstance(matcher, tuple) and all(isinstance(t, type) for t in matcher))
         ):
             return None
