@@ -14,8 +14,9 @@ NAME = "plugins"
 HELP = "list plugins, versions and the methods they register"
 DESCRIPTION = (
     "List the loaded plugins (built-in and installed through the 'explain.plugins' entry-point "
-    "group), their versions, methods, commands, jobs and export forms. Set EXPLAIN_PLUGINS='' "
-    "to load no third-party plugins, or EXPLAIN_PLUGINS=a,b to load only those."
+    "group), their versions, methods, commands, jobs, export forms and composites. Set "
+    "EXPLAIN_PLUGINS='' to load no third-party plugins, or EXPLAIN_PLUGINS=a,b to load only "
+    "those."
 )
 
 
@@ -64,6 +65,7 @@ _KINDS = {
     "commands": "explain_register_commands",
     "jobs": "explain_register_jobs",
     "export forms": "explain_register_export_forms",
+    "composites": "explain_register_composites",
 }
 
 
@@ -74,6 +76,7 @@ def _contributions(manager: PluginManager) -> dict[str, dict[str, list[str]]]:
         "commands": manager.commands(),
         "jobs": manager.jobs(),
         "export forms": manager.export_forms(),
+        "composites": manager.composites(),
     }
     for kind, named in items.items():
         for name in named:
