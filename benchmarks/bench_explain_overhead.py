@@ -11,25 +11,10 @@ Gradients (20 steps) against 20 plain gradients, as ratios of medians within one
 from __future__ import annotations
 
 import torch
-from harness import median_seconds, write_results
+from harness import median_seconds, vgg_style_cnn, write_results
 from torch import nn
 
 from explain_core import explain
-
-
-def vgg_style_cnn() -> nn.Sequential:
-    def block(c_in: int, c_out: int) -> list[nn.Module]:
-        return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
-
-    return nn.Sequential(
-        *block(3, 32),
-        *block(32, 64),
-        *block(64, 128),
-        nn.Flatten(),
-        nn.Linear(128 * 4 * 4, 256),
-        nn.ReLU(),
-        nn.Linear(256, 10),
-    )
 
 
 def raw_input_x_gradient(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -18,29 +18,13 @@ import threading
 from collections.abc import Callable
 
 import torch
-from harness import interleaved_medians, write_results
-from torch import nn
+from harness import interleaved_medians, vgg_style_cnn, write_results
 
 from explain_core import explain
 
 CALLS = 16
 THREADS = 4
 METHODS = ("gradient", "lrp.epsilon_plus", "deeplift.rescale", "guided_bp")
-
-
-def vgg_style_cnn() -> nn.Sequential:
-    def block(c_in: int, c_out: int) -> list[nn.Module]:
-        return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
-
-    return nn.Sequential(
-        *block(3, 32),
-        *block(32, 64),
-        *block(64, 128),
-        nn.Flatten(),
-        nn.Linear(128 * 4 * 4, 256),
-        nn.ReLU(),
-        nn.Linear(256, 10),
-    )
 
 
 def in_threads(call: Callable[[], object], threads: int) -> Callable[[], None]:

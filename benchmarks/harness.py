@@ -20,6 +20,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
+
+def vgg_style_cnn() -> nn.Sequential:
+    """The benchmarks' small VGG-style CNN: 3×32×32 inputs, three conv blocks, two dense layers."""
+
+    def block(c_in: int, c_out: int) -> list[nn.Module]:
+        return [nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+
+    return nn.Sequential(
+        *block(3, 32),
+        *block(32, 64),
+        *block(64, 128),
+        nn.Flatten(),
+        nn.Linear(128 * 4 * 4, 256),
+        nn.ReLU(),
+        nn.Linear(256, 10),
+    )
 
 
 def machine_info() -> dict[str, Any]:

@@ -24,7 +24,6 @@ from explain_core.errors import InvalidInputError
 
 __all__ = [
     "check_levels",
-    "level_edges",
     "level_index_dtype",
     "quantise_couplings",
     "quantise_to_levels",
@@ -53,20 +52,14 @@ def _edges(levels: int) -> Tensor:
     return torch.from_numpy(np.linspace(-half, 1 + half, levels + 1))
 
 
-def level_edges(levels: int) -> Tensor:
-    """The ``K + 1`` float64 bin edges ``linspace(-h, 1 + h, K + 1)``, ``h = 0.5 / (K - 1)``."""
-    check_levels(levels)
-    return _edges(levels).clone()
-
-
 def quantise_to_levels(couplings: Tensor, levels: int, *, validate: bool = True) -> Tensor:
     """Level index ``0 … K-1`` of each coupling: REM's ``np.digitize`` binning.
 
     Values are clamped to ``[0, 1]`` first (the softmax keeps couplings there up to rounding;
-    anything else, e.g. after pruning masks, saturates to the end levels), then compared in
-    float64 with the edges of :func:`level_edges`: the index is the number of edges at or below
-    the value, minus one — what ``np.digitize`` (``right=False``) returns, written with
-    comparisons so that it also exports to ONNX.
+    anything else, e.g. after pruning masks, saturates to the end levels), then compared in float64
+    with REM's edges ``linspace(-h, 1 + h, K + 1)``, ``h = 0.5 / (K - 1)``: the index is the number
+    of edges at or below the value, minus one — what ``np.digitize`` (``right=False``) returns,
+    written with comparisons so that it also exports to ONNX.
 
     Args:
         couplings: Coupling coefficients of any shape and floating dtype.

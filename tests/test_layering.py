@@ -92,37 +92,39 @@ def test_the_core_names_no_registered_method():
     assert not offending
 
 
+def imports_from_other_packages(package: str) -> list[tuple[str, str, list[str]]]:
+    """``(path, module, names)`` of every import ``package`` makes from another package."""
+    return [
+        (path, module, names)
+        for path, tree in modules(package)
+        for module, names in imports(tree)
+        if module.split(".")[0] in PACKAGES and module.split(".")[0] != package
+    ]
+
+
 @pytest.mark.parametrize("package", list(PACKAGES))
 def test_no_package_imports_private_names_of_another(package):
     offending = []
-    for path, tree in modules(package):
-        for module, names in imports(tree):
-            top = module.split(".")[0]
-            if top == package or top not in PACKAGES:
-                continue
-            if any(part.startswith("_") for part in module.split(".")):
-                offending.append(f"{path}: imports the private module {module}")
-            offending += [f"{path}: {module}.{n}" for n in names if n.startswith("_")]
+    for path, module, names in imports_from_other_packages(package):
+        if any(part.startswith("_") for part in module.split(".")):
+            offending.append(f"{path}: imports the private module {module}")
+        offending += [f"{path}: {module}.{n}" for n in names if n.startswith("_")]
     assert not offending
 
 
 @pytest.mark.parametrize("package", list(PACKAGES))
 def test_names_imported_from_another_package_are_in_its_all(package):
     offending = []
-    for path, tree in modules(package):
-        for module, names in imports(tree):
-            top = module.split(".")[0]
-            if top == package or top not in PACKAGES or not names:
-                continue
-            imported = importlib.import_module(module)
-            exported = getattr(imported, "__all__", None)
-            missing = [
-                name
-                for name in names
-                if not isinstance(getattr(imported, name, None), ModuleType)  # a submodule
-                and (exported is None or name not in exported)
-            ]
-            offending += [f"{path}: {module}.{name}" for name in missing]
+    for path, module, names in imports_from_other_packages(package):
+        imported = importlib.import_module(module)
+        exported = getattr(imported, "__all__", None)
+        missing = [
+            name
+            for name in names
+            if not isinstance(getattr(imported, name, None), ModuleType)  # a submodule
+            and (exported is None or name not in exported)
+        ]
+        offending += [f"{path}: {module}.{name}" for name in missing]
     assert not offending
 
 

@@ -18,7 +18,7 @@ import contextvars
 import fnmatch
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -113,10 +113,15 @@ class ModifiedGradient(ABC):
     """A backward signal in place of the gradient: a composite's rules, an explanation mode.
 
     Any attributor that takes gradients (gradient, Input×Gradient, SmoothGrad, Integrated
-    Gradients) runs over any of them (the ``composite=`` option of those methods).
+    Gradients) runs over any of them (the ``composite=`` option of those methods). A subclass
+    says inside which context the model's backward pass is modified (:meth:`context`);
+    :meth:`gradient` runs the model there.
     """
 
     @abstractmethod
+    def context(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """Inside this context, gradients through ``model`` are the modified ones."""
+
     def gradient(
         self,
         model: nn.Module,
@@ -135,6 +140,11 @@ class ModifiedGradient(ABC):
             ``(output, signal at the inputs)``: the detached output, and the modified gradient
             shaped like ``inputs``.
         """
+        x = inputs.detach().requires_grad_(True)
+        with self.context(model), torch.enable_grad():
+            output = model(x)
+            (signal,) = torch.autograd.grad(output, x, select(output.detach()))
+        return output.detach(), signal
 
 
 @dataclass(frozen=True)
@@ -203,7 +213,7 @@ class RuleMapping:
 class Composite(ModifiedGradient):
     """Maps the modules of a model to rules; the first matching entry wins.
 
-    As a :class:`ModifiedGradient` it runs the model inside :meth:`context`.
+    As a :class:`ModifiedGradient` its gradient is taken inside :meth:`context`.
 
     Args:
         mapping: ``(matcher, rule)`` pairs. A matcher is a module type (or tuple of types), a
@@ -276,19 +286,6 @@ class Composite(ModifiedGradient):
                     "SomeRule()), or list the type in passthrough"
                 )
         return assigned
-
-    def gradient(
-        self,
-        model: nn.Module,
-        inputs: torch.Tensor,
-        select: Callable[[torch.Tensor], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The signal at the inputs with this composite's rules (see :class:`ModifiedGradient`)."""
-        x = inputs.detach().requires_grad_(True)
-        with self.context(model), torch.enable_grad():
-            output = model(x)
-            (signal,) = torch.autograd.grad(output, x, select(output.detach()))
-        return output.detach(), signal
 
     @contextmanager
     def context(self, model: nn.Module) -> Iterator[nn.Module]:

@@ -278,34 +278,29 @@ def record_routing_batches(
     device = next((p.device for p in model.parameters()), inputs.device)
     per_batch: list[dict[str, RoutingEvent]] = []
     outputs = []
-    flags = [(module, module.training) for module in model.modules()]
     with (
-        ModelGuard(model, restore=True),
+        ModelGuard(model, restore=True),  # also puts the training flags back
         torch.no_grad(),
         record_routing(model, transform=transform) as recording,
     ):
         model.eval()
-        try:
-            for start in range(0, inputs.shape[0], batch_size):
-                output = model(inputs[start : start + batch_size].to(device))
-                if not isinstance(output, torch.Tensor) or output.dim() != 2:
-                    shape = tuple(output.shape) if isinstance(output, torch.Tensor) else output
-                    raise InvalidInputError(
-                        f"{type(model).__name__} must return (batch, n_outputs) scores; got "
-                        f"{shape if isinstance(shape, tuple) else type(shape).__name__}"
-                    )
-                events = _one_event_per_layer(recording.drain())
-                if per_batch and list(events) != list(per_batch[0]):
-                    raise InvalidInputError(
-                        f"routing layers {list(events)} ran for the batch starting at {start}, "
-                        f"but {list(per_batch[0])} for the first batch; every forward pass must "
-                        "call each routing layer exactly once, in the same order"
-                    )
-                per_batch.append(events)
-                outputs.append(output.detach().cpu().clone())
-        finally:
-            for module, flag in flags:
-                module.training = flag
+        for start in range(0, inputs.shape[0], batch_size):
+            output = model(inputs[start : start + batch_size].to(device))
+            if not isinstance(output, torch.Tensor) or output.dim() != 2:
+                shape = tuple(output.shape) if isinstance(output, torch.Tensor) else output
+                raise InvalidInputError(
+                    f"{type(model).__name__} must return (batch, n_outputs) scores; got "
+                    f"{shape if isinstance(shape, tuple) else type(shape).__name__}"
+                )
+            events = _one_event_per_layer(recording.drain())
+            if per_batch and list(events) != list(per_batch[0]):
+                raise InvalidInputError(
+                    f"routing layers {list(events)} ran for the batch starting at {start}, "
+                    f"but {list(per_batch[0])} for the first batch; every forward pass must "
+                    "call each routing layer exactly once, in the same order"
+                )
+            per_batch.append(events)
+            outputs.append(output.detach().cpu().clone())
     layers = {
         name: RoutingEvent(
             name,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,12 +60,9 @@ class ExplanationMode(ModifiedGradient):
     Integrated Gradients run over them.
     """
 
-    def gradient(self, model, inputs, select):  # noqa: D102
-        x = inputs.detach().requires_grad_(True)
-        with explanation_mode(model), torch.enable_grad():
-            output = model(x)
-            (gradient,) = torch.autograd.grad(output, x, select(output.detach()))
-        return output.detach(), gradient
+    def context(self, model: nn.Module) -> AbstractContextManager[Any]:
+        """:func:`~explain_core.explanation_mode` of ``model``."""
+        return explanation_mode(model)
 
 
 def _per_sample_sum(tensor: torch.Tensor) -> torch.Tensor:

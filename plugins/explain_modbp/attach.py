@@ -98,7 +98,7 @@ class _OpRuleFunction(torch.autograd.Function):
         return grad, None, None, None
 
 
-def apply_op_rule(
+def _apply_op_rule(
     rule: Rule, kind: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
     """``func(*args, **kwargs)`` with ``rule`` as the backward of its first (tensor) input."""
@@ -132,7 +132,7 @@ class _OperationMode(TorchFunctionMode):
         if name in self.kinds and args and isinstance(args[0], torch.Tensor):
             rule = self.composite.rule_for_op(name)
             with self.attached.internal_ops():
-                return apply_op_rule(rule, name, func, args, kwargs)
+                return _apply_op_rule(rule, name, func, args, kwargs)
         if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
         return func(*args, **kwargs)
