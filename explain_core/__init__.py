@@ -10,8 +10,10 @@ Importing this package loads torch and the core interfaces only; plugins are loa
 and optional dependencies (onnx, networkx, graphviz) only by the features that need them.
 """
 
+from explain_core.affine import AffineLayer
 from explain_core.api import Explainer, explain, quantus_explain
 from explain_core.attribution import Attribution
+from explain_core.canonizers import MergeBatchNorm
 from explain_core.errors import (
     DuplicateMethodError,
     ExplainError,
@@ -20,13 +22,16 @@ from explain_core.errors import (
     ModelRunError,
     ModelStateError,
     UnknownMethodError,
+    UnsupportedModelError,
 )
 from explain_core.hookspecs import hookimpl
 from explain_core.interfaces import (
+    AffineRule,
     Canonizer,
     Composite,
     Contributions,
     DynamicLinear,
+    Gradient,
     ModifiedGradient,
     Op,
     RoutingEvent,
@@ -45,6 +50,8 @@ from explain_core.registry import Method, MethodResult, MethodSpec
 __version__ = package_version()
 
 __all__ = [
+    "AffineLayer",
+    "AffineRule",
     "Attribution",
     "Canonizer",
     "Composite",
@@ -53,7 +60,9 @@ __all__ = [
     "DynamicLinear",
     "ExplainError",
     "Explainer",
+    "Gradient",
     "InvalidInputError",
+    "MergeBatchNorm",
     "Method",
     "MethodResult",
     "MethodSpec",
@@ -69,6 +78,7 @@ __all__ = [
     "Rule",
     "RuleCall",
     "UnknownMethodError",
+    "UnsupportedModelError",
     "__version__",
     "dynamic_linear_contributions",
     "explain",

@@ -1,87 +1,73 @@
-"""Canonizers shared by relevance methods."""
+"""Canonizers: rewrites of how rules see a model's layers, for one attribution.
+
+A canonizer never changes the model. It rewrites the engine's view of the traced layers (e.g.
+"this BatchNorm is part of the convolution before it"), and the engine realises the rewrite in
+the layer views it hands to rules (``call.layer``). So there is nothing to restore afterwards,
+also when an attribution raises, and other threads using the same model are unaffected.
+"""
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from explain_core.errors import ModelStateError
-from explain_core.interfaces.relevance import Canonizer
+from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES
 
-_LINEAR_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_NORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+__all__ = ["Canonizer", "MergeBatchNorm", "TracedLayers"]
 
 
-class SequentialMergeBatchNorm(Canonizer):
-    """Fold each BatchNorm that directly follows a Linear/Conv in an ``nn.Sequential``.
+@dataclass
+class TracedLayers:
+    """The affine layers of one traced forward pass, as canonizers see and rewrite them.
 
-    In eval mode ``BN(Wx + b) = (s·W)x + s·(b − μ) + β`` with ``s = γ/√(σ² + ε)``, so the pair is
-    one affine layer. During the canonizer's lifetime the linear layer holds the folded
-    parameters (new ``Parameter`` objects) and the BatchNorm is replaced by ``nn.Identity``;
-    restoring puts the original objects back, so the model is bit-identical afterwards.
-    Only adjacent pairs inside a ``Sequential`` are folded, where the linear layer's output is
-    certain to feed nothing but the BatchNorm.
+    Attributes:
+        order: Qualified names of the Linear/Conv/BatchNorm modules the pass ran, in order.
+        modules: Name → module.
+        reads: Layer name → the layer whose output it reads, where it reads that output
+            unchanged and nothing else reads it.
+        input_dims: Layer name → number of dimensions of the input it read.
+        merged: Linear/Conv name → the BatchNorm folded into it (what canonizers write).
     """
 
-    def apply(self, model: nn.Module) -> Callable[[], None]:
-        """Fold all adjacent pairs and return the function that unfolds them."""
-        undo: list[Callable[[], None]] = []
-        try:
-            for container in model.modules():
-                if isinstance(container, nn.Sequential):
-                    undo.extend(_fold_pairs(container))
-        except Exception:
-            _run_reversed(undo)
-            raise
-        return lambda: _run_reversed(undo)
+    order: list[str]
+    modules: dict[str, nn.Module]
+    reads: dict[str, str] = field(default_factory=dict)
+    input_dims: dict[str, int] = field(default_factory=dict)
+    merged: dict[str, str] = field(default_factory=dict)
 
 
-def _run_reversed(undo: list[Callable[[], None]]) -> None:
-    for step in reversed(undo):
-        step()
+class Canonizer(ABC):
+    """A rewrite of the traced layers that makes rules applicable (e.g. merging BatchNorm)."""
+
+    @abstractmethod
+    def apply(self, layers: TracedLayers) -> None:
+        """Rewrite ``layers`` in place (the model itself is never changed)."""
 
 
-def _fold_pairs(container: nn.Sequential) -> list[Callable[[], None]]:
-    undo: list[Callable[[], None]] = []
-    names = list(container._modules)
-    for first, second in itertools.pairwise(names):
-        linear, norm = container._modules[first], container._modules[second]
-        if isinstance(linear, _LINEAR_TYPES) and isinstance(norm, _NORM_TYPES):
-            undo.append(_fold(container, linear, second, norm))
-    return undo
+class MergeBatchNorm(Canonizer):
+    """Fold each BatchNorm into the Linear/Conv whose output it alone reads.
 
+    In eval mode ``BN(Wx + b) = (s·W)x + s·(b − μ) + β`` with ``s = γ/√(σ² + ε)``: the pair is one
+    affine layer, which its rule sees as ``call.layer`` under the Linear/Conv's name. Folded only
+    where the BatchNorm's channels are the layer's output features (a Linear's features are the
+    last dimension: the same only for ``(batch, features)`` inputs). A BatchNorm that cannot be
+    folded (after a ReLU or an addition, as in pre-activation ResNets) stays a layer of its own.
+    """
 
-def _fold(
-    container: nn.Sequential,
-    linear: nn.Module,
-    norm_name: str,
-    norm: nn.modules.batchnorm._BatchNorm,
-) -> Callable[[], None]:
-    if norm.training or norm.running_mean is None or norm.running_var is None:
-        raise ModelStateError(
-            f"cannot fold {type(norm).__name__} {norm_name!r}: it needs eval mode and running "
-            "statistics (track_running_stats=True); call model.eval() first"
-        )
-    with torch.no_grad():
-        scale = torch.rsqrt(norm.running_var + norm.eps)
-        if norm.weight is not None:
-            scale = scale * norm.weight
-        shift = -norm.running_mean * scale
-        if norm.bias is not None:
-            shift = shift + norm.bias
-        weight = linear.weight * scale.reshape(-1, *([1] * (linear.weight.dim() - 1)))
-        bias = shift if linear.bias is None else linear.bias * scale + shift
-    saved_weight, saved_bias = linear._parameters["weight"], linear._parameters["bias"]
-    linear._parameters["weight"] = nn.Parameter(weight, saved_weight.requires_grad)
-    linear._parameters["bias"] = nn.Parameter(bias, saved_weight.requires_grad)
-    container._modules[norm_name] = nn.Identity()
-
-    def restore() -> None:
-        linear._parameters["weight"] = saved_weight
-        linear._parameters["bias"] = saved_bias
-        container._modules[norm_name] = norm
-
-    return restore
+    def apply(self, layers: TracedLayers) -> None:  # noqa: D102
+        for name in layers.order:
+            source = layers.reads.get(name)
+            if (
+                source is None
+                or not isinstance(layers.modules[name], BATCHNORM_TYPES)
+                or source in layers.merged
+                or source in layers.merged.values()
+            ):
+                continue
+            module = layers.modules[source]
+            if isinstance(module, nn.Linear) and layers.input_dims.get(name) != 2:
+                continue
+            if isinstance(module, LINEAR_TYPES):
+                layers.merged[source] = name

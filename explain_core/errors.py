@@ -29,6 +29,7 @@ __all__ = [
     "RuntimeConflictError",
     "UnknownMethodError",
     "UnsupportedMethodError",
+    "UnsupportedModelError",
     "UnsupportedOperatorError",
 ]
 
@@ -77,6 +78,13 @@ class ModelRunError(InvalidInputError, RuntimeError):
 
     Also a ``RuntimeError``, the type torch raised before it was explained, so that code catching
     that keeps working; torch's error is chained as the cause.
+    """
+
+
+class UnsupportedModelError(InvalidInputError):
+    """A layer, operation or structure that relevance rules cannot propagate through.
+
+    Raised instead of silently letting the ordinary gradient through a part of the model.
     """
 
 

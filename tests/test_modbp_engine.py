@@ -10,13 +10,12 @@ from conftest import assert_same_state, state_fingerprint
 from modbp_nets import randomise_batchnorm, reference, resnet, vgg_bn
 from torch import nn
 
-from explain_core import Rule, explain
+from explain_core import Gradient, Rule, explain
 from explain_core.errors import InvalidInputError
 from explain_modbp import (
     AlphaBeta,
     Epsilon,
     Gamma,
-    Gradient,
     LayerComposite,
     ModifiedBackprop,
     UnsupportedModelError,

@@ -117,7 +117,7 @@ def test_conserving_rules_conserve_on_one_layer(rule):
     layer = nn.Conv2d(3, 4, 3, padding=1, bias=False).double().eval()
     x = torch.rand(2, 3, 6, 6, dtype=torch.float64)
     relevance_out = torch.rand_like(layer(x))
-    got = engine_relevance(layer, rule, x, relevance_out, first=rule.relevance_output)
+    got = engine_relevance(layer, rule, x, relevance_out, first=rule.returns_relevance)
     torch.testing.assert_close(got.sum((1, 2, 3)), relevance_out.sum((1, 2, 3)))
 
 

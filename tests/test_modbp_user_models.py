@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import explain
-from explain_modbp import Epsilon, Gradient, UnsupportedModelError, composites
+from explain_core import Gradient, explain
+from explain_modbp import Epsilon, UnsupportedModelError, composites
 from explain_modbp.plan_cache import clear_plan_cache
 
 

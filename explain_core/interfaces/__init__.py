@@ -8,13 +8,16 @@ from explain_core.interfaces.dynamic_linear import (
     explanation_mode,
 )
 from explain_core.interfaces.relevance import (
+    AffineRule,
     Canonizer,
     Composite,
     CompositeSpec,
+    Gradient,
     ModifiedGradient,
     Op,
     Rule,
     RuleCall,
+    safe_divide,
 )
 from explain_core.interfaces.routing import (
     RoutedBatches,
@@ -26,11 +29,13 @@ from explain_core.interfaces.routing import (
 )
 
 __all__ = [
+    "AffineRule",
     "Canonizer",
     "Composite",
     "CompositeSpec",
     "Contributions",
     "DynamicLinear",
+    "Gradient",
     "ModifiedGradient",
     "Op",
     "RoutedBatches",
@@ -44,4 +49,5 @@ __all__ = [
     "explanation_mode",
     "record_routing",
     "record_routing_batches",
+    "safe_divide",
 ]

@@ -1,10 +1,12 @@
-"""Relevance rules: how a modified backward signal passes through individual modules.
+"""Relevance rules: how a modified backward signal passes through a module or an operation.
 
-A :class:`Rule` replaces a module's backward pass: given the signal arriving at the module's
-output, it returns the signal for each tensor input. A :class:`Composite` maps modules (by type,
-qualified name or predicate) to rules and, inside :meth:`Composite.context`, applies its
-canonizers and attaches the rules with hooks. Leaving the context removes every hook and undoes
-every canonizer, also when an exception is raised.
+A :class:`Rule` replaces the backward pass of one module call or one traced operation: given the
+signal arriving at the output, it returns the signal for each tensor input. Rules for affine
+layers (:class:`AffineRule`: Linear, ConvNd, BatchNorm, or a Linear/Conv merged with its
+BatchNorm) read the layer's weights from ``call.layer``. A :class:`Composite` maps modules (by
+type, qualified name or predicate) and operation kinds (:class:`Op`) to rules; an engine applies
+them (inside :meth:`Composite.context` with module hooks, or through the modified-backpropagation
+engine, which also checks every operation and applies the composite's canonizers).
 
 Each forward call of a ruled module gets its own :class:`RuleCall` record, held only by the
 autograd graph, so nothing outlives the graph and a module called twice never overwrites the
@@ -20,19 +22,23 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
+from explain_core.affine import AffineLayer, is_affine
+from explain_core.canonizers import Canonizer
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.scoped import ModuleListener, listening
 
 __all__ = [
+    "AffineRule",
     "Canonizer",
     "Composite",
     "CompositeSpec",
+    "Gradient",
     "Matcher",
     "ModifiedGradient",
     "Op",
@@ -40,6 +46,7 @@ __all__ = [
     "Rule",
     "RuleCall",
     "RuleMapping",
+    "safe_divide",
 ]
 
 Predicate = Callable[[str, nn.Module], bool]
@@ -64,6 +71,8 @@ class RuleCall:
         grad_output: The signal that arrived at the output during backward (set by the engine).
         function: For an operation: the call as written, applied out of place to other values
             of its (first) tensor input, e.g. to take a derivative.
+        layer: For an affine module: its weights and geometry (merged with the BatchNorm that
+            follows it where a canonizer merged them), else ``None``.
     """
 
     module: nn.Module | None
@@ -73,17 +82,34 @@ class RuleCall:
     state: Any = None
     grad_output: torch.Tensor | None = field(default=None, repr=False)
     function: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
+    layer: AffineLayer | None = field(default=None, repr=False)
 
 
 class Rule(ABC):
-    """How relevance passes backwards through one module.
+    """How relevance passes backwards through one module call or one traced operation.
 
+    The signal convention: the signal ``s`` is shaped like the tensor it belongs to and the
+    relevance of an activation ``h`` is ``h ⊙ s``; the ordinary gradient is such a signal.
     Rules are small, stateless objects; a single instance may serve many modules. Per-call data
     belongs in the :class:`RuleCall` record (see :meth:`forward`).
+
+    Attributes:
+        returns_relevance: :meth:`backward` returns relevance, not a signal, at the input. Such
+            rules (Deep Taylor's w², flat, z^B) only apply to the layer that reads the model
+            input: relevance cannot be propagated further down.
     """
 
+    returns_relevance: ClassVar[bool] = False
+
+    def applies_to(self, module: nn.Module) -> bool:
+        """Whether the rule can serve ``module`` (composites skip entries that cannot)."""
+        return True
+
     def forward(self, call: RuleCall) -> Any:
-        """Compute per-call state during the forward pass (optional; stored as ``call.state``)."""
+        """Compute per-call state during the forward pass (optional; stored as ``call.state``).
+
+        Runs without autograd; the tensors of ``call`` are detached.
+        """
         return None
 
     @abstractmethod
@@ -100,13 +126,67 @@ class Rule(ABC):
             One tensor (shaped like the input) or ``None`` per entry of ``call.inputs``.
         """
 
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The signal at the inputs for a *relevance* ``R`` set at the output.
 
-class Canonizer(ABC):
-    """A temporary rewrite of a model that makes rules applicable (e.g. merging BatchNorm)."""
+        Used where relevance is injected at a layer (the CSC metric). The default is
+        :meth:`backward` of the signal ``R / output`` (0 where the output is 0); rules whose
+        relevance form is defined there too override it.
+        """
+        return self.backward(call, safe_divide(relevance, call.output))
 
-    @abstractmethod
-    def apply(self, model: nn.Module) -> Callable[[], None]:
-        """Rewrite ``model`` in place and return a function that restores it exactly."""
+    def __repr__(self) -> str:
+        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        return f"{type(self).__name__}({options})"
+
+
+class AffineRule(Rule):
+    """A rule for affine layers: it reads the weights from ``call.layer``.
+
+    ``call.layer`` is an :class:`~explain_core.affine.AffineLayer`; the module is never run
+    again. Composites skip its entries for other modules, so a broad matcher
+    (``"features.*"``) gives it only the Linear/Conv/BatchNorm layers.
+    """
+
+    def applies_to(self, module: nn.Module) -> bool:  # noqa: D102
+        return is_affine(module)
+
+    @staticmethod
+    def affine(call: RuleCall) -> tuple[AffineLayer, torch.Tensor, torch.Tensor]:
+        """``(layer, x, z)``: the layer view, its input and its output.
+
+        Raises:
+            InvalidInputError: If the call has no layer view (the rule was applied to an
+                operation, or by an engine that provides none).
+        """
+        if call.layer is None:
+            raise InvalidInputError(
+                f"this rule is for Linear/Conv/BatchNorm layers; {call.name!r} is not one"
+            )
+        return call.layer, call.inputs[0], call.output
+
+
+class Gradient(Rule):
+    """The ordinary gradient (engines attach nothing for it where they can)."""
+
+    def backward(  # noqa: D102
+        self, call: RuleCall, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        if call.layer is not None:
+            return (call.layer.transpose(grad_output, call.inputs[0]),)
+        inputs = tuple(t.detach().requires_grad_(True) for t in call.inputs)
+        run = call.function if call.function is not None else call.module
+        if run is None:
+            raise InvalidInputError(f"the call {call.name!r} cannot be run again")
+        with torch.enable_grad():
+            output = run(*inputs)
+        return torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
+
+
+def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` with 0 where the denominator is 0."""
+    zero = denominator == 0
+    return numerator / denominator.masked_fill(zero, 1.0) * ~zero
 
 
 class ModifiedGradient(ABC):
@@ -197,9 +277,9 @@ class RuleMapping:
     rule: Rule
 
     def matches(self, name: str, module: nn.Module) -> bool:
-        """Whether the module at ``name`` is matched by this entry."""
+        """Whether the module at ``name`` is matched by this entry (and its rule applies)."""
         matcher = self.matcher
-        if isinstance(matcher, Op):
+        if isinstance(matcher, Op) or not self.rule.applies_to(module):
             return False
         if isinstance(matcher, str):
             return fnmatch.fnmatchcase(name, matcher)
@@ -219,7 +299,9 @@ class Composite(ModifiedGradient):
         mapping: ``(matcher, rule)`` pairs. A matcher is a module type (or tuple of types), a
             glob over qualified module names (``"features.*"``), or a predicate
             ``(name, module) -> bool``.
-        canonizers: Applied in order before rules are attached, undone in reverse order.
+        canonizers: Rewrites of the traced layers (e.g.
+            :class:`~explain_core.canonizers.MergeBatchNorm`), applied in order by engines that
+            trace the model; the module-hook :meth:`context` traces nothing and refuses them.
         allow_reuse: Allow a ruled module to be called more than once per forward pass.
         unmapped: What to do with a leaf module that no entry matches and that is not in
             ``passthrough``: ``"pass"`` lets the ordinary gradient through it, ``"error"`` raises.
@@ -289,16 +371,26 @@ class Composite(ModifiedGradient):
 
     @contextmanager
     def context(self, model: nn.Module) -> Iterator[nn.Module]:
-        """Apply canonizers and attach rules for the duration of the block.
+        """Apply the rules to every module call of this context (this thread) in the block.
+
+        Rules apply per module call, without tracing the model (operation rules and canonizers
+        need an engine that traces it, such as the modified-backpropagation engine).
 
         Yields:
-            The same model, rewritten by the canonizers and with rules attached.
+            The same model (unchanged; other threads see no rules).
+
+        Raises:
+            InvalidInputError: If the composite has canonizers.
         """
+        if self.canonizers:
+            raise InvalidInputError(
+                "canonizers rewrite the layers an engine traced, and this context traces "
+                "nothing: run the composite through a tracing engine (the modified-"
+                "backpropagation plugin's composites and methods), or leave canonizers out"
+            )
         yielded, model = model, uncompiled(model)
         with ExitStack() as stack:
             stack.enter_context(eager_mode())  # hooks must run as written, not be traced
-            for canonizer in self.canonizers:
-                stack.callback(canonizer.apply(model))
             stack.enter_context(listening(_RuleListener(model, self)))
             yield yielded
 
@@ -312,6 +404,8 @@ class _RuleListener(ModuleListener):
         self.calls = calls_this_pass
         self.ruled: dict[int, _RuleHooks] = {}
         for name, rule in composite.assignments(model).items():
+            if isinstance(rule, Gradient):
+                continue  # nothing to change
             module = model.get_submodule(name) if name else model
             hooks = _RuleHooks(name, rule, calls_this_pass, composite.allow_reuse)
             self.ruled[id(module)] = hooks
@@ -367,7 +461,10 @@ class _RuleHooks:
                 f"{type(output).__name__}; relevance rules need modules that return one tensor"
             )
         call.output = output.detach()
-        call.state = self.rule.forward(call)
+        if is_affine(module):
+            call.layer = AffineLayer.from_module(self.name, module)
+        with torch.no_grad():
+            call.state = self.rule.forward(call)
         return _RuleExit.apply(call, output)
 
 

@@ -12,11 +12,9 @@ from explain_core.hookspecs import hookimpl
 from explain_core.interfaces.relevance import CompositeSpec
 from explain_core.registry import MethodSpec
 from explain_modbp import deeplift, excitation, guided, methods, pattern
-from explain_modbp.base import Gradient, LayerRule
 from explain_modbp.engine import BackwardResult, ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError, UnsupportedModelError
 from explain_modbp.layer_composite import LayerComposite
-from explain_modbp.layers import AffineLayer
 from explain_modbp.ops import OpHandler
 from explain_modbp.rules import (
     AlphaBeta,
@@ -34,7 +32,6 @@ from explain_modbp.rules import (
 FAMILY = "modified-bp"
 
 __all__ = [
-    "AffineLayer",
     "AlphaBeta",
     "BackwardResult",
     "ContrastiveExcitation",
@@ -43,9 +40,7 @@ __all__ = [
     "Flat",
     "ForwardPass",
     "Gamma",
-    "Gradient",
     "LayerComposite",
-    "LayerRule",
     "ModifiedBackprop",
     "OpHandler",
     "PatternMismatchError",

@@ -18,62 +18,54 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
-from explain_core.interfaces.relevance import Composite, Rule, RuleCall
+from explain_core.affine import AFFINE_TYPES, AffineLayer
+from explain_core.interfaces.relevance import Composite, Gradient, Rule, RuleCall
 from explain_core.scoped import ModuleListener
-from explain_modbp.base import LayerRule
-from explain_modbp.layers import AFFINE_TYPES, AffineLayer
 from explain_modbp.ops import OpHandler, op_name
 from explain_modbp.tracing import Plan
 
 __all__ = [
     "LayerRecord",
     "RulePass",
-    "RuleState",
 ]
 
 
 @dataclass
-class RuleState:
-    """What a rule's backward needs (held by the autograd graph only)."""
-
-    rule: LayerRule
-    layer: AffineLayer
-    state: Any
-    z: torch.Tensor
-
-
-@dataclass
 class LayerRecord:
-    """One ruled layer in a :class:`ForwardPass`.
+    """One affine layer in a :class:`ForwardPass`.
 
     Attributes:
         name: Qualified name (of the Linear/Conv for a merged pair).
         input: The tensor the layer read (part of the graph).
         output: The layer's output as the rest of the model saw it (part of the graph).
-        core: Rule, layer view and forward-time state.
+        rule: The layer's rule.
+        call: The call as the rule saw it (layer view, detached tensors, forward-time state).
     """
 
     name: str
     input: torch.Tensor
     output: torch.Tensor
-    core: RuleState
+    rule: Rule
+    call: RuleCall
 
 
 class _RuleFunction(torch.autograd.Function):
     """Identity on a layer's output values whose backward is the layer's rule."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, z: torch.Tensor, core: RuleState) -> torch.Tensor:
-        ctx.core = core
+    def forward(
+        ctx: Any, x: torch.Tensor, z: torch.Tensor, rule: Rule, call: RuleCall
+    ) -> torch.Tensor:
+        ctx.rule, ctx.call = rule, call
         ctx.save_for_backward(x)  # raises at backward if x was changed in place meanwhile
         return z.clone()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        (x,) = ctx.saved_tensors
-        core: RuleState = ctx.core
-        return core.rule.signal_backward(core.layer, core.state, x, core.z, signal), None, None
+    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+        ctx.saved_tensors  # noqa: B018  (the in-place check)
+        (grad,) = ctx.rule.backward(ctx.call, signal)
+        return grad, None, None, None
 
 
 class _OpRuleFunction(torch.autograd.Function):
@@ -169,15 +161,13 @@ class RulePass(ModuleListener):
             self.internal = previous
 
     def apply_rule(
-        self, rule: LayerRule, layer: AffineLayer, x: torch.Tensor, output: torch.Tensor
+        self, rule: Rule, call: RuleCall, x: torch.Tensor, output: torch.Tensor
     ) -> torch.Tensor:
         """Replace ``output`` by the same values with ``rule`` as backward."""
-        z = output.detach()
         with torch.no_grad():
-            state = rule.prepare(layer, x.detach(), z)
-        core = RuleState(rule, layer, state, z)
-        out = _RuleFunction.apply(x, z, core)
-        self.records[layer.name] = LayerRecord(layer.name, x, out, core)
+            call.state = rule.forward(call)
+        out = _RuleFunction.apply(x, call.output, rule, call)
+        self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
         return out
 
     def count_calls(self) -> dict[str, int]:
@@ -213,7 +203,7 @@ class RulePass(ModuleListener):
         """Which modules get a rule (by identity) and which only stash their input (merged)."""
         for name in self.plan.order:
             rule = self.plan.rules[name]
-            if rule.passes_gradient and not self.record:
+            if isinstance(rule, Gradient) and not self.record:
                 continue
             module = self.model.get_submodule(name)
             if name in self.plan.merged:
@@ -229,21 +219,14 @@ class RulePass(ModuleListener):
         rule = self.plan.rules[name]
         with self.internal_ops():
             if bn_name is None:
-                x = args[0]
+                x, source = args[0], module
                 layer = AffineLayer.from_module(name, module)
             else:
-                x = self.stash.pop(name)
-                linear = self.model.get_submodule(name)
-                layer = AffineLayer.from_module(name, linear).merge_batchnorm(bn_name, module)
-            if name in self.plan.nonnegative_inputs:
-                layer = replace(layer, nonnegative_input=True)
-            if rule.passes_gradient:
-                z = output.detach()
-                core = RuleState(rule, layer, None, z)
-                self.records[name] = LayerRecord(name, x, output, core)
+                x, source = self.stash.pop(name), self.model.get_submodule(name)
+                layer = AffineLayer.from_module(name, source).merge_batchnorm(bn_name, module)
+            layer = replace(layer, input_sign=self.plan.input_sign(name))
+            call = RuleCall(source, name, (x.detach(),), output.detach(), layer=layer)
+            if isinstance(rule, Gradient):
+                self.records[name] = LayerRecord(name, x, output, rule, call)
                 return None
-            replaced = rule.attach(self, layer, x, output)
-            if replaced is None and self.record:
-                core = RuleState(rule, layer, None, output.detach())
-                self.records[name] = LayerRecord(name, x, output, core)
-            return replaced
+            return self.apply_rule(rule, call, x, output)

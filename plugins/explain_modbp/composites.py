@@ -30,12 +30,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from explain_core.interfaces.relevance import Op
+from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES
+from explain_core.interfaces.relevance import Gradient, Op, Rule
 from explain_modbp import rules
 from explain_modbp.activations import PassRelevance
-from explain_modbp.base import Gradient, LayerRule
 from explain_modbp.layer_composite import LayerComposite
-from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
 from explain_modbp.ops import ACTIVATION_OPS
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
@@ -47,11 +46,11 @@ ACTIVATIONS = (Op(*ACTIVATION_OPS), PassRelevance())
 
 
 def uniform(
-    rule: LayerRule,
+    rule: Rule,
     name: str,
     *,
-    first: LayerRule | None = None,
-    batchnorm: LayerRule | None = None,
+    first: Rule | None = None,
+    batchnorm: Rule | None = None,
     activations: bool = True,
 ) -> LayerComposite:
     """The same rule for every Linear/Conv layer.
@@ -64,24 +63,24 @@ def uniform(
 
 
 def conv_dense(
-    conv: LayerRule,
-    dense: LayerRule,
+    conv: Rule,
+    dense: Rule,
     name: str,
     *,
-    first: LayerRule | None = None,
-    batchnorm: LayerRule | None = None,
+    first: Rule | None = None,
+    batchnorm: Rule | None = None,
 ) -> LayerComposite:
     """One rule for convolutions and another for dense layers (and LRP's activation rule)."""
     mapping = _with_batchnorm([(CONV_TYPES, conv), (DENSE_TYPES, dense)], batchnorm)
     return LayerComposite([*mapping, ACTIVATIONS], first=first, name=name)
 
 
-def _with_batchnorm(mapping: list, batchnorm: LayerRule | None) -> list:
+def _with_batchnorm(mapping: list, batchnorm: Rule | None) -> list:
     # Merged BatchNorms never reach the mapping (the trace folds them into their layer first).
     return [*mapping, (BATCHNORM_TYPES, batchnorm)] if batchnorm is not None else mapping
 
 
-def _lone_batchnorm(epsilon: float = 1e-6) -> LayerRule:
+def _lone_batchnorm(epsilon: float = 1e-6) -> Rule:
     return rules.Epsilon(epsilon)
 
 

@@ -24,7 +24,7 @@ DeepLIFT's multiplier ``m`` with contributions ``Δx ⊙ m``, ``Δx = x − x⁰
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -35,11 +35,9 @@ from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_modbp.activations import Activation, secant_slope
-from explain_modbp.base import LayerRule
+from explain_modbp.attach import LayerRecord
 from explain_modbp.composites import gradient_composite
 from explain_modbp.engine import ModifiedBackprop
-from explain_modbp.layer_composite import LayerComposite
-from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES
 from explain_modbp.methods import one_hot, per_sample_sum
 from explain_modbp.ops import ACTIVATION_OPS, ADD_OPS, RELU_OPS, OpHandler
 
@@ -170,12 +168,21 @@ class DeepLiftHandler(OpHandler):
         self.maxpool = maxpool
         self.batch = 0
         self.parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.layers: Mapping[str, LayerRecord] = {}
+        self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
         if rule != "rescale":
             self.ops = self.ops | ADD_OPS
 
-    def prepare_inputs(self, inputs: torch.Tensor) -> torch.Tensor:  # noqa: D102
+    @property
+    def needs_layers(self) -> bool:
+        """RevealCancel splits every affine layer's output: the pass must record them."""
+        return self.rule != "rescale"
+
+    def start(self, inputs: torch.Tensor, layers: Mapping[str, LayerRecord]) -> torch.Tensor:  # noqa: D102
         self.batch = inputs.shape[0]
         self.parts.clear()
+        self.consumed.clear()
+        self.layers = layers
         return torch.cat([inputs, self.reference.to(inputs)])
 
     # positive/negative parts ---------------------------------------------------------------
@@ -183,13 +190,54 @@ class DeepLiftHandler(OpHandler):
         """Record the parts of ``tensor``'s difference from reference (input half)."""
         self.parts[id(tensor)] = (tensor, positive, negative)
 
-    def split(self, tensor: torch.Tensor, pop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The recorded parts of ``tensor``, or its difference split by sign."""
-        entry = self.parts.pop(id(tensor), None) if pop else self.parts.get(id(tensor))
+    def parts_of(self, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The positive and negative parts of ``tensor``, or ``None``.
+
+        Affine layers' outputs and sums of them have parts (until an activation used them).
+        """
+        if self.consumed.get(id(tensor)) is tensor:
+            return None
+        entry = self.parts.get(id(tensor))
         if entry is not None and entry[0] is tensor:
             return entry[1], entry[2]
+        for record in reversed(self.layers.values()):  # the layer that made it ran last, mostly
+            if record.output is tensor:
+                positive, negative = self._layer_parts(record)
+                self.register(tensor, positive, negative)
+                return positive, negative
+        return None
+
+    def split(self, tensor: torch.Tensor, pop: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts of ``tensor``, or its difference split by sign."""
+        parts = self.parts_of(tensor)
+        if pop:
+            self.parts.pop(id(tensor), None)
+            self.consumed[id(tensor)] = tensor
+        if parts is not None:
+            return parts
         delta = tensor[: self.batch] - tensor[self.batch :]
         return delta * (delta > 0), delta * (delta < 0)
+
+    def _layer_parts(self, record: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Δz⁺``, ``Δz⁻`` of an affine layer, differentiable functions of its input.
+
+        Their backward is the paper's Eq. 13 (or its decoupled ablation).
+        """
+        layer, x = record.call.layer, record.input
+        assert layer is not None
+        batch = self.batch
+        delta = x[:batch] - x[batch:]
+        dpos, dneg = delta * (delta > 0), delta * (delta < 0)
+        wp, wn = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
+        pos_pos, neg_neg = layer.forward(dpos, wp), layer.forward(dneg, wn)
+        pos_neg, neg_pos = layer.forward(dpos, wn), layer.forward(dneg, wp)
+        if self.rule == "ablation":  # values of Eq. 13, signal only along W⁺ (r⁺) and W⁻ (r⁻)
+            positive = pos_pos + neg_neg.detach()
+            negative = (pos_neg + neg_pos).detach() + neg_neg - neg_neg.detach()
+        else:
+            positive = pos_pos + neg_neg
+            negative = pos_neg + neg_pos
+        return positive, negative
 
     def handle(self, name, func, args, kwargs):  # noqa: D102
         x = args[0]
@@ -231,44 +279,14 @@ class DeepLiftHandler(OpHandler):
         return result
 
 
-class DeepLiftLinear(LayerRule):
-    """Affine layers under RevealCancel: record ``Δz⁺``/``Δz⁻`` for the following ReLU.
+def _run(handler: DeepLiftHandler, model: Any, inputs: torch.Tensor, *, record: bool) -> Any:
+    """The pass of one DeepLIFT rule.
 
-    The module's output (and gradient) is kept; the parts are differentiable functions of the
-    layer's input whose backward is the paper's Eq. 13 (or its decoupled ablation).
+    The gradient through affine layers; the handler's rules for activations, max pooling and
+    (RevealCancel) additions.
     """
-
-    def __init__(self, handler: DeepLiftHandler, decoupled: bool) -> None:
-        self.handler = handler
-        self.decoupled = decoupled
-
-    def attach(self, engine_pass, layer, x, output):  # noqa: D102
-        handler = self.handler
-        batch = handler.batch
-        delta = x[:batch] - x[batch:]
-        dpos, dneg = delta * (delta > 0), delta * (delta < 0)
-        wp, wn = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
-        pos_pos, neg_neg = layer.forward(dpos, wp), layer.forward(dneg, wn)
-        pos_neg, neg_pos = layer.forward(dpos, wn), layer.forward(dneg, wp)
-        if self.decoupled:  # values of Eq. 13, signal only along W⁺ (r⁺) and W⁻ (r⁻)
-            positive = pos_pos + neg_neg.detach()
-            negative = (pos_neg + neg_pos).detach() + neg_neg - neg_neg.detach()
-        else:
-            positive = pos_pos + neg_neg
-            negative = pos_neg + neg_pos
-        handler.register(output, positive, negative)
-        return None
-
-    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
-        return layer.transpose(signal, x)
-
-
-def deeplift_composite(handler: DeepLiftHandler) -> LayerComposite:
-    """Gradient through affine layers (Rescale) or the positive/negative split (RevealCancel)."""
-    if handler.rule == "rescale":
-        return gradient_composite("deeplift.rescale")
-    rule = DeepLiftLinear(handler, decoupled=handler.rule == "ablation")
-    return LayerComposite([(LINEAR_TYPES + BATCHNORM_TYPES, rule)], name=f"deeplift.{handler.rule}")
+    composite = gradient_composite(f"deeplift.{handler.rule}")
+    return ModifiedBackprop(composite, handler, record=record).forward(model, inputs)
 
 
 def check_reference(inputs: torch.Tensor, baselines: torch.Tensor | None) -> torch.Tensor:
@@ -306,9 +324,7 @@ class _DeepLift(Method):
 
         reference = check_reference(inputs, baselines)
         handler = DeepLiftHandler(reference, self.rule, self.maxpool)  # type: ignore[arg-type]
-        forward = ModifiedBackprop(deeplift_composite(handler), handler, record=True).forward(
-            model, inputs
-        )
+        forward = _run(handler, model, inputs, record=True)
         return EnginePropagator(
             forward,
             "signal",
@@ -320,17 +336,17 @@ class _DeepLift(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:
         reference = check_reference(inputs, baselines)
         handler = DeepLiftHandler(reference, self.rule, self.maxpool)  # type: ignore[arg-type]
-        forward = ModifiedBackprop(deeplift_composite(handler), handler).forward(model, inputs)
+        forward = _run(handler, model, inputs, record=handler.needs_layers)
         batch = inputs.shape[0]
         both = forward.output.detach()
         output, reference_output = both[:batch], both[batch:]
         chosen = select_target(output, target)
         start = one_hot(output, chosen)
-        parts = handler.parts.get(id(forward.output))
-        if parts is not None and parts[0] is forward.output:
+        parts = handler.parts_of(forward.output) if handler.needs_layers else None
+        if parts is not None:
             # The output layer's positive and negative parts both carry the start signal, so
             # its rule (coupled or decoupled) applies too.
-            (signal,) = torch.autograd.grad(parts[1:], forward.input, (start, start))
+            (signal,) = torch.autograd.grad(parts, forward.input, (start, start))
             multiplier = signal[:batch]
         else:
             signal = torch.cat([start, torch.zeros_like(reference_output)])

@@ -6,10 +6,10 @@ signal is DeepLIFT's multiplier). In this convention the ordinary gradient alrea
 every linear operation without parameters: ReLU, max pooling (winner takes all), average pooling,
 sums of branches (residual additions), concatenation, flatten/view and dropout in eval mode all
 redistribute relevance exactly and conserve it. Only layers with weights need rules: each ruled
-Linear/Conv (merged with the BatchNorm that follows it, without touching the model) gets a forward
-hook that returns the same output values through a small autograd function whose backward is the
-rule, computed from the tensors saved in the forward pass (one transposed convolution per weight
-variant; no module is run again).
+Linear/Conv (merged with the BatchNorm that follows it by the composite's canonizer, without
+touching the model) returns the same output values through a small autograd function whose
+backward is the rule, computed from the tensors saved in the forward pass (one transposed
+convolution per weight variant; no module is run again).
 
 **Checks.** Before attaching anything the engine traces the model once on the first sample with a
 :class:`~torch.overrides.TorchFunctionMode`: every operation on input-dependent tensors outside a
@@ -24,8 +24,8 @@ silently.
 ruled layer ``k`` and reads the signal at the input of every layer below it (what the CSC metric
 needs).
 
-**Modules.** The parts live in their own modules: the rule base classes and
-:class:`LayerComposite` in :mod:`.base`, the operation sets and :class:`OpHandler` in :mod:`.ops`,
+**Modules.** The parts live in their own modules: :class:`LayerComposite` in
+:mod:`.layer_composite`, the operation sets and :class:`OpHandler` in :mod:`.ops`,
 the trace in :mod:`.tracing`, the plan cache in :mod:`.plan_cache` and the hooks of one pass in
 :mod:`.attach`.
 """
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from explain_core.interfaces.relevance import Composite
+from explain_core.model_guard import require_eval_mode
 from explain_core.scoped import listening
 from explain_modbp.attach import LayerRecord, RulePass, _OperationMode
 from explain_modbp.errors import UnsupportedModelError
@@ -119,11 +120,8 @@ class ForwardPass:
             record = self.records[start]
             below = names[: names.index(start)]
             if relevance is not None:
-                core = record.core
                 with torch.no_grad():
-                    grads = core.rule.relevance_backward(
-                        core.layer, core.state, record.input.detach(), relevance
-                    )
+                    (grads,) = record.rule.relevance(record.call, relevance)
                 outputs = record.input
             else:
                 outputs, grads = record.output, signal
@@ -187,11 +185,15 @@ class ModifiedBackprop:
 
         The returned pass holds the autograd graph; call :meth:`ForwardPass.backward`. With
         ``grad=False`` no graph is built (for rules that only collect statistics).
+
+        Raises:
+            ModelStateError: If a BatchNorm or Dropout is in training mode (the trace would
+                update its running statistics).
+            UnsupportedModelError: For what the rules cannot propagate through.
         """
+        require_eval_mode(model)
         for use_cache in (self.cache, False):
             with contextlib.ExitStack() as stack:
-                for canonizer in self.composite.canonizers:
-                    stack.callback(canonizer.apply(model))
                 plan, cached = planned(
                     model, inputs, self.composite, self.extra_ops, cache=use_cache
                 )
@@ -205,7 +207,7 @@ class ModifiedBackprop:
                     stack.enter_context(custom.context(model))
                 x = inputs.detach()
                 if self.handler is not None:
-                    x = self.handler.prepare_inputs(x)
+                    x = self.handler.start(x, attached.records)
                 x = x.requires_grad_(grad)
                 with torch.set_grad_enabled(grad):
                     if self.composite.op_kinds or (self.handler is not None and self.handler.ops):

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, UnsupportedModelError
+
+__all__ = ["PatternMismatchError", "UnsupportedModelError", "op_hint"]
 
 RULE_HINT = (
     "To explain such a model with LRP, map the module to a rule: explain(model, x, "
     "'lrp.custom', composite=explain_modbp.composites.lrp_epsilon_plus().with_rules(({type}, "
-    "MyRule()))) where MyRule subclasses explain_modbp.LayerRule (affine layers) or "
-    "explain_core.Rule (any module); or rewrite the forward with supported operations "
+    "MyRule()))) where MyRule subclasses explain_core.Rule (explain_core.AffineRule for "
+    "layers with weights); or rewrite the forward with supported operations "
     "(Linear/Conv/BatchNorm modules, ReLU, +, -, cat, view/flatten, pooling, dropout in eval mode)"
 )
 SOFTMAX_HINT = (
@@ -61,13 +63,6 @@ def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
         "'lrp.custom', composite=explain_modbp.composites.lrp_epsilon_plus().with_rules("
         "(MyModule, MyRule()))) where MyRule subclasses explain_core.Rule)"
     )
-
-
-class UnsupportedModelError(InvalidInputError):
-    """A layer, operation or structure that the rules cannot propagate through.
-
-    Raised instead of silently letting the ordinary gradient through a part of the model.
-    """
 
 
 class PatternMismatchError(InvalidInputError):

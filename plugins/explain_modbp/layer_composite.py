@@ -9,14 +9,13 @@ any attributor taking gradients (Input×Gradient, SmoothGrad, Integrated Gradien
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import nn
 
+from explain_core.canonizers import Canonizer, MergeBatchNorm
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.relevance import Composite, Matcher, Rule
-from explain_modbp.base import LayerRule
 from explain_modbp.engine import ModifiedBackprop
 
 __all__ = ["LayerComposite"]
@@ -30,16 +29,18 @@ class LayerComposite(Composite):
         first: Rule for the affine layer that reads the model input (e.g. z^B, flat, w²).
         last: Rule for the affine layer that produces the output (e.g. contrastive excitation).
         name: Short description for error messages and listings.
+        canonizers: Rewrites of the traced layers; by default each BatchNorm that directly
+            follows a Linear/Conv is merged into it (the model is not changed).
     """
 
     def __init__(
         self,
         mapping: Sequence[tuple[Matcher, Rule]],
         *,
-        first: LayerRule | None = None,
-        last: LayerRule | None = None,
+        first: Rule | None = None,
+        last: Rule | None = None,
         name: str = "composite",
-        canonizers: Sequence[Any] = (),
+        canonizers: Sequence[Canonizer] = (MergeBatchNorm(),),
     ) -> None:
         super().__init__(mapping, canonizers=canonizers)
         self.first = first

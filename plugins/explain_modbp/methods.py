@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from explain_core.errors import InvalidInputError
+from explain_core.interfaces.relevance import safe_divide
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_modbp import composites
-from explain_modbp.base import safe_divide
 from explain_modbp.engine import ForwardPass, ModifiedBackprop
 from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.ops import ACTIVATION_OPS

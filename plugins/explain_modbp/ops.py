@@ -7,7 +7,7 @@ of them (ReLU, max pooling, additions) for methods such as Guided BP and DeepLIF
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -22,8 +22,14 @@ class OpHandler:
 
     ops: ClassVar[frozenset[str]] = frozenset()
 
-    def prepare_inputs(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The tensor actually fed to the model (DeepLIFT appends the reference)."""
+    def start(self, inputs: torch.Tensor, layers: Mapping[str, Any]) -> torch.Tensor:
+        """Called before the forward pass; returns the tensor actually fed to the model.
+
+        Args:
+            inputs: The inputs (DeepLIFT appends the reference).
+            layers: The pass's :class:`~explain_modbp.attach.LayerRecord` by layer name, filled
+                as the layers run (for a pass run with ``record=True``).
+        """
         return inputs
 
     def handle(

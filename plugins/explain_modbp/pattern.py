@@ -28,15 +28,16 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import nn
 
+from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_core.errors import InvalidInputError
+from explain_core.interfaces.relevance import AffineRule, RuleCall, safe_divide
 from explain_core.model_guard import require_eval_mode
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
-from explain_modbp.base import LayerRule, safe_divide
+from explain_modbp.composites import gradient_composite
 from explain_modbp.engine import ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError
 from explain_modbp.layer_composite import LayerComposite
-from explain_modbp.layers import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.methods import one_hot
 
 Estimator = Literal["linear", "two_component"]
@@ -103,23 +104,6 @@ def _channel_sum(layer: AffineLayer, t: torch.Tensor) -> torch.Tensor:
     if layer.kind == "linear":
         return t.reshape(-1, t.shape[-1]).sum(0)
     return t.sum([d for d in range(t.dim()) if d != 1])
-
-
-class _CollectRule(LayerRule):
-    """Collects the moments of every layer during a forward pass; changes nothing."""
-
-    def __init__(self) -> None:
-        self.moments: dict[str, _Moments] = {}
-
-    def attach(self, engine_pass, layer, x, output):
-        moments = self.moments.get(layer.name)
-        if moments is None:
-            moments = self.moments[layer.name] = _Moments.zeros(layer)
-        moments.add(layer, x.detach(), output.detach())
-        return None
-
-    def signal_backward(self, layer, state, x, z, signal):  # pragma: no cover
-        return layer.transpose(signal, x)
 
 
 @dataclass
@@ -221,30 +205,36 @@ def fit_patterns(
     if estimator not in ("linear", "two_component"):
         raise InvalidInputError(f"estimator must be 'linear' or 'two_component'; got {estimator!r}")
     require_eval_mode(model)
-    collect = _CollectRule()
-    engine = ModifiedBackprop(LayerComposite([(LINEAR_TYPES + BATCHNORM_TYPES, collect)]))
+    engine = ModifiedBackprop(gradient_composite("fit_patterns"), record=True)
+    moments: dict[str, _Moments] = {}
     plan = None
     samples = 0
     for index, batch in enumerate(_batches(data, batch_size)):
         if max_batches is not None and index >= max_batches:
             break
         with torch.no_grad():
-            plan = engine.forward(model, batch, grad=False).plan
+            forward = engine.forward(model, batch, grad=False)
+        for name, record in forward.records.items():
+            layer = record.call.layer
+            assert layer is not None
+            if name not in moments:
+                moments[name] = _Moments.zeros(layer)
+            moments[name].add(layer, record.call.inputs[0], record.call.output)
+        plan = forward.plan
         samples += batch.shape[0]
     if plan is None:
         raise InvalidInputError("no data to fit patterns on")
     patterns: dict[str, torch.Tensor] = {}
     layers: dict[str, list[Any]] = {}
     for name in plan.order:
-        moments = collect.moments[name]
         positive = estimator == "two_component" and name in plan.relu_after
         dtype = model.get_submodule(name).weight.dtype
-        patterns[name] = moments.pattern(positive).to(dtype)
-        layers[name] = [plan.types[name], list(moments.weight.shape)]
+        patterns[name] = moments[name].pattern(positive).to(dtype)
+        layers[name] = [plan.types[name], list(moments[name].weight.shape)]
     return Patterns(patterns, estimator, layers, samples)
 
 
-class PatternRule(LayerRule):
+class PatternRule(AffineRule):
     """Backward with the pattern (PatternNet) or the pattern times the weight (attribution).
 
     Raises:
@@ -255,7 +245,8 @@ class PatternRule(LayerRule):
         self.patterns = patterns
         self.attribution = attribution
 
-    def prepare(self, layer, x, z):  # noqa: D102
+    def forward(self, call: RuleCall) -> torch.Tensor:  # noqa: D102
+        layer, _, _ = self.affine(call)
         pattern = self.patterns.patterns.get(layer.name)
         if pattern is None or pattern.shape != layer.weight.shape:
             got = "no pattern" if pattern is None else f"a pattern of shape {tuple(pattern.shape)}"
@@ -267,11 +258,9 @@ class PatternRule(LayerRule):
         pattern = pattern.to(layer.weight)
         return pattern * layer.weight if self.attribution else pattern
 
-    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
-        return layer.transpose(signal, x, state)
-
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        return layer.transpose(relevance, x, state)
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
+        return (layer.transpose(grad_output, x, call.state),)
 
 
 def _method_name(attribution: bool) -> str:

@@ -22,8 +22,8 @@ from explain_modbp.tracing import Plan, move_custom_rules, resolve_rules, trace
 
 # Key: the composite's *shape* (matchers that are types, type tuples, name globs or operation
 # kinds, and the type of every rule), the handler's extra operations and the input's per-sample
-# shape, dtype and device. A composite with other matchers (callables) or with canonizers is
-# never cached.
+# shape, dtype and device, and the canonizers (type and options). A composite with other matchers
+# (callables) is never cached.
 # Validity, checked on every call: every submodule, parameter and buffer is the same object as
 # when traced (compared through weak references) and unchanged since (version counters), modules
 # are in the same train/eval mode with the same plain attributes (flags that may steer
@@ -44,8 +44,7 @@ def clear_plan_cache() -> None:
 
 
 def _composite_key(composite: Composite, extra_ops: frozenset[str]) -> Any:
-    if composite.canonizers:
-        return None
+    canonizers = tuple((type(c), repr(sorted(vars(c).items()))) for c in composite.canonizers)
     entries = []
     for entry in composite.mapping:
         matcher = entry.matcher
@@ -57,7 +56,7 @@ def _composite_key(composite: Composite, extra_ops: frozenset[str]) -> Any:
         entries.append((matcher, type(entry.rule)))
     first = getattr(composite, "first", None)
     last = getattr(composite, "last", None)
-    return (type(composite), tuple(entries), type(first), type(last), extra_ops)
+    return (type(composite), tuple(entries), type(first), type(last), canonizers, extra_ops)
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:

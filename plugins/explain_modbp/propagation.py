@@ -74,7 +74,7 @@ class EnginePropagator:
         out = {}
         for name, signal in result.layer_signals.items():
             if self.mode == "signal" or (
-                name in plan.input_layers and plan.rules[name].relevance_output
+                name in plan.input_layers and plan.rules[name].returns_relevance
             ):
                 out[name] = signal
             else:
@@ -86,12 +86,12 @@ class EnginePropagator:
         assert batch is not None
         names = forward.layers
         record = forward.records[start]
-        parts = getattr(self.handler, "parts", {}).get(id(record.output))
         rule = getattr(self.handler, "rule", "rescale")
+        parts = self.handler.parts_of(record.output) if rule != "rescale" else None  # type: ignore[attr-defined]
         below = names[: names.index(start) + 1]
         tensors = [forward.records[name].input for name in below]
-        if parts is not None and parts[0] is record.output:
-            outputs, grads = parts[1:], (vector, vector)
+        if parts is not None:
+            outputs, grads = parts, (vector, vector)
         elif rule != "rescale":
             raise UnsupportedMethodError(
                 f"{self.method} routes the signal through positive/negative parts that exist only "

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from explain_core.affine import AffineLayer
 from explain_core.errors import InvalidInputError
-from explain_modbp.base import LayerRule, safe_divide
-from explain_modbp.layers import AffineLayer
+from explain_core.interfaces.relevance import AffineRule, RuleCall, safe_divide
 
 
 def _stabilise(z: torch.Tensor, epsilon: float) -> torch.Tensor:
@@ -50,26 +50,35 @@ def _ratio(z: torch.Tensor, denominator: torch.Tensor, scale: float = 1.0) -> to
     return ratio.nan_to_num_(0.0, 0.0, 0.0)
 
 
-class _ModifiedWeights(LayerRule):
+class _RelevanceForm(AffineRule):
+    """A rule written for relevance at the output: the signal ``s`` is the relevance ``z ⊙ s``."""
+
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:
+        return self.relevance(call, grad_output * call.output)
+
+
+class _ModifiedWeights(_RelevanceForm):
     """A rule whose state starts with a modified weight ``ρ(W)`` and the denominators ``d``.
 
     ``R_i = Σ_j x_i ρ(w)_ji / d_j · R_j`` (or without ``x_i`` for input-layer rules).
     """
 
-    def relevance_backward(self, layer, state, x, relevance):
-        weight, denominator = state[0], state[1]
-        return layer.transpose(safe_divide(relevance, denominator), x, weight)
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:
+        layer, x, _ = self.affine(call)
+        weight, denominator = call.state[0], call.state[1]
+        return (layer.transpose(safe_divide(relevance, denominator), x, weight),)
 
 
 class _ModifiedWeightsWithRatio(_ModifiedWeights):
     """A :class:`_ModifiedWeights` rule with state ``(ρ(W), d, z / d)`` (ratio from the forward)."""
 
-    def signal_backward(self, layer, state, x, z, signal):
-        weight, _, ratio = state
-        return layer.transpose(signal * ratio, x, weight)
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:
+        layer, x, _ = self.affine(call)
+        weight, _, ratio = call.state
+        return (layer.transpose(grad_output * ratio, x, weight),)
 
 
-class Epsilon(LayerRule):
+class Epsilon(AffineRule):
     """LRP-ε: the output (with bias) stabilised by ``ε·sign(z)``; ``ε=0`` is LRP-0.
 
     Args:
@@ -81,17 +90,20 @@ class Epsilon(LayerRule):
             raise ValueError(f"epsilon must be >= 0; got {epsilon}")
         self.epsilon = float(epsilon)
 
-    def prepare(self, layer, x, z):  # noqa: D102
+    def forward(self, call: RuleCall) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
+        z = call.output
         if not self.epsilon:  # z / z = 1 where z != 0: the gradient (LRP-0 = Input×Gradient)
             return z, (z != 0).to(z.dtype)
         denominator = _stabilise(z, self.epsilon)
         return denominator, z / denominator
 
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        return layer.transpose(safe_divide(relevance, state[0]), x)
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
+        return (layer.transpose(grad_output * call.state[1], x),)
 
-    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
-        return layer.transpose(signal * state[1], x)
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
+        return (layer.transpose(safe_divide(relevance, call.state[0]), x),)
 
 
 class Zero(Epsilon):
@@ -112,21 +124,23 @@ def _amplified(tensor: torch.Tensor | None, gamma: float, sign: int) -> torch.Te
     return tensor + gamma * part
 
 
-class _SignAware(LayerRule):
-    """A rule with a cheaper form for non-negative inputs (``x⁻ = 0``) than for signed ones."""
+class _SignAware(AffineRule):
+    """A rule with a cheaper form for non-negative inputs (``x⁻ = 0``) than for signed ones.
 
-    def prepare(self, layer, x, z):
-        nonnegative = layer.nonnegative_input or bool((x >= 0).all())
-        return self.prepare_for(layer, x, z, nonnegative=nonnegative)
+    The signed form is exact for any input; the layer's ``input_sign`` says which to take
+    (``"unknown"``: look at the values; a traced graph asks for ``"signed"``).
+    """
 
-    def prepare_for(
+    def forward(self, call: RuleCall) -> tuple:
+        layer, x, z = self.affine(call)
+        sign = layer.input_sign
+        nonnegative = sign == "nonnegative" or (sign == "unknown" and bool((x >= 0).all()))
+        return self.prepare(layer, x, z, nonnegative=nonnegative)
+
+    def prepare(
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        """The rule's state, for inputs known to be non-negative or of either sign.
-
-        ``nonnegative=False`` is exact for any input (the ONNX export uses it, as it cannot
-        branch on values); ``True`` saves the ``x⁻`` convolutions.
-        """
+        """The rule's state, for inputs known to be non-negative or of either sign."""
         raise NotImplementedError
 
 
@@ -157,7 +171,7 @@ class Gamma(_SignAware):
         self.epsilon = float(epsilon)
         self.generalised = _flag("generalised", generalised)
 
-    def prepare_for(  # noqa: D102
+    def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
         weight, bias = layer.weight, layer.bias
@@ -176,14 +190,15 @@ class Gamma(_SignAware):
         denominator = _stabilise(torch.where(rising, d_up, d_down), self.epsilon)
         return up, down, not nonnegative, rising, denominator, _ratio(z, denominator)
 
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        return self._propagate(layer, state, x, safe_divide(relevance, state[4]))
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        return (self._propagate(call, grad_output * call.state[5]),)
 
-    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
-        return self._propagate(layer, state, x, signal * state[5])
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        return (self._propagate(call, safe_divide(relevance, call.state[4])),)
 
-    def _propagate(self, layer, state, x, s):
-        up, down, signed, rising = state[:4]
+    def _propagate(self, call: RuleCall, s: torch.Tensor) -> torch.Tensor:
+        layer, x, _ = self.affine(call)
+        up, down, signed, rising = call.state[:4]
         if down is None:
             return layer.transpose(s, x, up)
         s_up = torch.where(rising, s, 0.0)
@@ -219,7 +234,7 @@ class AlphaBeta(_SignAware):
         self.beta = float(beta)
         self.bias = _flag("bias", bias)
 
-    def prepare_for(  # noqa: D102
+    def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
         positive = layer.weight.clamp(min=0)
@@ -238,21 +253,24 @@ class AlphaBeta(_SignAware):
         ratios = _ratio(z, pos, self.alpha), (_ratio(z, neg, self.beta) if self.beta else None)
         return positive, negative, nonnegative, pos, neg, ratios
 
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        pos, neg = state[3], state[4]
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        ratio_pos, ratio_neg = call.state[5]
+        s_neg = grad_output * ratio_neg if ratio_neg is not None else None
+        return (self._propagate(call, grad_output * ratio_pos, s_neg),)
+
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        pos, neg = call.state[3], call.state[4]
         s_pos = safe_divide(relevance, pos)
         if self.alpha != 1:
             s_pos = s_pos * self.alpha
         s_neg = safe_divide(relevance, neg) * self.beta if self.beta else None
-        return self._propagate(layer, state, x, s_pos, s_neg)
+        return (self._propagate(call, s_pos, s_neg),)
 
-    def signal_backward(self, layer, state, x, z, signal):  # noqa: D102
-        ratio_pos, ratio_neg = state[5]
-        s_neg = signal * ratio_neg if ratio_neg is not None else None
-        return self._propagate(layer, state, x, signal * ratio_pos, s_neg)
-
-    def _propagate(self, layer, state, x, s_pos, s_neg):
-        positive, negative, nonnegative = state[:3]
+    def _propagate(
+        self, call: RuleCall, s_pos: torch.Tensor, s_neg: torch.Tensor | None
+    ) -> torch.Tensor:
+        layer, x, _ = self.affine(call)
+        positive, negative, nonnegative = call.state[:3]
         if nonnegative:
             signal = layer.transpose(s_pos, x, positive)
             if s_neg is not None:
@@ -286,9 +304,10 @@ class ZPlus(AlphaBeta):
 class WSquare(_ModifiedWeights):
     """Deep Taylor's w² rule for unbounded real inputs (input layer only)."""
 
-    relevance_output = True
+    returns_relevance = True
 
-    def prepare(self, layer, x, z):  # noqa: D102
+    def forward(self, call: RuleCall) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
         squared = layer.weight.square()
         return squared, layer.ones_forward(x, squared)
 
@@ -296,14 +315,15 @@ class WSquare(_ModifiedWeights):
 class Flat(_ModifiedWeights):
     """The flat rule: each output's relevance spread uniformly over its inputs (input layer)."""
 
-    relevance_output = True
+    returns_relevance = True
 
-    def prepare(self, layer, x, z):  # noqa: D102
+    def forward(self, call: RuleCall) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
         ones = torch.ones_like(layer.weight)
         return ones, layer.ones_forward(x, ones)
 
 
-class ZBox(LayerRule):
+class ZBox(_RelevanceForm):
     """Deep Taylor's z^B rule for inputs bounded by ``low <= x <= high`` (input layer only).
 
     Args:
@@ -315,7 +335,7 @@ class ZBox(LayerRule):
             inputs leave the bounds.
     """
 
-    relevance_output = True
+    returns_relevance = True
 
     def __init__(self, low: float | torch.Tensor | None, high: float | torch.Tensor | None) -> None:
         if low is None or high is None:
@@ -343,7 +363,8 @@ class ZBox(LayerRule):
                 f"{tuple(x.shape)}; give a number or a tensor shaped like one sample or the batch"
             ) from None
 
-    def prepare(self, layer, x, z):  # noqa: D102
+    def forward(self, call: RuleCall) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        layer, x, _ = self.affine(call)
         low, high = self._bound(self.low, x, "low"), self._bound(self.high, x, "high")
         tolerance = 1e-6 * (1 + float(x.abs().max()))
         if bool((x < low - tolerance).any() or (x > high + tolerance).any()):
@@ -357,13 +378,14 @@ class ZBox(LayerRule):
         )
         return low, high, positive, negative, denominator
 
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        low, high, positive, negative, denominator = state
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
+        low, high, positive, negative, denominator = call.state
         s = safe_divide(relevance, denominator)
         return (
             x * layer.transpose(s, x)
             - low * layer.transpose(s, x, positive)
-            - high * layer.transpose(s, x, negative)
+            - high * layer.transpose(s, x, negative),
         )
 
 
@@ -373,28 +395,31 @@ class Excitation(_ModifiedWeightsWithRatio):
     ``R_i = Σ_j x_i w⁺_ji / Σ_i' x_i' w⁺_ji' · R_j`` (equals z⁺ for non-negative inputs).
     """
 
-    def prepare(self, layer, x, z):  # noqa: D102
+    def forward(self, call: RuleCall) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        layer, x, z = self.affine(call)
         positive = layer.weight.clamp(min=0)
         denominator = layer.forward(x, positive)
         return positive, denominator, _ratio(z, denominator)
 
 
-class ContrastiveExcitation(LayerRule):
+class ContrastiveExcitation(_RelevanceForm):
     """Contrastive excitation backprop's final-layer rule ``(Z⁺ − N⁺)``, ``N⁺`` from ``−W``."""
 
-    def prepare(self, layer, x, z):  # noqa: D102
+    def forward(self, call: RuleCall) -> tuple[torch.Tensor, ...]:  # noqa: D102
+        layer, x, _ = self.affine(call)
         positive, flipped = layer.weight.clamp(min=0), (-layer.weight).clamp(min=0)
         return positive, flipped, layer.forward(x, positive), layer.forward(x, flipped)
 
-    def relevance_backward(self, layer, state, x, relevance):  # noqa: D102
-        positive, flipped, den_positive, den_flipped = state
-        return layer.transpose(safe_divide(relevance, den_positive), x, positive) - layer.transpose(
-            safe_divide(relevance, den_flipped), x, flipped
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
+        positive, flipped, den_positive, den_flipped = call.state
+        return (
+            layer.transpose(safe_divide(relevance, den_positive), x, positive)
+            - layer.transpose(safe_divide(relevance, den_flipped), x, flipped),
         )
 
 
 __all__ = [
-    "AffineLayer",
     "AlphaBeta",
     "ContrastiveExcitation",
     "Epsilon",

@@ -1,8 +1,8 @@
 """Tracing a model once into a :class:`Plan`: which layer gets which rule, and checks.
 
 The trace runs the model on one sample under a :class:`~torch.overrides.TorchFunctionMode`: it
-records the data flow between modules and operations, merges each BatchNorm into the Linear/Conv
-it directly follows, resolves a rule for every affine layer and raises
+records the data flow between modules and operations, hands the affine layers to the composite's
+canonizers (which fold BatchNorms into layers), resolves a rule for every affine layer and raises
 :class:`UnsupportedModelError` for whatever the engine cannot propagate through.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -18,11 +18,11 @@ from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from explain_core.interfaces.relevance import Composite, Rule
+from explain_core.affine import AFFINE_TYPES, BATCHNORM_TYPES, AffineLayer
+from explain_core.canonizers import TracedLayers
+from explain_core.interfaces.relevance import AffineRule, Composite, Gradient, Rule
 from explain_core.scoped import ModuleListener, listening
-from explain_modbp.base import LayerRule
 from explain_modbp.errors import RULE_HINT, UnsupportedModelError, op_hint
-from explain_modbp.layers import AFFINE_TYPES, BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_modbp.ops import (
     _JOIN_OPS,
     _PRODUCT_OPS,
@@ -43,6 +43,7 @@ __all__ = [
     "Plan",
     "Step",
     "move_custom_rules",
+    "on_layer_path",
     "resolve_rule",
     "resolve_rules",
     "trace",
@@ -50,6 +51,15 @@ __all__ = [
 
 # One step of the data flow: (operation or module name, input ids, output ids, problem or None).
 Step = tuple[str, list[int], list[int], "str | None"]
+
+
+def on_layer_path(rule: Rule | None) -> bool:
+    """Whether an affine module with ``rule`` runs as an engine layer (merged, ``call.layer``).
+
+    Affine rules and the gradient do; any other rule a user maps to an affine module is applied
+    to the module as called (it may compute something else than its affine map).
+    """
+    return rule is None or isinstance(rule, AffineRule | Gradient)
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -69,13 +79,15 @@ class Plan:
         first_reads: What the first layer reads when no layer reads the model input directly.
         value_dependent: ``forward`` read input-dependent values into Python (``if h.max() >
             0``); such a plan was traced on the whole batch and is not cached.
+        branch_free: Rules must not branch on values (the pass is traced into a graph): layers
+            whose input is not known to be non-negative are marked ``"signed"``.
     """
 
     order: list[str] = field(default_factory=list)
     merged: dict[str, str] = field(default_factory=dict)
     input_layers: set[str] = field(default_factory=set)
     relu_after: set[str] = field(default_factory=set)
-    rules: dict[str, LayerRule] = field(default_factory=dict)
+    rules: dict[str, Rule] = field(default_factory=dict)
     custom: dict[str, Rule] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
     nonnegative_inputs: set[str] = field(default_factory=set)
@@ -83,11 +95,18 @@ class Plan:
     opaque_custom: list[str] = field(default_factory=list)
     first_reads: str = ""
     value_dependent: bool = False
+    branch_free: bool = False
 
     @property
     def input_relevance_form(self) -> bool:
         """Whether the input layer's rule returns relevance rather than a signal."""
-        return any(self.rules[name].relevance_output for name in self.input_layers)
+        return any(self.rules[name].returns_relevance for name in self.input_layers)
+
+    def input_sign(self, name: str) -> Literal["nonnegative", "signed", "unknown"]:
+        """What the rule of layer ``name`` may assume about its input's sign."""
+        if name in self.nonnegative_inputs:
+            return "nonnegative"
+        return "signed" if self.branch_free else "unknown"
 
 
 class _TraceMode(TorchFunctionMode):
@@ -215,8 +234,8 @@ class _Tracer(ModuleListener):
         self.calls: dict[str, int] = {}
         self.opaque_depth = 0
         self.order: list[str] = []
-        self.bn_input: dict[str, int] = {}
-        self.bn_input_dims: dict[str, int] = {}
+        self.layer_input: dict[str, int] = {}
+        self.layer_input_dims: dict[str, int] = {}
         self.input_layers: set[str] = set()
         self.nonnegative: set[int] = set()
         self.nonnegative_layers: set[str] = set()
@@ -229,12 +248,9 @@ class _Tracer(ModuleListener):
 
     def _find_opaque(self, module: nn.Module, path: str) -> None:
         # The outermost module with a rule (or an affine type) is opaque: the trace does not look
-        # inside it and its rule (or the engine's affine handling) replaces its backward. A
-        # LayerRule matched to a module that is not affine (e.g. by a broad glob) is ignored.
+        # inside it and its rule (or the engine's affine handling) replaces its backward.
         rule = self.composite.rule_for(path, module)
-        if isinstance(module, AFFINE_TYPES) or (
-            rule is not None and not isinstance(rule, LayerRule)
-        ):
+        if isinstance(module, AFFINE_TYPES) or rule is not None:
             self.opaque[path] = rule
             return
         for name, child in module.named_children():
@@ -396,9 +412,9 @@ class _Tracer(ModuleListener):
             self.reads[name] = self.made_by.get(id(tensors[0]), "an intermediate tensor")
         if tensors and all(id(t) in self.nonnegative for t in tensors):
             self.nonnegative_layers.add(name)
-        if isinstance(module, BATCHNORM_TYPES) and tensors:
-            self.bn_input[name] = id(tensors[0])
-            self.bn_input_dims[name] = tensors[0].dim()
+        if isinstance(module, AFFINE_TYPES) and tensors:
+            self.layer_input[name] = id(tensors[0])
+            self.layer_input_dims[name] = tensors[0].dim()
         self.opaque_depth += 1
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -407,9 +423,7 @@ class _Tracer(ModuleListener):
             return
         if name in self.opaque and self.stack and self.stack[-1] == name:
             args = self.opaque_args
-            if isinstance(module, AFFINE_TYPES) and (
-                self.opaque[name] is None or isinstance(self.opaque[name], LayerRule)
-            ):
+            if isinstance(module, AFFINE_TYPES) and on_layer_path(self.opaque[name]):
                 self._check_affine(name, module, args, output)
             self.opaque_depth -= 1
             inputs = [t for t in _tensors(args) if id(t) in self.dependent]
@@ -471,37 +485,34 @@ class _Tracer(ModuleListener):
                 raise UnsupportedModelError(problem)
         return self._plan(live)
 
-    def _channels_align(self, source: str, batchnorm: str) -> bool:
-        """Whether ``batchnorm``'s channels are ``source``'s output features (so they merge).
-
-        BatchNorm normalises dimension 1; a Linear's features are the last dimension, the same
-        only for ``(batch, features)`` inputs (not ``(batch, tokens, features)``).
-        """
-        module = self.model.get_submodule(source)
-        if isinstance(module, nn.Linear):
-            return self.bn_input_dims.get(batchnorm) == 2
-        return isinstance(module, LINEAR_TYPES)
-
-    def _plan(self, live: list[Step]) -> Plan:
+    def traced_layers(self, live: list[Step]) -> TracedLayers:
+        """The affine layers and which one each reads alone, for the canonizers."""
         consumers: dict[int, list[str]] = {}
         for name, inputs, _, _ in live:  # what only a logging hook reads does not count
             for tensor_id in inputs:
                 consumers.setdefault(tensor_id, []).append(name)
-        plan = Plan()
+        layers = TracedLayers(
+            list(self.order), {name: self.model.get_submodule(name) for name in self.order}
+        )
         for name in self.order:
-            module = self.model.get_submodule(name)
-            plan.types[name] = type(module).__name__
-            if isinstance(module, BATCHNORM_TYPES):
-                source = self.producer.get(self.bn_input.get(name, -1))
-                if (
-                    source is not None
-                    and self._channels_align(source, name)
-                    and consumers.get(self.bn_input.get(name, -1)) == [name]
-                    and source not in plan.merged
-                ):
-                    plan.merged[source] = name
-                    continue
-            plan.order.append(name)
+            read = self.layer_input.get(name)
+            source = self.producer.get(read) if read is not None else None
+            if source is not None and consumers.get(read) == [name]:
+                layers.reads[name] = source
+            if name in self.layer_input_dims:
+                layers.input_dims[name] = self.layer_input_dims[name]
+        return layers
+
+    def _plan(self, live: list[Step]) -> Plan:
+        layers = self.traced_layers(live)
+        for canonizer in self.composite.canonizers:
+            canonizer.apply(layers)
+        plan = Plan(merged=dict(layers.merged))
+        folded = set(layers.merged.values())
+        for name in self.order:
+            plan.types[name] = type(self.model.get_submodule(name)).__name__
+            if name not in folded:
+                plan.order.append(name)
         plan.input_layers = {n for n in self.input_layers if n in plan.order}
         if plan.order and not plan.input_layers:
             plan.first_reads = self.reads.get(plan.order[0], "")
@@ -513,7 +524,7 @@ class _Tracer(ModuleListener):
                 if source is not None:
                     plan.relu_after.add(merged_back.get(source, source))
         for name, rule in self.opaque.items():
-            if rule is not None and not isinstance(rule, LayerRule) and name in self.calls:
+            if rule is not None and not on_layer_path(rule) and name in self.calls:
                 plan.custom[name] = rule
         resolve_rules(self.model, self.composite, plan)
         return plan
@@ -542,7 +553,7 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
         plan.rules[name] = resolve_rule(model, composite, name, plan)
 
 
-def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) -> LayerRule:
+def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) -> Rule:
     """The rule of affine layer ``name`` (first/last slots before the mapping).
 
     Raises:
@@ -573,9 +584,9 @@ def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) 
             f"Epsilon()))) with a preset composite from explain_modbp.composites, or "
             f"with_rules(({name!r}, Gradient())) for this module alone"
         )
-    if not isinstance(rule, LayerRule):
-        return rule  # type: ignore[return-value]  # custom core rule on an affine module
-    if rule.relevance_output and name not in plan.input_layers:
+    if not on_layer_path(rule):
+        return rule  # a rule of the user's that runs the module itself (see move_custom_rules)
+    if rule.returns_relevance and name not in plan.input_layers:
         raise UnsupportedModelError(
             f"rule {rule!r} returns relevance and only applies to the layer reading the model "
             f"input, but module {name!r} ({type_name}) reads an intermediate tensor"
@@ -613,9 +624,9 @@ def trace(
 
 
 def move_custom_rules(plan: Plan) -> None:
-    """Move the core rules matched to affine modules from ``plan.rules`` to ``plan.custom``."""
+    """Move the rules not on the layer path from ``plan.rules`` to ``plan.custom``."""
     for name, rule in list(plan.rules.items()):
-        if not isinstance(rule, LayerRule):
+        if not on_layer_path(rule):
             plan.custom[name] = rule
             del plan.rules[name]
             plan.order.remove(name)

@@ -1,10 +1,11 @@
-"""Affine layers as the rules see them: ``z = W ∗ x + b`` with a forward and a transposed map.
+"""Affine layers as rules see them: ``z = W ∗ x + b`` with a forward and a transposed map.
 
-Linear, Conv1d/2d/3d, a Linear/Conv merged with the BatchNorm that follows it, and a BatchNorm on
-its own (a per-channel scale) all become an :class:`AffineLayer`. Rules only call
-:meth:`AffineLayer.forward` (with modified weights) and :meth:`AffineLayer.transpose` (the
-vector-Jacobian product with modified weights: one transposed convolution), so no module is run
-again during the backward pass.
+Linear, Conv1d/2d/3d, a Linear/Conv merged with the BatchNorm that follows it (by the
+:class:`~explain_core.canonizers.MergeBatchNorm` canonizer), and a BatchNorm on its own (a
+per-channel scale) all become an :class:`AffineLayer`, handed to rules as ``call.layer``. Rules
+only call :meth:`AffineLayer.forward` (with modified weights) and :meth:`AffineLayer.transpose`
+(the vector-Jacobian product with modified weights: one transposed convolution), so no module is
+run again during the backward pass.
 """
 
 from __future__ import annotations
@@ -16,11 +17,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from explain_modbp.errors import UnsupportedModelError
+from explain_core.errors import UnsupportedModelError
+
+__all__ = [
+    "AFFINE_TYPES",
+    "BATCHNORM_TYPES",
+    "LINEAR_TYPES",
+    "AffineLayer",
+    "batchnorm_affine",
+    "is_affine",
+]
 
 LINEAR_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 AFFINE_TYPES = LINEAR_TYPES + BATCHNORM_TYPES
+
+
+def is_affine(module: nn.Module) -> bool:
+    """Whether ``module`` is a Linear, ConvNd or BatchNorm (what :class:`AffineLayer` views)."""
+    return isinstance(module, AFFINE_TYPES)
+
 
 _CONV_FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -37,7 +53,10 @@ class AffineLayer:
         dims: Spatial dimensions of a convolution (1, 2, 3).
         stride, padding, dilation, groups: Convolution settings (integers per dimension).
         merged: Name of the BatchNorm folded into this layer, if any.
-        nonnegative_input: The input is non-negative by construction (it comes from a ReLU).
+        input_sign: What is known of the input's sign: ``"nonnegative"`` (by construction: it
+            comes from a ReLU), ``"signed"`` (rules must take forms exact for either sign
+            without branching on values, as in a traced graph such as the ONNX export) or
+            ``"unknown"`` (rules may look at the values).
     """
 
     name: str
@@ -50,7 +69,7 @@ class AffineLayer:
     dilation: tuple[int, ...] = ()
     groups: int = 1
     merged: str | None = None
-    nonnegative_input: bool = False
+    input_sign: Literal["nonnegative", "signed", "unknown"] = "unknown"
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module) -> AffineLayer:
