@@ -13,7 +13,8 @@ and optional dependencies (onnx, networkx, graphviz) only by the features that n
 from explain_core.affine import AffineLayer
 from explain_core.api import Explainer, explain, quantus_explain
 from explain_core.attribution import Attribution
-from explain_core.canonizers import MergeBatchNorm
+from explain_core.canonizers import Canonizer, MergeBatchNorm
+from explain_core.engine import Composite
 from explain_core.errors import (
     DuplicateMethodError,
     ExplainError,
@@ -27,13 +28,13 @@ from explain_core.errors import (
 from explain_core.hookspecs import hookimpl
 from explain_core.interfaces import (
     AffineRule,
-    Canonizer,
-    Composite,
     Contributions,
     DynamicLinear,
     Gradient,
+    InputLayer,
     ModifiedGradient,
     Op,
+    OutputLayer,
     RoutingEvent,
     RoutingLayer,
     RoutingRecording,
@@ -61,6 +62,7 @@ __all__ = [
     "ExplainError",
     "Explainer",
     "Gradient",
+    "InputLayer",
     "InvalidInputError",
     "MergeBatchNorm",
     "Method",
@@ -72,6 +74,7 @@ __all__ = [
     "ModelStateError",
     "ModifiedGradient",
     "Op",
+    "OutputLayer",
     "RoutingEvent",
     "RoutingLayer",
     "RoutingRecording",

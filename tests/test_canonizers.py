@@ -7,10 +7,11 @@ import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import MergeBatchNorm, explain
+from explain_core import Composite, MergeBatchNorm, Rule, explain
 from explain_core.canonizers import Canonizer, TracedLayers
+from explain_core.engine import ModifiedBackprop
 from explain_core.errors import ModelStateError, UnsupportedModelError
-from explain_modbp import Epsilon, LayerComposite, ModifiedBackprop, ZPlus
+from explain_modbp import Epsilon, ZPlus
 from explain_modbp.composites import lrp_epsilon_plus
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -103,11 +104,11 @@ def test_without_the_canonizer_each_batchnorm_is_a_layer_of_its_own():
     model = conv_bn_net()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
     rules = [((nn.Conv2d,), ZPlus()), ((nn.Linear,), Epsilon())]
-    unmerged = LayerComposite(rules, canonizers=())
+    unmerged = Composite(rules, canonizers=())
     with pytest.raises(UnsupportedModelError, match=r"no rule for module '1' \(BatchNorm2d\)"):
         ModifiedBackprop(unmerged).forward(model, x)
 
-    own_rule = LayerComposite([*rules, (nn.modules.batchnorm._BatchNorm, Epsilon())], canonizers=())
+    own_rule = Composite([*rules, (nn.modules.batchnorm._BatchNorm, Epsilon())], canonizers=())
     forward = ModifiedBackprop(own_rule).forward(model, x)
     assert forward.plan.merged == {} and forward.layers == [str(i) for i in (0, 1, 3, 4, 7, 8)]
     select = torch.zeros_like(forward.output)
@@ -125,7 +126,7 @@ def test_a_canonizer_of_ones_own_steers_the_engine():
 
     model = conv_bn_net()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    composite = LayerComposite(
+    composite = Composite(
         [(nn.Conv2d, ZPlus()), (nn.Linear, Epsilon()), (nn.BatchNorm2d, Epsilon())],
         canonizers=[MergeFirstOnly()],
     )
@@ -142,3 +143,18 @@ def test_a_batchnorm_in_training_mode_is_refused_and_the_model_left_as_it_was():
     with pytest.raises(ModelStateError, match="training mode"):
         ModifiedBackprop(lrp_epsilon_plus()).forward(model, torch.randn(2, 3, 8, 8).double())
     assert_same_state(before, state_fingerprint(model))
+
+
+def test_a_rule_that_runs_the_module_itself_is_not_given_a_folded_layer():
+    class Doubled(Rule):  # runs the module as called: it would miss the folded BatchNorm
+        def backward(self, call, grad_output):
+            x = call.inputs[0].detach().requires_grad_(True)
+            with torch.enable_grad():
+                (grad,) = torch.autograd.grad(call.module(x), x, grad_output)
+            return (2 * grad,)
+
+    model = conv_bn_net()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    composite = lrp_epsilon_plus().with_rules(("0", Doubled()))
+    with pytest.raises(UnsupportedModelError, match=r"folded BatchNorm '1' into it"):
+        ModifiedBackprop(composite).forward(model, x)

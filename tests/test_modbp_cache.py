@@ -7,7 +7,8 @@ from modbp_nets import conv_net
 from torch import nn
 
 from explain_core import explain
-from explain_modbp import engine, plan_cache
+from explain_core.engine import backprop as engine
+from explain_core.engine import plan_cache
 from explain_modbp.composites import lrp_epsilon, lrp_epsilon_plus
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

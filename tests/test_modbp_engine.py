@@ -10,15 +10,13 @@ from conftest import assert_same_state, state_fingerprint
 from modbp_nets import randomise_batchnorm, reference, resnet, vgg_bn
 from torch import nn
 
-from explain_core import Gradient, Rule, explain
+from explain_core import Composite, Gradient, Rule, UnsupportedModelError, explain
+from explain_core.engine import ModifiedBackprop
 from explain_core.errors import InvalidInputError
 from explain_modbp import (
     AlphaBeta,
     Epsilon,
     Gamma,
-    LayerComposite,
-    ModifiedBackprop,
-    UnsupportedModelError,
     ZBox,
     Zero,
     ZPlus,
@@ -138,7 +136,7 @@ def test_relevance_injected_at_a_layer_is_read_at_every_lower_layer():
         nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 3)
     ).double()
     x = torch.randn(2, 6, dtype=torch.float64)
-    composite = LayerComposite([(nn.Linear, ZPlus())])
+    composite = Composite([(nn.Linear, ZPlus())])
     forward = ModifiedBackprop(composite).forward(model, x)
     assert forward.layers == ["0", "2", "4"]
     v = torch.randn(2, 7, dtype=torch.float64)
@@ -189,7 +187,7 @@ def test_model_state_is_identical_after_attribution_and_after_exceptions():
         explain(model, x * 10, "lrp.zb", low=-1.0, high=1.0)
     assert_same_state(before, state_fingerprint(model))
     with pytest.raises(UnsupportedModelError):
-        ModifiedBackprop(LayerComposite([(nn.Linear, ZPlus())])).forward(model, x)
+        ModifiedBackprop(Composite([(nn.Linear, ZPlus())])).forward(model, x)
     assert_same_state(before, state_fingerprint(model))
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
     assert model.user_attribute == [1, 2]
@@ -216,7 +214,7 @@ def test_custom_rule_registered_for_an_unsupported_layer_is_used():
 
     model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)).double().eval()
     x = torch.randn(3, 4).double()
-    composite = LayerComposite([(nn.Linear, Zero())]).with_rules((nn.Tanh, TanhRule()))
+    composite = Composite([(nn.Linear, Zero())]).with_rules((nn.Tanh, TanhRule()))
     forward = ModifiedBackprop(composite).forward(model, x)
     signal = forward.backward(torch.tensor([[1.0, 0.0]] * 3).double()).input_signal
     xg = x.clone().requires_grad_(True)
@@ -252,14 +250,14 @@ def test_batchnorm_that_cannot_be_merged_and_unmapped_layers_are_errors():
     with pytest.raises(UnsupportedModelError, match=r"no rule for module '0' \(BatchNorm1d\)"):
         explain(model, torch.randn(2, 4).double(), "excitation_bp")
     # mapping it explicitly makes it a per-channel affine layer
-    composite = LayerComposite([(nn.Linear, Zero()), (nn.BatchNorm1d, Zero())])
+    composite = Composite([(nn.Linear, Zero()), (nn.BatchNorm1d, Zero())])
     x = torch.randn(3, 4).double()
     forward = ModifiedBackprop(composite).forward(model, x)
     relevance = x * forward.backward(torch.tensor([[1.0, 0.0]] * 3).double()).input_signal
     xg = x.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(model(xg)[:, 0].sum(), xg)
     torch.testing.assert_close(relevance, x * grad)
-    conv_only = LayerComposite([(nn.Conv2d, ZPlus())])
+    conv_only = Composite([(nn.Conv2d, ZPlus())])
     mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
     with pytest.raises(UnsupportedModelError, match=r"no rule for module '0' \(Linear\)"):
         ModifiedBackprop(conv_only).forward(mlp, x)
@@ -267,7 +265,7 @@ def test_batchnorm_that_cannot_be_merged_and_unmapped_layers_are_errors():
 
 def test_input_layer_rules_are_refused_on_inner_layers_and_padding_modes():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)).double()
-    composite = LayerComposite([("2", ZBox(0.0, 1.0)), (nn.Linear, ZPlus())])
+    composite = Composite([("2", ZBox(0.0, 1.0)), (nn.Linear, ZPlus())])
     with pytest.raises(UnsupportedModelError, match="only applies to the layer reading"):
         ModifiedBackprop(composite).forward(model, torch.rand(2, 4).double())
     reflect = nn.Sequential(nn.Conv1d(1, 1, 3, padding=1, padding_mode="reflect"), nn.Flatten())
@@ -291,7 +289,7 @@ def test_bad_inputs_give_clear_errors():
 def test_gradient_rule_needs_no_hooks_and_is_the_gradient():
     model = vgg_bn()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    composite = LayerComposite([((nn.Conv2d, nn.Linear), Gradient())])
+    composite = Composite([((nn.Conv2d, nn.Linear), Gradient())])
     forward = ModifiedBackprop(composite).forward(model, x)
     assert forward.records == {}
     signal = forward.backward(F.one_hot(torch.tensor([1, 1]), 5).double()).input_signal
@@ -302,7 +300,7 @@ def test_gradient_rule_needs_no_hooks_and_is_the_gradient():
 def test_recorded_gradient_layers_give_the_signal_at_every_layer_input():
     model = vgg_bn()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
-    composite = LayerComposite([((nn.Conv2d, nn.Linear), Gradient())])
+    composite = Composite([((nn.Conv2d, nn.Linear), Gradient())])
     forward = ModifiedBackprop(composite, record=True).forward(model, x)
     assert forward.layers == ["0", "3", "7", "12", "14"]
     start = F.one_hot(torch.tensor([1, 3]), 5).double()

@@ -5,7 +5,8 @@ import torch
 from modbp_nets import reference
 from torch import nn
 
-from explain_core import Composite
+from explain_core import Composite, InputLayer
+from explain_core.engine import ModifiedBackprop
 from explain_modbp import (
     AlphaBeta,
     ContrastiveExcitation,
@@ -13,8 +14,6 @@ from explain_modbp import (
     Excitation,
     Flat,
     Gamma,
-    LayerComposite,
-    ModifiedBackprop,
     WSquare,
     ZBox,
     Zero,
@@ -50,7 +49,7 @@ INPUT_RULES = [WSquare(), Flat(), ZBox(-5.0, 5.0)]
 
 
 def engine_relevance(model, rule, x, relevance_out, *, first=False):
-    composite = LayerComposite([], first=rule) if first else LayerComposite([(nn.Module, rule)])
+    composite = Composite([(InputLayer() if first else nn.Module, rule)])
     forward = ModifiedBackprop(composite).forward(model, x)
     (name,) = forward.layers
     result = forward.backward(start=name, relevance=relevance_out)
@@ -99,14 +98,12 @@ def test_merged_batchnorm_matches_reference_of_the_affine_pair(seed):
 
 @pytest.mark.parametrize("rule", [Epsilon(0.1), ZPlus(), AlphaBeta(2.0, 1.0)], ids=repr)
 def test_rules_work_with_the_core_composite_interface(rule):
-    """The same rule objects run through explain_core.Composite.context (signal convention)."""
+    """A core Composite of the rule objects, as a gradient attributor takes it."""
     layer = nn.Conv2d(2, 3, 3, padding=1).double().eval()
     x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
     relevance_out = torch.randn_like(layer(x))
-    xg = x.clone().requires_grad_(True)
-    with Composite([(nn.Conv2d, rule)]).context(layer):
-        out = layer(xg)
-        (signal,) = torch.autograd.grad(out, xg, relevance_out / out.detach())
+    composite = Composite([(nn.Conv2d, rule)])
+    _, signal = composite.gradient(layer, x, lambda out: relevance_out / out)
     torch.testing.assert_close(x * signal, reference(rule, layer, x, relevance_out))
 
 

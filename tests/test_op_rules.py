@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from explain_core import InvalidInputError, Rule, explain
+from explain_core import Composite, InvalidInputError, Rule, explain
 from explain_core.interfaces.relevance import Op
 from explain_modbp import composites
 from explain_modbp.activations import PassRelevance
@@ -89,7 +89,7 @@ def test_the_lrp_presets_pass_activations_and_excitation_refuses_them():
 
 def test_lrp_custom_adds_or_removes_the_activation_rule_as_asked():
     model = tanh_net().double().eval()
-    bare = composites.LayerComposite([(nn.Linear, composites.rules.Zero())])
+    bare = Composite([(nn.Linear, composites.rules.Zero())])
     passed = explain(model, X, "lrp.custom", 0, composite=bare).attribution
     torch.testing.assert_close(passed, explain(model, X, "lrp.z", 0).attribution)
     with pytest.raises(Exception, match="operation 'tanh'"):

@@ -3,9 +3,8 @@ import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import Composite, Rule, RuleCall
-from explain_core.canonizers import MergeBatchNorm
-from explain_core.errors import InvalidInputError
+from explain_core import Composite, InputLayer, OutputLayer, Rule, RuleCall
+from explain_core.errors import UnsupportedModelError
 
 
 class Epsilon(Rule):
@@ -50,11 +49,7 @@ def epsilon_reference(module, x, relevance_out, epsilon):
 
 
 def propagate(model, composite, x, relevance_out):
-    x = x.clone().requires_grad_(True)
-    with composite.context(model):
-        out = model(x)
-        (r,) = torch.autograd.grad(out, x, relevance_out)
-    return out, r
+    return composite.gradient(model, x, lambda out: relevance_out)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -123,74 +118,48 @@ def test_composite_leaves_model_bit_identical_after_use_and_after_exceptions():
     x = torch.randn(2, 1, 8, 8, dtype=torch.float64)
     expected_out = model(x).detach()
     before = state_fingerprint(model)
-    composite = Composite([((nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.BatchNorm1d), Epsilon())])
+    every_layer = (nn.Conv2d, nn.Linear, nn.BatchNorm2d, nn.BatchNorm1d)
+    composite = Composite([(every_layer, Epsilon())], canonizers=())
     out, _ = propagate(model, composite, x, torch.ones(2, 3, dtype=torch.float64))
     torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
     assert_same_state(before, state_fingerprint(model))
 
-    with pytest.raises(ValueError, match="user error"), composite.context(model):
-        model(x)
-        raise ValueError("user error")
-    assert_same_state(before, state_fingerprint(model))
-
-    failing = Composite([(nn.Linear, Boom())])
+    failing = Composite([(nn.Linear, Boom()), (every_layer, Epsilon())], canonizers=())
     with pytest.raises(RuntimeError, match="rule failed"):
         propagate(model, failing, x, torch.ones(2, 3, dtype=torch.float64))
     assert_same_state(before, state_fingerprint(model))
     torch.testing.assert_close(model(x), expected_out, rtol=0, atol=0)
 
 
-def test_the_module_hook_context_refuses_canonizers():
-    # Canonizers rewrite traced layers; this context traces nothing, so it says so.
-    model = cnn_with_batchnorm()
-    before = state_fingerprint(model)
-    composite = Composite([(nn.Conv2d, Epsilon())], canonizers=[MergeBatchNorm()])
-    with pytest.raises(InvalidInputError, match="canonizers rewrite the layers"):
-        composite.context(model).__enter__()
-    assert_same_state(before, state_fingerprint(model))
-
-
-def test_reused_module_is_refused_unless_allowed():
+def test_a_reused_module_is_refused_with_a_clear_error():
     shared = nn.Linear(4, 4).double()
     model = nn.Sequential(shared, nn.ReLU(), shared).eval()
     x = torch.randn(2, 4, dtype=torch.float64)
-    with pytest.raises(InvalidInputError, match=r"'0' \(Linear\) is called more than once"):
+    with pytest.raises(UnsupportedModelError, match=r"'0' \(Linear\) is called more than once"):
         propagate(model, Composite([(nn.Linear, Epsilon())]), x, torch.ones(2, 4).double())
     assert not shared._forward_hooks and not shared._forward_pre_hooks
-    # allowed: each call keeps its own record, so the result equals the matrix chain
-    _, r = propagate(
-        model,
-        Composite([(nn.Linear, Epsilon(0.0))], allow_reuse=True),
-        x,
-        torch.ones(2, 4).double(),
-    )
-    h = model[1](shared(x))
-    r_mid = epsilon_reference(shared, h, torch.ones(2, 4).double(), 0.0)
-    torch.testing.assert_close(r, epsilon_reference(shared, x, r_mid * (h > 0), 0.0))
 
 
-def test_calls_are_counted_per_forward_pass():
+def test_every_pass_is_explained_on_its_own():
     model = nn.Sequential(nn.Linear(3, 2)).double().eval()
-    with Composite([(nn.Linear, Epsilon())]).context(model):
-        model(torch.randn(1, 3).double())
-        model(torch.randn(1, 3).double())  # a second pass is not reuse
+    composite = Composite([(nn.Linear, Epsilon(0.5))])
+    for seed in range(2):
+        x = torch.randn(1, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        start = torch.ones(1, 2, dtype=torch.float64)
+        _, r = propagate(model, composite, x, start)
+        torch.testing.assert_close(r, epsilon_reference(model[0], x, start, 0.5))
 
 
-def test_matchers_by_name_predicate_and_type():
+def test_matchers_by_name_predicate_type_and_position():
     model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 2))
-    rule_a, rule_b, rule_c = Epsilon(1.0), Epsilon(2.0), Epsilon(3.0)
+    rule_a, rule_b, rule_c, rule_d = Epsilon(1.0), Epsilon(2.0), Epsilon(3.0), Epsilon(4.0)
     by_name = Composite([("2", rule_a), (nn.Linear, rule_b)])
-    assert by_name.assignments(model) == {"2": rule_a, "0": rule_b}
+    assert [by_name.rule_for(n, model.get_submodule(n)) for n in "012"] == [rule_b, None, rule_a]
     by_predicate = Composite([(lambda name, m: getattr(m, "out_features", 0) == 2, rule_c)])
-    assert by_predicate.assignments(model) == {"2": rule_c}
-
-
-def test_unmapped_leaf_modules_can_be_errors():
-    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh())
-    strict = Composite([(nn.Linear, Epsilon())], unmapped="error")
-    with pytest.raises(InvalidInputError, match=r"'1' of type Tanh"):
-        strict.assignments(model)
-    lenient = Composite([(nn.Linear, Epsilon())], unmapped="error", passthrough=(nn.Tanh,))
-    assert set(lenient.assignments(model)) == {"0"}
-    with pytest.raises(ValueError, match="unmapped"):
-        Composite([], unmapped="ignore")  # type: ignore[arg-type]
+    assert by_predicate.rule_for("2", model[2]) is rule_c
+    assert by_predicate.rule_for("0", model[0]) is None
+    # positions come first, whatever the order of the entries
+    positioned = Composite([(nn.Linear, rule_b), (InputLayer(), rule_a), (OutputLayer(), rule_d)])
+    assert positioned.rule_for("0", model[0], reads_input=True) is rule_a
+    assert positioned.rule_for("2", model[2], is_output=True) is rule_d
+    assert positioned.rule_for("2", model[2]) is rule_b

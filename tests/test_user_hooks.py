@@ -11,8 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from explain_core import explain
-from explain_modbp import UnsupportedModelError
+from explain_core import UnsupportedModelError, explain
 
 METHODS = ["lrp.epsilon_plus", "lrp.zplus", "lrp.z", "guided_bp", "deeplift.rescale", "gradient"]
 

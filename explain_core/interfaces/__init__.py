@@ -9,12 +9,12 @@ from explain_core.interfaces.dynamic_linear import (
 )
 from explain_core.interfaces.relevance import (
     AffineRule,
-    Canonizer,
-    Composite,
     CompositeSpec,
     Gradient,
+    InputLayer,
     ModifiedGradient,
     Op,
+    OutputLayer,
     Rule,
     RuleCall,
     safe_divide,
@@ -30,14 +30,14 @@ from explain_core.interfaces.routing import (
 
 __all__ = [
     "AffineRule",
-    "Canonizer",
-    "Composite",
     "CompositeSpec",
     "Contributions",
     "DynamicLinear",
     "Gradient",
+    "InputLayer",
     "ModifiedGradient",
     "Op",
+    "OutputLayer",
     "RoutedBatches",
     "RoutingEvent",
     "RoutingLayer",

@@ -1,14 +1,15 @@
 """LRP composites (``lrp.*``, ``excitation_bp``) as exportable graphs: the engine's rules, traced.
 
-Nothing about a rule is restated here. The modified-backprop engine (:mod:`explain_modbp.engine`)
+Nothing about a rule is restated here. The relevance engine (:mod:`explain_core.engine`)
 returns every ruled layer's output values through a small autograd function whose backward is
 the rule (``rule.forward`` in the forward pass, ``rule.backward`` in the backward pass, both
 plain tensor code over :class:`~explain_core.AffineLayer`'s convolution and transposed
 convolution). This module
 
 1. resolves the composite of the method (its options included) and traces the model once with
-   the engine's own checks (:func:`explain_modbp.tracing.trace`: which layer gets which rule,
-   which BatchNorm is merged into which Linear/Conv, which layers read non-negative inputs);
+   the engine's own checks (:func:`explain_core.engine.tracing.trace`: which layer gets which
+   rule, which BatchNorm is merged into which Linear/Conv, which layers read non-negative
+   inputs);
 2. attaches the engine's hooks for that plan and traces *the whole attribution* — forward pass,
    the explained logit's one-hot signal (or ``1 / f_t(x)`` for Excitation BP), the backward pass
    through the rules, ``x ⊙ signal`` — with ``make_fx(tracing_mode="symbolic")`` over
@@ -74,10 +75,10 @@ def lrp_graph(
         InvalidInputError: For a method without a composite, invalid options, or a model the
             engine does not support (``UnsupportedModelError``, naming the module).
     """
+    from explain_core.engine.attach import RulePass
+    from explain_core.engine.tracing import trace
     from explain_core.interfaces.relevance import safe_divide
     from explain_core.scoped import listening
-    from explain_modbp.attach import RulePass
-    from explain_modbp.tracing import trace
     from explain_onnx.gradtrace import logits_and_selector, trace_explanation
 
     specs = composite_methods()

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -60,9 +59,17 @@ class ExplanationMode(ModifiedGradient):
     Integrated Gradients run over them.
     """
 
-    def context(self, model: nn.Module) -> AbstractContextManager[Any]:
-        """:func:`~explain_core.explanation_mode` of ``model``."""
-        return explanation_mode(model)
+    def gradient(  # noqa: D102
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        select: Callable[[torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x = inputs.detach().requires_grad_(True)
+        with explanation_mode(model), torch.enable_grad():
+            output = model(x)
+            (signal,) = torch.autograd.grad(output, x, select(output.detach()))
+        return output.detach(), signal
 
 
 def _per_sample_sum(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Built-in plugin: modified backpropagation (LRP, Deep Taylor, Excitation BP, Guided BP, …).
 
-Rules attach to ordinary PyTorch models through composites; the engine (:mod:`.engine`) checks
-that it can see every operation, merges BatchNorms into the preceding layers for the duration and
-computes each rule from tensors saved in the forward pass. All methods are registered with the
+The plugin's rules and preset composites run on the core's relevance engine
+(:mod:`explain_core.engine`), which checks that it can see every operation, folds BatchNorms into
+the preceding layers (a canonizer; the model is not changed) and computes each rule from tensors
+saved in the forward pass. All methods are registered with the
 family ``"modified-bp"``; see :func:`explain_register_methods` for the names.
 """
 
@@ -12,10 +13,7 @@ from explain_core.hookspecs import hookimpl
 from explain_core.interfaces.relevance import CompositeSpec
 from explain_core.registry import MethodSpec
 from explain_modbp import deeplift, excitation, guided, methods, pattern
-from explain_modbp.engine import BackwardResult, ForwardPass, ModifiedBackprop
-from explain_modbp.errors import PatternMismatchError, UnsupportedModelError
-from explain_modbp.layer_composite import LayerComposite
-from explain_modbp.ops import OpHandler
+from explain_modbp.errors import PatternMismatchError
 from explain_modbp.rules import (
     AlphaBeta,
     ContrastiveExcitation,
@@ -33,18 +31,12 @@ FAMILY = "modified-bp"
 
 __all__ = [
     "AlphaBeta",
-    "BackwardResult",
     "ContrastiveExcitation",
     "Epsilon",
     "Excitation",
     "Flat",
-    "ForwardPass",
     "Gamma",
-    "LayerComposite",
-    "ModifiedBackprop",
-    "OpHandler",
     "PatternMismatchError",
-    "UnsupportedModelError",
     "WSquare",
     "ZBox",
     "ZPlus",

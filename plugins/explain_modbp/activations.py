@@ -5,7 +5,7 @@ relevance on unchanged. For other activations ``a = f(z)`` the gradient ``f'(z)`
 uses the pass rule instead (as zennit does for activations): ``R_z = R_a``, i.e. the signal
 ``s_z = s_a ⊙ f(z) / z`` (``f'(z)`` where ``z = 0``, its limit when ``f(0) = 0``). For positively
 homogeneous activations (LeakyReLU, PReLU-like slopes) ``f(z)/z = f'(z)``: LRP-0 stays
-Input×Gradient. The LRP presets map :data:`~explain_modbp.ops.ACTIVATION_OPS` to
+Input×Gradient. The LRP presets map :data:`~explain_core.engine.ops.ACTIVATION_OPS` to
 :class:`PassRelevance` (an operation rule, through the public composite API); DeepLIFT's
 activations are in :mod:`.deeplift`.
 """

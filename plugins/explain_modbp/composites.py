@@ -6,7 +6,7 @@ BatchNorm that cannot be merged (after a ReLU or an addition, as in pre-activati
 DenseNets) is a per-channel affine map ``a·x + b`` of its own and gets LRP-ε (the composite's ε
 where it has one; LRP-0 in ``lrp.z`` and ``lrp.cmp``): the relevance its input explains, not its
 shift. Excitation BP has no such rule and refuses it.
-``first`` is the rule of the layer reading the model input, ``last`` that of the output layer.
+``InputLayer()`` entries rule the layer reading the model input, ``OutputLayer()`` the output layer.
 
 =========================  =============================================================
 preset                     rules
@@ -31,11 +31,11 @@ from __future__ import annotations
 from torch import nn
 
 from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES
-from explain_core.interfaces.relevance import Gradient, Op, Rule
+from explain_core.engine import Composite
+from explain_core.engine.ops import ACTIVATION_OPS
+from explain_core.interfaces.relevance import Gradient, InputLayer, Op, OutputLayer, Rule
 from explain_modbp import rules
 from explain_modbp.activations import PassRelevance
-from explain_modbp.layer_composite import LayerComposite
-from explain_modbp.ops import ACTIVATION_OPS
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 DENSE_TYPES = (nn.Linear,)
@@ -52,14 +52,14 @@ def uniform(
     first: Rule | None = None,
     batchnorm: Rule | None = None,
     activations: bool = True,
-) -> LayerComposite:
+) -> Composite:
     """The same rule for every Linear/Conv layer.
 
     ``first`` goes on the input layer, ``batchnorm`` on BatchNorms that cannot be merged;
     ``activations`` maps LRP's pass rule to the element-wise activations (else they are refused).
     """
     mapping = _with_batchnorm([(LINEAR_TYPES, rule)], batchnorm)
-    return LayerComposite(mapping + [ACTIVATIONS] * activations, first=first, name=name)
+    return Composite(_first(first) + mapping + [ACTIVATIONS] * activations, name=name)
 
 
 def conv_dense(
@@ -69,10 +69,14 @@ def conv_dense(
     *,
     first: Rule | None = None,
     batchnorm: Rule | None = None,
-) -> LayerComposite:
+) -> Composite:
     """One rule for convolutions and another for dense layers (and LRP's activation rule)."""
     mapping = _with_batchnorm([(CONV_TYPES, conv), (DENSE_TYPES, dense)], batchnorm)
-    return LayerComposite([*mapping, ACTIVATIONS], first=first, name=name)
+    return Composite([*_first(first), *mapping, ACTIVATIONS], name=name)
+
+
+def _first(rule: Rule | None) -> list:
+    return [(InputLayer(), rule)] if rule is not None else []
 
 
 def _with_batchnorm(mapping: list, batchnorm: Rule | None) -> list:
@@ -84,53 +88,53 @@ def _lone_batchnorm(epsilon: float = 1e-6) -> Rule:
     return rules.Epsilon(epsilon)
 
 
-def gradient_composite(name: str = "gradient") -> LayerComposite:
+def gradient_composite(name: str = "gradient") -> Composite:
     """The ordinary gradient through every affine layer, also BatchNorms that cannot be merged.
 
     Guided BP, Deconv, RectGrad and DeepLIFT Rescale change only the activations.
     """
-    return LayerComposite([(LINEAR_TYPES + BATCHNORM_TYPES, Gradient())], name=name)
+    return Composite([(LINEAR_TYPES + BATCHNORM_TYPES, Gradient())], name=name)
 
 
-def lrp_z() -> LayerComposite:
+def lrp_z() -> Composite:
     """LRP-0 everywhere."""
     return uniform(rules.Zero(), "lrp.z", batchnorm=rules.Zero())
 
 
-def lrp_epsilon(epsilon: float = 1e-6) -> LayerComposite:
+def lrp_epsilon(epsilon: float = 1e-6) -> Composite:
     """LRP-ε everywhere."""
     return uniform(rules.Epsilon(epsilon), "lrp.epsilon", batchnorm=rules.Epsilon(epsilon))
 
 
-def lrp_zplus(bias: bool = False) -> LayerComposite:
+def lrp_zplus(bias: bool = False) -> Composite:
     """z⁺ (LRP-α1β0) everywhere."""
     return uniform(rules.ZPlus(bias), "lrp.zplus", batchnorm=_lone_batchnorm())
 
 
-def lrp_alpha_beta(alpha: float = 2.0, beta: float = 1.0, bias: bool = False) -> LayerComposite:
+def lrp_alpha_beta(alpha: float = 2.0, beta: float = 1.0, bias: bool = False) -> Composite:
     """LRP-αβ everywhere."""
     rule = rules.AlphaBeta(alpha, beta, bias)
     return uniform(rule, f"lrp.alpha{alpha:g}beta{beta:g}", batchnorm=_lone_batchnorm())
 
 
-def lrp_gamma(gamma: float = 0.25, generalised: bool = True) -> LayerComposite:
+def lrp_gamma(gamma: float = 0.25, generalised: bool = True) -> Composite:
     """LRP-γ everywhere."""
     rule = rules.Gamma(gamma, generalised=generalised)
     return uniform(rule, "lrp.gamma", batchnorm=_lone_batchnorm())
 
 
-def lrp_w2(bias: bool = False) -> LayerComposite:
+def lrp_w2(bias: bool = False) -> Composite:
     """Deep Taylor for real-valued inputs: w² on the input layer, z⁺ elsewhere."""
     return uniform(rules.ZPlus(bias), "lrp.w2", first=rules.WSquare(), batchnorm=_lone_batchnorm())
 
 
-def lrp_zb(low: object = None, high: object = None, bias: bool = False) -> LayerComposite:
+def lrp_zb(low: object = None, high: object = None, bias: bool = False) -> Composite:
     """Deep Taylor for bounded inputs: z^B on the input layer, z⁺ elsewhere."""
     first = rules.ZBox(low, high)  # type: ignore[arg-type]
     return uniform(rules.ZPlus(bias), "lrp.zb", first=first, batchnorm=_lone_batchnorm())
 
 
-def lrp_flat(epsilon: float = 1e-6, bias: bool = False) -> LayerComposite:
+def lrp_flat(epsilon: float = 1e-6, bias: bool = False) -> Composite:
     """Flat on the input layer, z⁺ on convolutions, ε on dense layers."""
     return conv_dense(
         rules.ZPlus(bias),
@@ -141,7 +145,7 @@ def lrp_flat(epsilon: float = 1e-6, bias: bool = False) -> LayerComposite:
     )
 
 
-def lrp_epsilon_plus(epsilon: float = 1e-6, bias: bool = False) -> LayerComposite:
+def lrp_epsilon_plus(epsilon: float = 1e-6, bias: bool = False) -> Composite:
     """z⁺ on convolutions, ε on dense layers (the common "ε+z⁺" composite)."""
     return conv_dense(
         rules.ZPlus(bias),
@@ -151,21 +155,20 @@ def lrp_epsilon_plus(epsilon: float = 1e-6, bias: bool = False) -> LayerComposit
     )
 
 
-def lrp_cmp(alpha: float = 1.0, bias: bool = False) -> LayerComposite:
+def lrp_cmp(alpha: float = 1.0, bias: bool = False) -> Composite:
     """LRP-CMP: LRP-αβ (``β = α − 1``) on convolutions, LRP-0 on dense layers."""
     conv = rules.AlphaBeta(alpha, alpha - 1, bias)
     return conv_dense(conv, rules.Zero(), f"lrp.cmp(alpha={alpha:g})", batchnorm=rules.Zero())
 
 
-def excitation() -> LayerComposite:
+def excitation() -> Composite:
     """Excitation backprop: the W⁺ rule everywhere."""
     return uniform(rules.Excitation(), "excitation_bp", activations=False)
 
 
-def contrastive_excitation() -> LayerComposite:
+def contrastive_excitation() -> Composite:
     """Contrastive excitation backprop: ``Z⁺ − N⁺`` on the output layer, W⁺ elsewhere."""
-    return LayerComposite(
-        [(LINEAR_TYPES, rules.Excitation())],
-        last=rules.ContrastiveExcitation(),
+    return Composite(
+        [(OutputLayer(), rules.ContrastiveExcitation()), (LINEAR_TYPES, rules.Excitation())],
         name="excitation_bp.contrastive",
     )

@@ -4,7 +4,7 @@ The model runs once on the inputs and the reference stacked along the batch axis
 DeepLIFT's multiplier ``m`` with contributions ``Δx ⊙ m``, ``Δx = x − x⁰``.
 
 - **Rescale**: an activation's multiplier is ``Δy / Δx`` (the gradient where ``|Δx| < 1e-10``), for
-  ReLU and every element-wise activation of :data:`~explain_modbp.ops.ACTIVATION_OPS`; affine
+  ReLU and every element-wise activation of :data:`~explain_core.engine.ops.ACTIVATION_OPS`; affine
   layers, pooling and additions pass the gradient. Max pooling uses the rule written in Captum's
   source by default (``maxpool="rescale"``: each window's ``Δy`` split between the input's and
   the reference's winners); ``maxpool="gradient"`` passes the gradient. ``deeplift.rescale``
@@ -31,15 +31,15 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
+from explain_core.engine import ModifiedBackprop
+from explain_core.engine.attach import LayerRecord
+from explain_core.engine.ops import ACTIVATION_OPS, ADD_OPS, RELU_OPS, OpHandler
 from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_modbp.activations import Activation, secant_slope
-from explain_modbp.attach import LayerRecord
 from explain_modbp.composites import gradient_composite
-from explain_modbp.engine import ModifiedBackprop
 from explain_modbp.methods import one_hot, per_sample_sum
-from explain_modbp.ops import ACTIVATION_OPS, ADD_OPS, RELU_OPS, OpHandler
 
 EPS = 1e-10
 _POOLS = {"max_pool1d": F.max_pool1d, "max_pool2d": F.max_pool2d, "max_pool3d": F.max_pool3d}

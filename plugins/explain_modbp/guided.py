@@ -19,14 +19,13 @@ from typing import ClassVar, Literal
 
 import torch
 
+from explain_core.engine import Composite, ModifiedBackprop
+from explain_core.engine.ops import RELU_OPS
 from explain_core.interfaces.relevance import Op, Rule, RuleCall
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_modbp.composites import gradient_composite
-from explain_modbp.engine import ModifiedBackprop
-from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.methods import one_hot
-from explain_modbp.ops import RELU_OPS
 
 Mode = Literal["guided", "deconv", "rectgrad"]
 
@@ -63,7 +62,7 @@ class RectifiedReLU(Rule):
         return (g * keep,)
 
 
-def rectified_composite(rule: RectifiedReLU) -> LayerComposite:
+def rectified_composite(rule: RectifiedReLU) -> Composite:
     """The gradient through affine layers, ``rule`` at every ReLU."""
     return gradient_composite(rule.mode).with_rules((Op(*RELU_OPS), rule))
 

@@ -15,14 +15,13 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from explain_core.engine import Composite, ForwardPass, ModifiedBackprop
+from explain_core.engine.ops import ACTIVATION_OPS
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.relevance import safe_divide
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_modbp import composites
-from explain_modbp.engine import ForwardPass, ModifiedBackprop
-from explain_modbp.layer_composite import LayerComposite
-from explain_modbp.ops import ACTIVATION_OPS
 
 __all__ = [
     "LRPCMP",
@@ -66,13 +65,13 @@ def input_relevance(forward: ForwardPass, signal: torch.Tensor, **kwargs: object
     return forward.input.detach() * result.input_signal
 
 
-def lrp_engine(composite: LayerComposite, *, record: bool = False) -> ModifiedBackprop:
+def lrp_engine(composite: Composite, *, record: bool = False) -> ModifiedBackprop:
     """The engine for a relevance composite (its rules for layers and operations)."""
     return ModifiedBackprop(composite, record=record)
 
 
 def run_composite(
-    composite: LayerComposite,
+    composite: Composite,
     model: nn.Module,
     inputs: torch.Tensor,
     target: torch.Tensor | None,
@@ -106,12 +105,12 @@ class CompositeMethod(Method):
     """
 
     start = "logit"
-    preset: ClassVar[Callable[..., LayerComposite]]
+    preset: ClassVar[Callable[..., Composite]]
 
     def __post_init__(self) -> None:
         self.build_composite()  # invalid options fail when the method is created
 
-    def build_composite(self) -> LayerComposite:
+    def build_composite(self) -> Composite:
         """The composite with this method's options."""
         return self.preset(**{option.name: getattr(self, option.name) for option in fields(self)})
 
@@ -275,20 +274,20 @@ class LRPCustom(CompositeMethod):
     any other module (a custom layer) replaces that module's backward pass.
 
     Attributes:
-        composite: A :class:`~explain_modbp.LayerComposite`.
+        composite: A :class:`~explain_core.engine.Composite`.
         activations: Pass relevance through element-wise activations other than ReLU (LRP's
             pass rule); ``False`` refuses them, as Excitation BP does.
     """
 
-    composite: LayerComposite | None = None
+    composite: Composite | None = None
     activations: bool = True
 
-    def build_composite(self) -> LayerComposite:
+    def build_composite(self) -> Composite:
         """The composite, with LRP's activation rule added (or removed: ``activations``)."""
         composite = self.composite
-        if not isinstance(composite, LayerComposite):
+        if not isinstance(composite, Composite):
             raise InvalidInputError(
-                "lrp.custom needs composite=: a LayerComposite such as "
+                "lrp.custom needs composite=: a Composite such as "
                 "explain_modbp.composites.lrp_epsilon_plus().with_rules((nn.BatchNorm2d, "
                 f"Epsilon())); got {type(composite).__name__}"
             )
@@ -299,13 +298,7 @@ class LRPCustom(CompositeMethod):
             entries.append(composites.ACTIVATIONS)  # LRP's pass rule, after the user's own
         else:
             return composite
-        return LayerComposite(
-            entries,
-            first=composite.first,
-            last=composite.last,
-            name=composite.name,
-            canonizers=composite.canonizers,
-        )
+        return Composite(entries, name=composite.name, canonizers=composite.canonizers)
 
 
 @dataclass

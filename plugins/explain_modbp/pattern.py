@@ -29,15 +29,14 @@ import torch
 from torch import nn
 
 from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
+from explain_core.engine import Composite, ForwardPass, ModifiedBackprop
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.relevance import AffineRule, RuleCall, safe_divide
 from explain_core.model_guard import require_eval_mode
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_modbp.composites import gradient_composite
-from explain_modbp.engine import ForwardPass, ModifiedBackprop
 from explain_modbp.errors import PatternMismatchError
-from explain_modbp.layer_composite import LayerComposite
 from explain_modbp.methods import one_hot
 
 Estimator = Literal["linear", "two_component"]
@@ -286,7 +285,7 @@ def pattern_forward(
     model: nn.Module, inputs: torch.Tensor, patterns: Patterns, attribution: bool, record: bool
 ) -> ForwardPass:
     """The forward pass with pattern rules attached, after checking the patterns fit."""
-    composite = LayerComposite(
+    composite = Composite(
         [(LINEAR_TYPES + BATCHNORM_TYPES, PatternRule(patterns, attribution))],
         name=_method_name(attribution),
     )

@@ -21,8 +21,8 @@ from typing import Literal
 
 import torch
 
+from explain_core.engine import ForwardPass
 from explain_core.metrics.csc import UnsupportedMethodError
-from explain_modbp.engine import ForwardPass
 
 Mode = Literal["relevance", "signal"]
 

@@ -11,14 +11,17 @@ import dataclasses
 import enum
 import weakref
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from explain_core.interfaces.relevance import Composite, Op
+from explain_core.engine.tracing import Plan, move_custom_rules, resolve_rules, trace
+from explain_core.interfaces.relevance import InputLayer, Op, OutputLayer
 from explain_core.scoped import is_own_hook
-from explain_modbp.tracing import Plan, move_custom_rules, resolve_rules, trace
+
+if TYPE_CHECKING:
+    from explain_core.engine.composite import Composite
 
 # Key: the composite's *shape* (matchers that are types, type tuples, name globs or operation
 # kinds, and the type of every rule), the handler's extra operations and the input's per-sample
@@ -49,14 +52,12 @@ def _composite_key(composite: Composite, extra_ops: frozenset[str]) -> Any:
     for entry in composite.mapping:
         matcher = entry.matcher
         if not (
-            isinstance(matcher, (str, type, Op))
+            isinstance(matcher, (str, type, Op, InputLayer, OutputLayer))
             or (isinstance(matcher, tuple) and all(isinstance(t, type) for t in matcher))
         ):
             return None
         entries.append((matcher, type(entry.rule)))
-    first = getattr(composite, "first", None)
-    last = getattr(composite, "last", None)
-    return (type(composite), tuple(entries), type(first), type(last), canonizers, extra_ops)
+    return (type(composite), tuple(entries), canonizers, extra_ops)
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
@@ -20,10 +20,8 @@ from torch.utils._pytree import tree_flatten
 
 from explain_core.affine import AFFINE_TYPES, BATCHNORM_TYPES, AffineLayer
 from explain_core.canonizers import TracedLayers
-from explain_core.interfaces.relevance import AffineRule, Composite, Gradient, Rule
-from explain_core.scoped import ModuleListener, listening
-from explain_modbp.errors import RULE_HINT, UnsupportedModelError, op_hint
-from explain_modbp.ops import (
+from explain_core.engine.hints import RULE_HINT, op_hint
+from explain_core.engine.ops import (
     _JOIN_OPS,
     _PRODUCT_OPS,
     _SIGN_PRESERVING,
@@ -38,6 +36,12 @@ from explain_modbp.ops import (
     VALUE_READS,
     op_name,
 )
+from explain_core.errors import UnsupportedModelError
+from explain_core.interfaces.relevance import AffineRule, Gradient, InputLayer, Rule
+from explain_core.scoped import ModuleListener, listening
+
+if TYPE_CHECKING:
+    from explain_core.engine.composite import Composite
 
 __all__ = [
     "Plan",
@@ -100,7 +104,9 @@ class Plan:
     @property
     def input_relevance_form(self) -> bool:
         """Whether the input layer's rule returns relevance rather than a signal."""
-        return any(self.rules[name].returns_relevance for name in self.input_layers)
+        return any(
+            self.rules[name].returns_relevance for name in self.input_layers if name in self.rules
+        )
 
     def input_sign(self, name: str) -> Literal["nonnegative", "signed", "unknown"]:
         """What the rule of layer ``name`` may assume about its input's sign."""
@@ -345,9 +351,10 @@ class _Tracer(ModuleListener):
                 )
         elif name in ACTIVATION_OPS and name not in self.extra_ops:
             problem = (
-                "is an activation this method does not handle (only the LRP methods and DeepLIFT "
-                "see through activations other than ReLU; Guided BP, Deconv, RectGrad, Excitation "
-                "BP, PatternNet and the ONNX export of LRP are defined for ReLU networks)"
+                "is an activation this pass has no rule for (LRP's composites pass relevance "
+                "through activations and DeepLIFT rescales them; methods defined for ReLU "
+                "networks, and the ONNX export of LRP, refuse them; a composite of one's own "
+                f"maps Op({name!r}) to a rule)"
             )
         elif not (
             name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS or name in self.extra_ops
@@ -537,20 +544,29 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
         UnsupportedModelError: If a layer has no rule, or the composite has a rule for the layer
             reading the model input but no layer reads it directly (up to reshaping).
     """
-    first = getattr(composite, "first", None)
+    first = composite.position_rule(InputLayer)
     if first is not None and plan.order and not plan.input_layers:
         name = plan.order[0]
         raise UnsupportedModelError(
-            f"the composite {getattr(composite, 'name', '')!r} puts {first!r} on the layer that "
+            f"the composite {composite.name!r} puts {first!r} on the layer that "
             "reads the model input, but no Linear/Conv reads the input directly (up to "
             f"reshaping): the first layer {name!r} ({type(model.get_submodule(name)).__name__}) "
             f"reads the result of {plan.first_reads or 'other operations'}, e.g. a "
             "normalisation inside forward. Move that preprocessing out of the model and explain "
             "the model on preprocessed inputs (for z^B give the bounds of the preprocessed "
-            "inputs), or use a method without an input-layer rule (e.g. lrp.epsilon_plus)"
+            "inputs), or use a composite without an input-layer rule (e.g. ε+z⁺)"
         )
     for name in plan.order:
         plan.rules[name] = resolve_rule(model, composite, name, plan)
+        if name in plan.merged and not on_layer_path(plan.rules[name]):
+            raise UnsupportedModelError(
+                f"module {name!r} ({type(model.get_submodule(name)).__name__}) has the rule "
+                f"{plan.rules[name]!r}, which is applied to the module as called, but the "
+                f"composite's canonizer folded BatchNorm {plan.merged[name]!r} into it: give "
+                f"{name!r} an explain_core.AffineRule (it sees the folded layer as call.layer), "
+                f"or build the composite with canonizers=() and give {plan.merged[name]!r} a "
+                "rule of its own"
+            )
 
 
 def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) -> Rule:
@@ -561,14 +577,9 @@ def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) 
             layer that does not read the model input.
     """
     module = model.get_submodule(name)
-    rule: Rule | None = None
-    first, last = getattr(composite, "first", None), getattr(composite, "last", None)
-    if first is not None and name in plan.input_layers:
-        rule = first
-    elif last is not None and name == plan.order[-1]:
-        rule = last
-    if rule is None:
-        rule = composite.rule_for(name, module)
+    rule = composite.rule_for(
+        name, module, reads_input=name in plan.input_layers, is_output=name == plan.order[-1]
+    )
     type_name = type(module).__name__
     if rule is None:
         what = (
@@ -579,10 +590,9 @@ def resolve_rule(model: nn.Module, composite: Composite, name: str, plan: Plan) 
         )
         raise UnsupportedModelError(
             f"no rule for module {name!r} ({type_name}), a {what}, in the composite "
-            f"{getattr(composite, 'name', '')!r}; give it one with the method lrp.custom: "
-            f"explain(model, x, 'lrp.custom', composite=composite.with_rules(({type_name}, "
-            f"Epsilon()))) with a preset composite from explain_modbp.composites, or "
-            f"with_rules(({name!r}, Gradient())) for this module alone"
+            f"{composite.name!r}; give it one: composite.with_rules(({type_name}, MyRule())) "
+            f"for every {type_name}, or with_rules(({name!r}, explain_core.Gradient())) for "
+            "this module alone"
         )
     if not on_layer_path(rule):
         return rule  # a rule of the user's that runs the module itself (see move_custom_rules)

@@ -12,6 +12,22 @@ from typing import Any, ClassVar
 
 import torch
 
+__all__ = [
+    "ACTIVATION_OPS",
+    "ADD_OPS",
+    "AVGPOOL_OPS",
+    "DROPOUT_OPS",
+    "LINEAR_OPS",
+    "MAXPOOL_OPS",
+    "PAD_MODES",
+    "RELU_OPS",
+    "RESHAPE_OPS",
+    "VALUE_FREE_OPS",
+    "VALUE_READS",
+    "OpHandler",
+    "op_name",
+]
+
 
 class OpHandler:
     """Changes the backward pass of parameter-free operations seen in the forward pass.
@@ -27,8 +43,8 @@ class OpHandler:
 
         Args:
             inputs: The inputs (DeepLIFT appends the reference).
-            layers: The pass's :class:`~explain_modbp.attach.LayerRecord` by layer name, filled
-                as the layers run (for a pass run with ``record=True``).
+            layers: The pass's :class:`~explain_core.engine.LayerRecord` by layer name,
+                filled as the layers run (for a pass run with ``record=True``).
         """
         return inputs
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,10 +19,14 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 
 from explain_core.affine import AFFINE_TYPES, AffineLayer
-from explain_core.interfaces.relevance import Composite, Gradient, Rule, RuleCall
+from explain_core.engine.ops import OpHandler, op_name
+from explain_core.engine.tracing import Plan
+from explain_core.errors import InvalidInputError
+from explain_core.interfaces.relevance import Gradient, Rule, RuleCall
 from explain_core.scoped import ModuleListener
-from explain_modbp.ops import OpHandler, op_name
-from explain_modbp.tracing import Plan
+
+if TYPE_CHECKING:
+    from explain_core.engine.composite import Composite
 
 __all__ = [
     "LayerRecord",
@@ -66,6 +70,45 @@ class _RuleFunction(torch.autograd.Function):
         ctx.saved_tensors  # noqa: B018  (the in-place check)
         (grad,) = ctx.rule.backward(ctx.call, signal)
         return grad, None, None, None
+
+
+class _ModuleEntry(torch.autograd.Function):
+    """Identity on a ruled module's inputs whose backward is the module's rule."""
+
+    @staticmethod
+    def forward(ctx: Any, rule: Rule, call: RuleCall, *inputs: torch.Tensor) -> Any:
+        ctx.rule, ctx.call = rule, call
+        # Clones keep in-place modules (ReLU(inplace=True)) from altering the recorded inputs.
+        return tuple(t.clone() for t in inputs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        rule: Rule = ctx.rule
+        call: RuleCall = ctx.call
+        if call.grad_output is None:  # the module's output never reached what is differentiated
+            return (None, None, *grads)
+        with torch.enable_grad():
+            results = tuple(rule.backward(call, call.grad_output))
+        if len(results) != len(call.inputs):
+            raise InvalidInputError(
+                f"{type(rule).__name__}.backward returned {len(results)} tensors for the "
+                f"{len(call.inputs)} tensor inputs of module {call.name or '<root>'!r}"
+            )
+        return (None, None, *results)
+
+
+class _ModuleExit(torch.autograd.Function):
+    """Identity on a ruled module's output that hands the arriving signal to its call."""
+
+    @staticmethod
+    def forward(ctx: Any, call: RuleCall, output: torch.Tensor) -> torch.Tensor:
+        ctx.call = call
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, torch.Tensor]:
+        ctx.call.grad_output = grad_output
+        return None, grad_output
 
 
 class _OpRuleFunction(torch.autograd.Function):
@@ -149,6 +192,8 @@ class RulePass(ModuleListener):
         self.ruled: dict[int, tuple[str, str | None]] = {}  # module id → (layer name, BN name)
         self.counted: dict[int, str] = {}
         self.calls: dict[str, int] = {}
+        self.custom = {id(model.get_submodule(name)): name for name in plan.custom}
+        self.pending: dict[str, RuleCall] = {}
         self._plan_modules()
 
     @contextlib.contextmanager
@@ -181,15 +226,27 @@ class RulePass(ModuleListener):
         }
         return self.calls
 
-    def before(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        """Count the call (when validating a cached plan)."""
-        name = self.counted.get(id(module))
+    def before(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        """Count the call (validating a cached plan); wrap a custom-ruled module's inputs."""
+        key = id(module)
+        name = self.counted.get(key)
         if name is not None:
             self.calls[name] = self.calls.get(name, 0) + 1
+        name = self.custom.get(key)
+        if name is None:
+            return None
+        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        call = RuleCall(module, name, tuple(t.detach() for t in tensors), torch.empty(0))
+        self.pending[name] = call
+        wrapped = iter(_ModuleEntry.apply(self.plan.custom[name], call, *tensors))
+        return tuple(next(wrapped) if isinstance(a, torch.Tensor) else a for a in args)
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-        """Stash a merged layer's input, or return a ruled layer's output with its rule."""
+        """Stash a merged layer's input, or return a ruled module's output with its rule."""
         key = id(module)
+        name = self.custom.get(key)
+        if name is not None:
+            return self._apply_custom(name, module, output)
         stashed = self.stashed.get(key)
         if stashed is not None:
             self.stash[stashed] = args[0]
@@ -198,6 +255,19 @@ class RulePass(ModuleListener):
         if ruled is None:
             return None
         return self._apply_rule(ruled[0], ruled[1], module, args, output)
+
+    def _apply_custom(self, name: str, module: nn.Module, output: Any) -> torch.Tensor:
+        call = self.pending.pop(name)
+        if not isinstance(output, torch.Tensor):
+            raise InvalidInputError(
+                f"module {name or '<root>'!r} ({type(module).__name__}) returns "
+                f"{type(output).__name__}; a rule needs a module that returns one tensor"
+            )
+        call.output = output.detach()
+        rule = self.plan.custom[name]
+        with torch.no_grad():
+            call.state = rule.forward(call)
+        return _ModuleExit.apply(call, output)
 
     def _plan_modules(self) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""

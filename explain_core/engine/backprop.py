@@ -24,8 +24,8 @@ silently.
 ruled layer ``k`` and reads the signal at the input of every layer below it (what the CSC metric
 needs).
 
-**Modules.** The parts live in their own modules: :class:`LayerComposite` in
-:mod:`.layer_composite`, the operation sets and :class:`OpHandler` in :mod:`.ops`,
+**Modules.** The parts live in their own modules: :class:`~explain_core.engine.Composite` in
+:mod:`.composite`, the operation sets and :class:`OpHandler` in :mod:`.ops`,
 the trace in :mod:`.tracing`, the plan cache in :mod:`.plan_cache` and the hooks of one pass in
 :mod:`.attach`.
 """
@@ -33,20 +33,23 @@ the trace in :mod:`.tracing`, the plan cache in :mod:`.plan_cache` and the hooks
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from explain_core.interfaces.relevance import Composite
+from explain_core.eager import eager_mode
+from explain_core.engine.attach import LayerRecord, RulePass, _OperationMode
+from explain_core.engine.ops import OpHandler
+from explain_core.engine.plan_cache import expected_calls, forget_plan, planned
+from explain_core.engine.tracing import Plan
+from explain_core.errors import UnsupportedModelError
 from explain_core.model_guard import require_eval_mode
 from explain_core.scoped import listening
-from explain_modbp.attach import LayerRecord, RulePass, _OperationMode
-from explain_modbp.errors import UnsupportedModelError
-from explain_modbp.ops import OpHandler
-from explain_modbp.plan_cache import expected_calls, forget_plan, planned
-from explain_modbp.tracing import Plan
+
+if TYPE_CHECKING:
+    from explain_core.engine.composite import Composite
 
 __all__ = ["BackwardResult", "ForwardPass", "ModifiedBackprop"]
 
@@ -154,7 +157,7 @@ class ModifiedBackprop:
     """Runs a model with a composite's rules (and an operation handler) attached.
 
     Args:
-        composite: Maps modules to rules; :class:`LayerComposite` adds first/last layer slots.
+        composite: Maps modules, layer positions and operations to rules.
         handler: Changes ReLU/max-pool/addition backward passes (Guided BP, DeepLIFT, …).
         record: Record every affine layer (also gradient-ruled ones) for reading and injecting
             signals at intermediate layers.
@@ -199,12 +202,9 @@ class ModifiedBackprop:
                 )
                 attached = RulePass(model, plan, self.record)
                 calls = attached.count_calls() if cached else {}
+                if plan.custom:  # their rules' hooks must run as written, not be traced
+                    stack.enter_context(eager_mode())
                 stack.enter_context(listening(attached))
-                if plan.custom:
-                    custom = Composite(
-                        [(_named(name), rule) for name, rule in plan.custom.items()],
-                    )
-                    stack.enter_context(custom.context(model))
                 x = inputs.detach()
                 if self.handler is not None:
                     x = self.handler.start(x, attached.records)
@@ -225,7 +225,3 @@ class ModifiedBackprop:
                 "must travel back along; remove it from forward"
             )
         return ForwardPass(x, output, attached.records, plan)
-
-
-def _named(name: str) -> Callable[[str, nn.Module], bool]:
-    return lambda candidate, module: candidate == name

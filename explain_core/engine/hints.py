@@ -1,0 +1,65 @@
+"""What the engine's errors advise for a layer or operation it cannot propagate through."""
+
+from __future__ import annotations
+
+__all__ = ["RULE_HINT", "op_hint"]
+
+_SUPPORTED = (
+    "Linear/Conv/BatchNorm modules, ReLU, +, -, cat, view/flatten, pooling, dropout in eval mode"
+)
+
+RULE_HINT = (
+    "To explain such a model, give the module a rule in the composite: "
+    "composite.with_rules(({type}, MyRule())) where MyRule subclasses explain_core.Rule "
+    "(explain_core.AffineRule for layers with weights); or rewrite the forward with supported "
+    f"operations ({_SUPPORTED})"
+)
+SOFTMAX_HINT = (
+    "Relevance methods explain the scores before normalisation: explain a model that returns "
+    "the logits (leave out its final {type}, e.g. nn.Sequential(*list(model)[:-1]))"
+)
+
+# Supported ways to write what a model's own forward does with an unsupported operation.
+_OP_ALTERNATIVES = {
+    "max": "for global max pooling use F.adaptive_max_pool2d(x, 1) (or nn.AdaptiveMaxPool*d)",
+    "amax": "for global max pooling use F.adaptive_max_pool2d(x, 1) (or nn.AdaptiveMaxPool*d)",
+    "clamp": "for clamp(min=0) use F.relu",
+    "clamp_min": "for clamp_min(0) use F.relu",
+    "clamp_min_": "for clamp_min_(0) use F.relu(x, inplace=True)",
+    "clamp_": "for clamp_(min=0) use F.relu(x, inplace=True)",
+    "clip": "for clip(min=0) use F.relu",
+    "threshold": "for a threshold at 0 use F.relu",
+    "detach": "keep the path to the output differentiable (a detached tensor carries no relevance)",
+    "data": "use the tensor itself, not .data (which is detached and carries no relevance)",
+    **dict.fromkeys(
+        ["gt", "lt", "ge", "le", "eq", "ne", "where"],
+        "a comparison of activations (a mask, torch.where, a maximum of two tensors) has no "
+        "relevance rule; use F.relu or max pooling where that is what it computes",
+    ),
+}
+
+
+def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
+    """What to do about an unsupported operation ``op`` in a module of type ``type_name``.
+
+    A leaf module (e.g. a custom activation) can be mapped to a rule; an operation written in a
+    forward that also calls submodules (the model's own, say) is better rewritten, or given a
+    rule by its kind.
+    """
+    if op in ("softmax", "log_softmax"):
+        if leaf:
+            return SOFTMAX_HINT.format(type=type_name)
+        return (
+            "Relevance methods explain the scores before normalisation: let forward return the "
+            f"logits (leave out the {op})"
+        )
+    if op in _OP_ALTERNATIVES:
+        return f"Rewrite it: {_OP_ALTERNATIVES[op]}."
+    if leaf:
+        return RULE_HINT.format(type=type_name)
+    return (
+        f"Rewrite that forward with supported operations ({_SUPPORTED}), give the operation a "
+        f"rule by its kind (composite.with_rules((explain_core.Op({op!r}), MyRule())) where "
+        "MyRule subclasses explain_core.Rule), or move it into a module of its own and give "
+        "that module a rule"
+    )
