@@ -100,3 +100,75 @@ def test_op_needs_operation_names():
     with pytest.raises(InvalidInputError, match="operation names"):
         Op()
     assert Op("gelu", "silu") == Op("silu", "gelu")
+
+
+class SignalTakesAll(Rule):
+    """A product ``signal · gate``: all relevance to the signal (``R_s = R_y``), none to the gate.
+
+    In the signal convention ``s_signal = s_y · gate``, ``s_gate = 0``.
+    """
+
+    def backward(self, call, grad_output):
+        gate = call.inputs[1]
+        return grad_output * gate, torch.zeros_like(gate)
+
+
+class Uniform(Rule):
+    """A product ``a · b`` of two activations: half the relevance to each, ``R_a = R_b = R_y/2``."""
+
+    def backward(self, call, grad_output):
+        a, b = call.inputs
+        return grad_output * b / 2, grad_output * a / 2
+
+
+class Gated(nn.Module):
+    """``W2 (h · σ(V h))`` with ``h = W1 x``: a squeeze-excitation-like gate, bias-free."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.w1, self.v, self.w2 = nn.Linear(5, 6, bias=False), nn.Linear(6, 6), nn.Linear(6, 3)
+        self.w2.bias = None
+
+    def forward(self, x):
+        h = self.w1(x)
+        return self.w2(h * torch.sigmoid(self.v(h)))
+
+
+def test_a_product_rule_sees_both_factors_and_gives_the_gate_nothing():
+    model = Gated().double().eval()
+    k = 1
+    composite = composites.lrp_z().with_rules((Op("mul"), SignalTakesAll()))
+    result = explain(model, X, "lrp.custom", k, composite=composite)
+    # by hand: LRP-0 on W2 and W1, the gate a constant: R = x ⊙ W1ᵀ (σ(V h) ⊙ W2ᵀ e_k)
+    with torch.no_grad():
+        gate = torch.sigmoid(model.v(model.w1(X)))
+    expected = X * ((gate * model.w2.weight[k]) @ model.w1.weight)
+    torch.testing.assert_close(result.attribution, expected)
+    torch.testing.assert_close(result.delta, torch.zeros(4, dtype=torch.float64))  # conserved
+
+
+def test_the_uniform_rule_splits_a_product_of_two_activations_in_half():
+    class Bilinear(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(3)
+            self.a, self.b = nn.Linear(5, 4, bias=False), nn.Linear(5, 4, bias=False)
+
+        def forward(self, x):
+            return self.a(x) * self.b(x)
+
+    model = Bilinear().double().eval()
+    composite = composites.lrp_z().with_rules((Op("mul"), Uniform()))
+    result = explain(model, X, "lrp.custom", 2, composite=composite)
+    with torch.no_grad():
+        half = model.a(X)[:, 2] * model.b(X)[:, 2] / 2  # R_a = R_b = R_y / 2 at output 2
+        by_a = X * (half / model.a(X)[:, 2])[:, None] * model.a.weight[2]
+        by_b = X * (half / model.b(X)[:, 2])[:, None] * model.b.weight[2]
+    torch.testing.assert_close(result.attribution, by_a + by_b)
+    torch.testing.assert_close(result.delta, torch.zeros(4, dtype=torch.float64))
+
+
+def test_without_a_rule_a_product_of_two_activations_is_refused():
+    with pytest.raises(InvalidInputError, match="multiplies or divides two input-dependent"):
+        explain(Gated().double().eval(), X, "lrp.z", 0)

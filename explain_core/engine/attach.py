@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explain_core.affine import AFFINE_TYPES, AffineLayer
 from explain_core.engine.ops import OpHandler, op_name
@@ -115,38 +116,68 @@ class _OpRuleFunction(torch.autograd.Function):
     """One traced operation as written, whose backward is the composite's rule for it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: Rule, call: RuleCall, apply: Any) -> Any:
-        y = apply(x)  # the call as written: in place where the model asked for that
-        if y is x:
-            ctx.mark_dirty(x)
+    def forward(ctx: Any, rule: Rule, call: RuleCall, apply: Any, *inputs: torch.Tensor) -> Any:
+        y = apply(*inputs)  # the call as written: in place where the model asked for that
+        if not isinstance(y, torch.Tensor):
+            raise InvalidInputError(
+                f"operation {call.name!r} returns {type(y).__name__}; a rule needs an "
+                "operation that returns one tensor"
+            )
+        if any(y is t for t in inputs):
+            ctx.mark_dirty(y)
         call.output = y.detach().clone()
-        call.state = rule.forward(call)
+        with torch.no_grad():
+            call.state = rule.forward(call)
         ctx.rule, ctx.call = rule, call
         return y
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, None, None, None]:
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         call: RuleCall = ctx.call
         call.grad_output = grad_output
-        (grad,) = ctx.rule.backward(call, grad_output)
-        return grad, None, None, None
+        grads = tuple(ctx.rule.backward(call, grad_output))
+        if len(grads) != len(call.inputs):
+            raise InvalidInputError(
+                f"{type(ctx.rule).__name__}.backward returned {len(grads)} tensors for the "
+                f"{len(call.inputs)} input-dependent tensors of operation {call.name!r}"
+            )
+        return (None, None, None, *grads)
 
 
 def _apply_op_rule(
     rule: Rule, kind: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``func(*args, **kwargs)`` with ``rule`` as the backward of its first (tensor) input."""
-    x, rest = args[0], args[1:]
+    """``func(*args, **kwargs)`` with ``rule`` as the backward of its input-dependent tensors.
 
-    def apply(value: torch.Tensor) -> torch.Tensor:
-        return func(value, *rest, **kwargs)
+    Those are the tensor arguments that carry gradient and are not parameters (the pass's input
+    requires grad, so everything computed from it does; weights are left out).
+    """
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [
+        i
+        for i, value in enumerate(flat)
+        if isinstance(value, torch.Tensor)
+        and value.requires_grad
+        and not isinstance(value, nn.Parameter)
+    ]
+    if not positions:  # nothing here depends on the input: no backward to replace
+        return func(*args, **kwargs)
 
-    def out_of_place(value: torch.Tensor) -> torch.Tensor:
-        return apply(value.clone())
+    def apply(*values: torch.Tensor) -> Any:
+        filled = list(flat)
+        for position, value in zip(positions, values, strict=True):
+            filled[position] = value
+        call_args, call_kwargs = tree_unflatten(filled, spec)
+        return func(*call_args, **call_kwargs)
 
-    call = RuleCall(None, kind, (x.detach().clone(),), torch.empty(0), function=out_of_place)
-    return _OpRuleFunction.apply(x, rule, call, apply)
+    def out_of_place(*values: torch.Tensor) -> Any:
+        return apply(*(value.clone() for value in values))
+
+    inputs = tuple(flat[i] for i in positions)
+    detached = tuple(t.detach().clone() for t in inputs)
+    call = RuleCall(None, kind, detached, torch.empty(0), function=out_of_place)
+    return _OpRuleFunction.apply(rule, call, apply, *inputs)
 
 
 class _OperationMode(TorchFunctionMode):
@@ -164,7 +195,7 @@ class _OperationMode(TorchFunctionMode):
         if self.attached.internal:
             return func(*args, **kwargs)
         name = op_name(func)
-        if name in self.kinds and args and isinstance(args[0], torch.Tensor):
+        if name in self.kinds:
             rule = self.composite.rule_for_op(name)
             with self.attached.internal_ops():
                 return _apply_op_rule(rule, name, func, args, kwargs)

@@ -230,6 +230,7 @@ class _Tracer(ModuleListener):
         self.model = model
         self.composite = composite
         self.extra_ops = extra_ops
+        self.rule_kinds = composite.op_kinds
         self.names = {id(m): n for n, m in model.named_modules()}
         self.opaque: dict[str, Rule | None] = {}
         self._find_opaque(model, "")
@@ -326,9 +327,11 @@ class _Tracer(ModuleListener):
                     f"the custom autograd Function {function.__qualname__} called in module "
                     f"{path!r} ({type_name}) has no relevance rule: the engine cannot see "
                     "through its forward and will not fall back to its backward. Put it in a "
-                    "module of its own and map that module to a rule (lrp.custom)"
+                    "module of its own and give that module a rule in the composite"
                 )
             return self.no_grad_problem(name)
+        if name in self.rule_kinds:
+            return None  # the composite has a rule for it
         problem = None
         if name in _PRODUCT_OPS | {"rmul", "rdiv"}:
             if len(inputs) > 1 or (

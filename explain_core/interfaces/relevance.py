@@ -57,7 +57,8 @@ class RuleCall:
         state: Whatever :meth:`Rule.forward` returned for this call.
         grad_output: The signal that arrived at the output during backward (set by the engine).
         function: For an operation: the call as written, applied out of place to other values
-            of its (first) tensor input, e.g. to take a derivative.
+            of its input tensors (one argument per entry of ``inputs``), e.g. to take a
+            derivative.
         layer: For an affine module: its weights and geometry (merged with the BatchNorm that
             follows it where a canonizer merged them), else ``None``.
     """
@@ -223,9 +224,11 @@ class Op:
     """Matches traced operations by kind (``Op("gelu", "silu")``), for a composite's entries.
 
     A kind is the operation's normalised name: ``F.gelu`` and ``Tensor.gelu`` are ``"gelu"``,
-    ``Tensor.relu_`` is ``"relu_"``. Engines that trace operations (the modified-backpropagation
-    engine) apply the rule to every call of those operations on values that depend on the input.
-    Rules for operations see one tensor input and one output.
+    ``Tensor.relu_`` is ``"relu_"``, ``a * b`` is ``"mul"``. The engine applies the rule to every
+    call of those operations on values that depend on the input. A rule for an operation sees
+    the call's input-dependent tensor arguments as ``call.inputs`` (e.g. both factors of a
+    product of two activations; not the weights of ``F.layer_norm``), its one output, and
+    ``call.function``, the call as written applied to other values of those tensors.
     """
 
     def __init__(self, *kinds: str) -> None:

@@ -41,7 +41,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from explain_core.engine import Composite
 from explain_core.errors import InvalidInputError
+from explain_core.interfaces.relevance import Op
 
 # Methods of one composite whose rules branch on tensor values in the forward pass.
 UNSUPPORTED = {"lrp.zb": "the z^B rule checks its input bounds with a branch on tensor values"}
@@ -59,6 +61,16 @@ def composite_methods() -> dict[str, Any]:
         and issubclass(spec.factory, CompositeMethod)
         and spec.name not in UNSUPPORTED
     }
+
+
+def _without_operation_rules(composite: Composite) -> Composite:
+    """The composite's module rules only.
+
+    Operation rules (LRP's pass rule for activations) branch on values and do not export, so the
+    trace refuses those operations instead.
+    """
+    entries = [(m.matcher, m.rule) for m in composite.mapping if not isinstance(m.matcher, Op)]
+    return Composite(entries, canonizers=composite.canonizers, name=composite.name)
 
 
 def lrp_graph(
@@ -88,7 +100,7 @@ def lrp_graph(
             f"({UNSUPPORTED.get(method, 'not one composite')})"
         )
     engine = specs[method].create(**options)
-    composite = engine.build_composite()
+    composite = _without_operation_rules(engine.build_composite())
     plan = trace(model, example[:1].detach(), composite)
     if plan.custom:
         names = ", ".join(sorted(plan.custom))
