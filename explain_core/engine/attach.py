@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explain_core.affine import AFFINE_TYPES, AffineLayer
+from explain_core.engine.decompose import DECOMPOSED
 from explain_core.engine.ops import OpHandler, op_name
 from explain_core.engine.tracing import Plan
 from explain_core.errors import InvalidInputError
@@ -176,8 +177,31 @@ def _apply_op_rule(
 
     inputs = tuple(flat[i] for i in positions)
     detached = tuple(t.detach().clone() for t in inputs)
-    call = RuleCall(None, kind, detached, torch.empty(0), function=out_of_place)
+    call = RuleCall(
+        None,
+        kind,
+        detached,
+        torch.empty(0),
+        function=out_of_place,
+        layer=_linear_layer(kind, args, kwargs) if len(inputs) == 1 else None,
+        args=args,
+        kwargs=kwargs,
+    )
     return _OpRuleFunction.apply(rule, call, apply, *inputs)
+
+
+def _linear_layer(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AffineLayer | None:
+    """The affine view of an ``F.linear`` call (so affine rules apply to it), else ``None``."""
+    if kind != "linear":
+        return None
+    _, weight, bias = (*args, None, None)[:3]
+    weight = kwargs.get("weight", weight)
+    bias = kwargs.get("bias", bias)
+    if not isinstance(weight, torch.Tensor):
+        return None
+    return AffineLayer(
+        kind, "linear", weight.detach(), bias.detach() if isinstance(bias, torch.Tensor) else None
+    )
 
 
 class _OperationMode(TorchFunctionMode):
@@ -195,8 +219,13 @@ class _OperationMode(TorchFunctionMode):
         if self.attached.internal:
             return func(*args, **kwargs)
         name = op_name(func)
+        if name in DECOMPOSED:  # fused attention: its operations, for the rules to apply to
+            with self:
+                return DECOMPOSED[name](*args, **kwargs)
         if name in self.kinds:
             rule = self.composite.rule_for_op(name)
+            if isinstance(rule, Gradient):  # nothing to change: let it through as written
+                return func(*args, **kwargs)
             with self.attached.internal_ops():
                 return _apply_op_rule(rule, name, func, args, kwargs)
         if self.handler is not None and name in self.handler.ops:

@@ -210,7 +210,8 @@ class ModifiedBackprop:
                     x = self.handler.start(x, attached.records)
                 x = x.requires_grad_(grad)
                 with torch.set_grad_enabled(grad):
-                    if self.composite.op_kinds or (self.handler is not None and self.handler.ops):
+                    handled = self.handler is not None and self.handler.ops
+                    if self.composite.op_kinds or handled or plan.decomposed:
                         with _OperationMode(self.composite, self.handler, attached):
                             output = model(x)
                     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["RULE_HINT", "op_hint"]
+__all__ = ["ATTENTION_HINT", "RULE_HINT", "op_hint"]
 
 _SUPPORTED = (
     "Linear/Conv/BatchNorm modules, ReLU, +, -, cat, view/flatten, pooling, dropout in eval mode"
@@ -39,6 +39,16 @@ _OP_ALTERNATIVES = {
 }
 
 
+# Operations of attention models, which AttnLRP and CP-LRP give rules.
+_ATTENTION_OPS = frozenset(
+    {"layer_norm", "rms_norm", "softmax", "matmul", "bmm", "mul", "scaled_dot_product_attention"}
+)
+ATTENTION_HINT = (
+    "For an attention model (a transformer), explain with AttnLRP or CP-LRP, whose composites "
+    "give layer_norm, softmax and products of activations their rules"
+)
+
+
 def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
     """What to do about an unsupported operation ``op`` in a module of type ``type_name``.
 
@@ -50,16 +60,24 @@ def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
         if leaf:
             return SOFTMAX_HINT.format(type=type_name)
         return (
-            "Relevance methods explain the scores before normalisation: let forward return the "
-            f"logits (leave out the {op})"
+            f"If it is the model's final {op}, relevance methods explain the scores before it: "
+            f"let forward return the logits. {ATTENTION_HINT}."
         )
+    if op in _ATTENTION_OPS:
+        return f"{ATTENTION_HINT}; or give the operation a rule of your own ({_by_kind(op)})."
     if op in _OP_ALTERNATIVES:
         return f"Rewrite it: {_OP_ALTERNATIVES[op]}."
     if leaf:
         return RULE_HINT.format(type=type_name)
     return (
         f"Rewrite that forward with supported operations ({_SUPPORTED}), give the operation a "
-        f"rule by its kind (composite.with_rules((explain_core.Op({op!r}), MyRule())) where "
-        "MyRule subclasses explain_core.Rule), or move it into a module of its own and give "
-        "that module a rule"
+        f"rule by its kind ({_by_kind(op)}), or move it into a module of its own and give that "
+        "module a rule"
+    )
+
+
+def _by_kind(op: str) -> str:
+    return (
+        f"composite.with_rules((explain_core.Op({op!r}), MyRule())) where MyRule subclasses "
+        "explain_core.Rule"
     )

@@ -96,8 +96,11 @@ _GATHER_OPS = frozenset(
         "unbind",
         "expand",
         "expand_as",
+        "repeat_interleave",
         "sum",
         "mean",
+        "masked_fill",
+        "masked_fill_",
     ]
 )
 AVGPOOL_OPS = frozenset(

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from explain_core.affine import AFFINE_TYPES, BATCHNORM_TYPES, AffineLayer
 from explain_core.canonizers import TracedLayers
+from explain_core.engine.decompose import DECOMPOSED
 from explain_core.engine.hints import RULE_HINT, op_hint
 from explain_core.engine.ops import (
     _JOIN_OPS,
@@ -85,6 +86,8 @@ class Plan:
             0``); such a plan was traced on the whole batch and is not cached.
         branch_free: Rules must not branch on values (the pass is traced into a graph): layers
             whose input is not known to be non-negative are marked ``"signed"``.
+        decomposed: The model calls fused attention, which the pass computes in its math form
+            (:mod:`explain_core.engine.decompose`).
     """
 
     order: list[str] = field(default_factory=list)
@@ -100,6 +103,7 @@ class Plan:
     first_reads: str = ""
     value_dependent: bool = False
     branch_free: bool = False
+    decomposed: bool = False
 
     @property
     def input_relevance_form(self) -> bool:
@@ -128,6 +132,10 @@ class _TraceMode(TorchFunctionMode):
         if tracer.opaque_depth:
             return func(*args, **kwargs)
         name = op_name(func)
+        if name in DECOMPOSED:  # fused attention: trace the operations it stands for
+            tracer.decomposed = True
+            with self:
+                return DECOMPOSED[name](*args, **kwargs)
         inputs = [t for t in _tensors((args, kwargs)) if id(t) in tracer.dependent]
         result = func(*args, **kwargs)
         if inputs and getattr(func, "__name__", "") in VALUE_READS:
@@ -249,6 +257,7 @@ class _Tracer(ModuleListener):
         self.steps: list[Step] = []
         self.made_by: dict[int, str] = {}
         self.value_dependent = False
+        self.decomposed = False
         self.reads: dict[str, str] = {}
         self.opaque_args: tuple[Any, ...] = ()
         self.hook_codes = _user_hook_codes(model)
@@ -340,6 +349,8 @@ class _Tracer(ModuleListener):
                 problem = "multiplies or divides two input-dependent tensors"
         elif name == "rdiv":
             problem = "divides by an input-dependent tensor"
+        elif name in ("masked_fill", "masked_fill_") and len(inputs) > 1:
+            problem = "masks with an input-dependent mask"
         elif name in DROPOUT_OPS:
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training:
@@ -629,6 +640,7 @@ def trace(
         # batch, so the plan follows the path the real pass takes (never cached)
         tracer = _Tracer(model, composite, extra_ops)
         plan = tracer.run(inputs.detach())
+    plan.decomposed = tracer.decomposed
     plan.value_dependent = tracer.value_dependent
     plan.trace_order = list(plan.order)
     plan.opaque_custom = list(plan.custom)

@@ -61,6 +61,8 @@ class RuleCall:
             derivative.
         layer: For an affine module: its weights and geometry (merged with the BatchNorm that
             follows it where a canonizer merged them), else ``None``.
+        args: For an operation: its positional arguments as written (the inputs among them).
+        kwargs: For an operation: its keyword arguments as written.
     """
 
     module: nn.Module | None
@@ -71,6 +73,8 @@ class RuleCall:
     grad_output: torch.Tensor | None = field(default=None, repr=False)
     function: Callable[[torch.Tensor], torch.Tensor] | None = field(default=None, repr=False)
     layer: AffineLayer | None = field(default=None, repr=False)
+    args: tuple[Any, ...] = field(default=(), repr=False)
+    kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
 
 
 class Rule(ABC):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from explain_core.hookspecs import hookimpl
 from explain_core.interfaces.relevance import CompositeSpec
 from explain_core.registry import MethodSpec
-from explain_modbp import deeplift, excitation, guided, methods, pattern
+from explain_modbp import deeplift, excitation, guided, methods, pattern, transformer
 from explain_modbp.errors import PatternMismatchError
 from explain_modbp.rules import (
     AlphaBeta,
@@ -72,7 +72,7 @@ def method_specs() -> list[MethodSpec]:
             "Contrastive excitation backprop (Z⁺ − N⁺ at the output layer)",
         ),
     ]
-    for module in (guided, deeplift, pattern):
+    for module in (guided, deeplift, pattern, transformer):
         specs.extend(module.method_specs(spec))
     return specs
 

@@ -1,0 +1,187 @@
+"""Attention models: AttnLRP (Achtibat et al. 2024) and CP-LRP (Ali et al. 2022), as rules.
+
+Both are written in the engine's signal convention (relevance ``R = h ⊙ s``, the Gradient×Input
+form of the papers) as operation rules, so a model's own attention code needs no rewriting:
+
+=====================  ===========================================  ===========================
+operation              AttnLRP (``lrp.attn``)                       CP-LRP (``lrp.cp``)
+=====================  ===========================================  ===========================
+Linear                 the gradient (``epsilon=0``) or LRP-ε        the same
+``layer_norm``         σ held constant (:class:`NormScale`)         the same
+``rms_norm``           the scale held constant                      the same
+GELU, SiLU, tanh, …    ``R_x = R_y`` (``f(x)/x``, LRP's pass rule)  the same
+``softmax``            the gradient: ``R_x = x ⊙ (R_s − s·ΣR_s)``   held constant (no signal)
+``matmul``, ``bmm``,   the uniform rule: half of the relevance to   the gradient (with the
+``mul`` of two         each factor (:class:`Uniform`)               attention weights constant,
+activations                                                         all relevance goes to V)
+=====================  ===========================================  ===========================
+
+Additions, reshapes, means and sums pass the gradient, which conserves relevance. CP-LRP makes a
+bias-free transformer dynamic-linear, so its relevance sums to the explained score; AttnLRP's
+softmax rule does not conserve (the papers' own measurement), and its gap is the result's
+``delta``. The ε of the linear layers defaults to 0, as in the AttnLRP reference package.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from explain_core.affine import LINEAR_TYPES
+from explain_core.engine import Composite
+from explain_core.interfaces.relevance import Gradient, Op, Rule, RuleCall
+from explain_core.registry import MethodSpec
+from explain_modbp import rules
+from explain_modbp.composites import ACTIVATIONS
+from explain_modbp.methods import CompositeMethod
+
+__all__ = [
+    "LRPCP",
+    "Constant",
+    "LRPAttn",
+    "NormScale",
+    "Uniform",
+    "lrp_attn",
+    "lrp_cp",
+]
+
+PRODUCTS = ("matmul", "bmm", "mul")
+"""Operation kinds that multiply two activations in attention models (``QKᵀ``, ``A·V``, gates)."""
+
+
+class Uniform(Rule):
+    """The uniform rule: each of the ``n`` input-dependent factors gets ``1/n`` of the relevance.
+
+    For a product of two activations ``y = a ⊙ b`` (or ``a @ b``) ``R_a = R_b = R_y / 2``: in
+    Gradient×Input form, the gradient to each factor halved. A product with one input-dependent
+    factor (a scaling by a weight) is linear and passes the gradient.
+    """
+
+    def backward(  # noqa: D102
+        self, call: RuleCall, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        assert call.function is not None
+        inputs = tuple(t.detach().requires_grad_(True) for t in call.inputs)
+        with torch.enable_grad():
+            output = call.function(*inputs)
+        grads = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
+        share = len(inputs)
+        return tuple(None if g is None else g / share for g in grads)
+
+
+class Constant(Rule):
+    """The operation's output held constant: no signal reaches its inputs (CP-LRP's softmax)."""
+
+    def backward(  # noqa: D102
+        self, call: RuleCall, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        return tuple(None for _ in call.inputs)
+
+
+_LAYER_NORM = inspect.signature(F.layer_norm)
+_RMS_NORM = inspect.signature(F.rms_norm)
+
+
+class NormScale(Rule):
+    """LayerNorm and RMSNorm with the normalising scale held constant (AttnLRP's and CP-LRP's).
+
+    ``layer_norm``: ``y = γ ⊙ (x − μ)/σ + β`` with σ constant is linear in ``x`` (the mean
+    subtraction stays): ``s_x = C(γ ⊙ s_y / σ)``, ``C`` the centering over the normalised
+    dimensions; β absorbs relevance. ``rms_norm``: ``y = γ ⊙ x / rms(x)`` with ``rms`` constant:
+    ``s_x = γ ⊙ s_y / rms``, so ``R_x = R_y`` element-wise.
+    """
+
+    def forward(self, call: RuleCall) -> tuple[torch.Tensor | None, torch.Tensor, tuple, bool]:  # noqa: D102
+        centred = call.name == "layer_norm"
+        signature = _LAYER_NORM if centred else _RMS_NORM
+        bound = signature.bind(*call.args, **call.kwargs).arguments
+        x = call.inputs[0]
+        dims = tuple(range(-len(bound["normalized_shape"]), 0))
+        eps = bound.get("eps")
+        if eps is None:
+            eps = torch.finfo(x.dtype).eps
+        if centred:
+            scale = torch.sqrt(x.var(dims, unbiased=False, keepdim=True) + eps)
+        else:
+            scale = torch.sqrt(x.square().mean(dims, keepdim=True) + eps)
+        weight = bound.get("weight")
+        return (None if weight is None else weight.detach()), scale, dims, centred
+
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        weight, scale, dims, centred = call.state
+        signal = grad_output / scale
+        if weight is not None:
+            signal = signal * weight
+        if centred:
+            signal = signal - signal.mean(dims, keepdim=True)
+        return (signal,)
+
+
+def _linear(epsilon: float) -> Rule:
+    return Gradient() if epsilon == 0 else rules.Epsilon(epsilon)
+
+
+def lrp_attn(epsilon: float = 0.0) -> Composite:
+    """AttnLRP: the uniform rule at products, the gradient at softmax, σ constant in norms."""
+    return Composite(
+        [
+            (LINEAR_TYPES, _linear(epsilon)),
+            (Op("linear"), _linear(epsilon)),
+            (Op("softmax"), Gradient()),
+            (Op(*PRODUCTS), Uniform()),
+            (Op("layer_norm", "rms_norm"), NormScale()),
+            ACTIVATIONS,
+        ],
+        name="lrp.attn",
+    )
+
+
+def lrp_cp(epsilon: float = 0.0) -> Composite:
+    """CP-LRP: the attention weights and normalising scales held constant."""
+    return Composite(
+        [
+            (LINEAR_TYPES, _linear(epsilon)),
+            (Op("linear"), _linear(epsilon)),
+            (Op("softmax"), Constant()),
+            (Op(*PRODUCTS), Gradient()),
+            (Op("layer_norm", "rms_norm"), NormScale()),
+            ACTIVATIONS,
+        ],
+        name="lrp.cp",
+    )
+
+
+@dataclass
+class LRPAttn(CompositeMethod):
+    """AttnLRP (Achtibat et al., ICML 2024): see the module for its rules.
+
+    Attributes:
+        epsilon: LRP-ε on the linear layers; 0 (the default) passes their gradient.
+    """
+
+    preset = staticmethod(lrp_attn)
+    epsilon: float = 0.0
+
+
+@dataclass
+class LRPCP(CompositeMethod):
+    """CP-LRP (Ali et al., ICML 2022): attention weights and normalising scales held constant.
+
+    Attributes:
+        epsilon: LRP-ε on the linear layers; 0 (the default) passes their gradient.
+    """
+
+    preset = staticmethod(lrp_cp)
+    epsilon: float = 0.0
+
+
+def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:
+    """The registered names of this module."""
+    return [
+        spec("lrp.attn", LRPAttn, "AttnLRP for attention models (uniform products, σ constant)"),
+        spec("lrp.cp", LRPCP, "CP-LRP: attention weights and normalising scales held constant"),
+    ]

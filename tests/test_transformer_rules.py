@@ -1,0 +1,352 @@
+"""AttnLRP and CP-LRP on attention written with plain PyTorch operations.
+
+The reference is written from the papers' Gradient×Input form, independently of the engine: the
+forward pass in float64 with the rules as detached factors (σ of a LayerNorm, CP-LRP's attention
+weights, ``f(x)/x`` of an activation) and the uniform rule as the average of the product with
+either factor detached; relevance is ``x ⊙ ∂y_k/∂x``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from explain_core import Composite, Op, explain
+from explain_modbp.transformer import NormScale, Uniform
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block: multi-head self-attention and a GELU MLP."""
+
+    def __init__(self, width: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor, rules: Rules | None = None) -> torch.Tensor:
+        r = rules or Rules("plain")
+        b, t, d = x.shape
+        q, k, v = self.qkv(r.norm(self.ln1, x)).chunk(3, dim=-1)
+        q, k, v = (z.reshape(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = r.product(q, k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        o = r.product(r.softmax(scores), v).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(o)
+        return x + self.fc2(r.activation(self.fc1(r.norm(self.ln2, x))))
+
+
+class Tiny(nn.Module):
+    def __init__(self, width: int = 8, blocks: int = 2, classes: int = 3) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(blocks))
+        self.ln, self.head = nn.LayerNorm(width), nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor, rules: Rules | None = None) -> torch.Tensor:
+        r = rules or Rules("plain")
+        for block in self.blocks:
+            x = block(x, r)
+        return self.head(r.norm(self.ln, x).mean(1))
+
+
+class Rules:
+    """The papers' rules as Gradient×Input factors (``plain``: the model itself)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+
+    def norm(self, ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "plain":
+            return ln(x)
+        mean = x.mean(-1, keepdim=True)
+        sigma = torch.sqrt(x.var(-1, unbiased=False, keepdim=True) + ln.eps)
+        return (x - mean) / sigma.detach() * ln.weight + ln.bias
+
+    def product(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.method == "attn":
+            return 0.5 * (a @ b.detach()) + 0.5 * (a.detach() @ b)
+        return a @ b
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        weights = torch.softmax(scores, dim=-1)
+        return weights.detach() if self.method == "cp" else weights
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method == "plain":
+            return F.gelu(x)
+        return x * (F.gelu(x) / x).detach()
+
+
+def reference(model: Tiny, x: torch.Tensor, k: int, method: str) -> torch.Tensor:
+    x = x.clone().requires_grad_(True)
+    out = model(x, Rules(method))
+    (grad,) = torch.autograd.grad(out[:, k].sum(), x)
+    return x.detach() * grad
+
+
+def tiny(bias_free: bool = False) -> Tiny:
+    torch.manual_seed(0)
+    model = Tiny().double().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.2, 0.2)
+            if bias_free and getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+    return model
+
+
+X = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(("name", "method"), [("lrp.attn", "attn"), ("lrp.cp", "cp")])
+@pytest.mark.parametrize("k", [0, 2])
+def test_the_methods_equal_the_papers_gradient_x_input_form(name, method, k):
+    model = tiny()
+    result = explain(model, X, name, k)
+    torch.testing.assert_close(result.attribution, reference(model, X, k, method))
+    torch.testing.assert_close(result.output, model(X))
+
+
+def test_cp_lrp_conserves_on_a_bias_free_transformer_and_attn_lrp_reports_its_gap():
+    model = tiny(bias_free=True)
+    cp = explain(model, X, "lrp.cp", 1)
+    torch.testing.assert_close(cp.delta, torch.zeros(3, dtype=torch.float64))
+    attn = explain(model, X, "lrp.attn", 1)
+    gap = attn.output[:, 1] - attn.attribution.sum((1, 2))
+    torch.testing.assert_close(attn.delta, gap)
+    assert bool((gap.abs() > 1e-6).any())  # the softmax rule does not conserve
+
+
+def test_the_model_is_untouched():
+    model = tiny()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    explain(model, X, "lrp.attn", 0)
+    explain(model, X, "lrp.cp", 0)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_norm_scale_equals_the_matrix_form_for_layer_norm_and_rms_norm():
+    torch.manual_seed(3)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    weight = torch.rand(6, dtype=torch.float64) + 0.5
+    bias = torch.randn(6, dtype=torch.float64)
+    signal = torch.randn(4, 6, dtype=torch.float64)
+    centre = torch.eye(6, dtype=torch.float64) - 1 / 6
+    for kind, norm, jacobian in (
+        (
+            "layer_norm",
+            lambda t: F.layer_norm(t, (6,), weight, bias, 1e-5),
+            lambda row: torch.diag(weight) @ centre / torch.sqrt(row.var(unbiased=False) + 1e-5),
+        ),
+        (
+            "rms_norm",
+            lambda t: F.rms_norm(t, (6,), weight, 1e-5),
+            lambda row: torch.diag(weight) / torch.sqrt(row.square().mean() + 1e-5),
+        ),
+    ):
+        model = _Functional(norm)
+        composite = Composite([(Op(kind), NormScale())])
+        _, got = composite.gradient(model, x, lambda out: signal)
+        expected = torch.stack([jacobian(row).T @ s for row, s in zip(x, signal, strict=True)])
+        torch.testing.assert_close(got, expected, msg=kind)
+
+
+def test_the_uniform_rule_halves_both_factors_of_a_matrix_product():
+    a = torch.randn(2, 3, 4, dtype=torch.float64)
+    model = _Functional(lambda t: (t @ t.transpose(1, 2)).flatten(1))
+    composite = Composite([(Op("matmul"), Uniform())])
+    signal = torch.randn(2, 9, dtype=torch.float64)
+    _, got = composite.gradient(model, a, lambda out: signal)
+    t = a.clone().requires_grad_(True)
+    (plain,) = torch.autograd.grad((t @ t.transpose(1, 2)).flatten(1), t, signal)
+    torch.testing.assert_close(got, plain / 2)  # each factor's half, summed: half the gradient
+    # relevance conserves: Σ a ⊙ s_a = Σ y ⊙ s_y
+    torch.testing.assert_close((a * got).sum(), (model(a) * signal).sum())
+
+
+class _Functional(nn.Module):
+    def __init__(self, function) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function(x)
+
+
+# --- fused attention: computed in its math form inside the engine's pass ---------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"is_causal": True},
+        {"scale": 0.3},
+        {"attn_mask": "bool"},
+        {"attn_mask": "float"},
+        {"enable_gqa": True},
+    ],
+    ids=str,
+)
+def test_scaled_dot_product_attention_in_math_form_equals_the_fused_kernel(options):
+    from explain_core.engine.decompose import scaled_dot_product_attention
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 5, 3, dtype=torch.float64, generator=g)
+    heads = 2 if options.get("enable_gqa") else 4
+    k = torch.randn(2, heads, 6, 3, dtype=torch.float64, generator=g)
+    v = torch.randn(2, heads, 6, 3, dtype=torch.float64, generator=g)
+    options = dict(options)
+    if options.get("attn_mask") == "bool":
+        options["attn_mask"] = torch.rand(5, 6, generator=g) > 0.3
+        options["attn_mask"][:, 0] = True  # every query sees a key
+    elif options.get("attn_mask") == "float":
+        options["attn_mask"] = torch.randn(5, 6, dtype=torch.float64, generator=g)
+    expected = F.scaled_dot_product_attention(q, k, v, **options)
+    torch.testing.assert_close(scaled_dot_product_attention(q, k, v, **options), expected)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("masks", [False, True])
+def test_multi_head_attention_in_math_form_equals_the_module(batch_first, masks):
+    from explain_core.engine.decompose import multi_head_attention
+
+    torch.manual_seed(5)
+    attention = nn.MultiheadAttention(8, 2, batch_first=batch_first).double().eval()
+    samples = torch.randn(3, 4, 8, dtype=torch.float64)  # (batch, sequence, features)
+    x = samples if batch_first else samples.transpose(0, 1)
+    kwargs = {}
+    if masks:
+        kwargs["key_padding_mask"] = torch.tensor([[False] * 4, [False, False, True, True]] * 2)[:3]
+        kwargs["attn_mask"] = ~torch.ones(4, 4, dtype=torch.bool).tril()  # True: masked
+    out, weights = attention(x, x, x, **kwargs)
+    seq = samples.transpose(0, 1)
+    got, got_weights = multi_head_attention(
+        seq,
+        seq,
+        seq,
+        8,
+        2,
+        attention.in_proj_weight,
+        attention.in_proj_bias,
+        None,
+        None,
+        False,
+        0.0,
+        attention.out_proj.weight,
+        attention.out_proj.bias,
+        training=False,
+        need_weights=True,
+        **kwargs,
+    )
+    got = got if not batch_first else got.transpose(0, 1)
+    torch.testing.assert_close(got, out)
+    torch.testing.assert_close(got_weights, weights)
+
+
+class Encoder(nn.Module):
+    """``nn.TransformerEncoder`` (batch first, GELU) with a mean-pooled linear head."""
+
+    def __init__(self, norm_first: bool) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(
+            8, 2, 16, dropout=0.0, activation="gelu", batch_first=True, norm_first=norm_first
+        )
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x).mean(1))
+
+
+def encoder_reference(model: Encoder, x: torch.Tensor, k: int, method: str) -> torch.Tensor:
+    """The same network written out by hand with the papers' rules (see :class:`Rules`)."""
+    r = Rules(method)
+    x = x.clone().requires_grad_(True)
+    h = x
+    for layer in model.encoder.layers:
+        attention = layer.self_attn
+
+        def block(t: torch.Tensor, attention=attention) -> torch.Tensor:
+            b, n, d = t.shape
+            q, key, v = F.linear(t, attention.in_proj_weight, attention.in_proj_bias).chunk(3, -1)
+            q, key, v = (z.reshape(b, n, 2, d // 2).transpose(1, 2) for z in (q, key, v))
+            scores = r.product(q, key.transpose(-2, -1)) / math.sqrt(d // 2)
+            o = r.product(r.softmax(scores), v).transpose(1, 2).reshape(b, n, d)
+            return attention.out_proj(o)
+
+        def mlp(t: torch.Tensor, layer=layer) -> torch.Tensor:
+            return layer.linear2(r.activation(layer.linear1(t)))
+
+        if layer.norm_first:
+            h = h + block(r.norm(layer.norm1, h))
+            h = h + mlp(r.norm(layer.norm2, h))
+        else:
+            h = r.norm(layer.norm1, h + block(h))
+            h = r.norm(layer.norm2, h + mlp(h))
+    out = model.head(h.mean(1))
+    (grad,) = torch.autograd.grad(out[:, k].sum(), x)
+    return x.detach() * grad
+
+
+def encoder(norm_first: bool, bias_free: bool = False) -> Encoder:
+    torch.manual_seed(6)
+    model = Encoder(norm_first).double().eval()
+    if bias_free:
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if name.endswith("bias"):
+                    parameter.zero_()
+    return model
+
+
+@pytest.mark.parametrize("norm_first", [True, False])
+@pytest.mark.parametrize(("name", "method"), [("lrp.attn", "attn"), ("lrp.cp", "cp")])
+def test_nn_transformer_encoder_equals_the_same_network_written_by_hand(norm_first, name, method):
+    model = encoder(norm_first)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
+    result = explain(model, x, name, 2)
+    torch.testing.assert_close(result.attribution, encoder_reference(model, x, 2, method))
+    torch.testing.assert_close(result.output, model(x))
+
+
+def test_cp_lrp_conserves_on_a_bias_free_nn_transformer_encoder():
+    model = encoder(norm_first=True, bias_free=True)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(8))
+    result = explain(model, x, "lrp.cp", 0)
+    torch.testing.assert_close(result.delta, torch.zeros(2, dtype=torch.float64))
+
+
+def test_scaled_dot_product_attention_in_a_model_gets_the_attention_rules():
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(9)
+            self.qkv, self.head = nn.Linear(8, 24), nn.Linear(8, 3)
+
+        def forward(self, x: torch.Tensor, rules: Rules | None = None) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, -1)
+            if rules is None:
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                causal = torch.ones(5, 5, dtype=torch.bool).tril()
+                scores = rules.product(q, k.transpose(-2, -1)) / math.sqrt(8)
+                o = rules.product(rules.softmax(scores.masked_fill(~causal, -math.inf)), v)
+            return self.head(o.mean(1))
+
+    model = Attend().double().eval()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(10))
+    for name, method in (("lrp.attn", "attn"), ("lrp.cp", "cp")):
+        xr = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(xr, Rules(method))[:, 1].sum(), xr)
+        torch.testing.assert_close(explain(model, x, name, 1).attribution, x * grad, msg=name)
