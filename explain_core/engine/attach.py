@@ -191,17 +191,22 @@ def _apply_op_rule(
 
 
 def _linear_layer(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AffineLayer | None:
-    """The affine view of an ``F.linear`` call (so affine rules apply to it), else ``None``."""
-    if kind != "linear":
+    """The affine view of ``F.linear(x, W, b)`` or ``torch.addmm(b, x, W)``, else ``None``.
+
+    With it, affine rules (LRP-ε, …) apply to such calls as to Linear modules.
+    """
+    if kind == "linear":
+        _, weight, bias = (*args, None, None)[:3]
+        weight, bias = kwargs.get("weight", weight), kwargs.get("bias", bias)
+    elif kind == "addmm" and not {"beta", "alpha"} & set(kwargs) and len(args) == 3:
+        bias, _, weight = args
+        weight = weight.T if isinstance(weight, torch.Tensor) else None
+    else:
         return None
-    _, weight, bias = (*args, None, None)[:3]
-    weight = kwargs.get("weight", weight)
-    bias = kwargs.get("bias", bias)
     if not isinstance(weight, torch.Tensor):
         return None
-    return AffineLayer(
-        kind, "linear", weight.detach(), bias.detach() if isinstance(bias, torch.Tensor) else None
-    )
+    bias = bias.detach() if isinstance(bias, torch.Tensor) else None
+    return AffineLayer(kind, "linear", weight.detach(), bias)
 
 
 class _OperationMode(TorchFunctionMode):

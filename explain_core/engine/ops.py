@@ -79,6 +79,7 @@ RESHAPE_OPS = frozenset(
         "float",
         "double",
         "type_as",
+        "type",
     ]
 )
 # Selection, combination and averaging: linear, and non-negative on non-negative inputs.

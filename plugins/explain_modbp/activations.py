@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from explain_core.errors import InvalidInputError
 from explain_core.interfaces.relevance import Rule, RuleCall
 
 
@@ -73,20 +74,28 @@ def secant_slope(
 
 
 class PassRelevance(Rule):
-    """LRP's rule for element-wise activations: relevance passes unchanged, ``R_z = R_a``.
+    """LRP's rule for element-wise maps: relevance passes unchanged, ``R_z = R_a``.
 
     In the signal convention ``s_z = s_a ⊙ f(z) / z`` (``f'(z)`` where ``z = 0``). Map it to the
-    activations' operations in a composite: ``(Op("gelu", "silu"), PassRelevance())``.
+    activations' operations in a composite, ``(Op("gelu", "silu"), PassRelevance())``, or to
+    modules that act element-wise on one input (an activation module written with several
+    operations; an RMSNorm with its scale held constant: ``y/x = w / rms``).
     """
 
     def forward(self, call: RuleCall) -> torch.Tensor:  # noqa: D102
         (z,) = call.inputs
+        if call.output.shape != z.shape:
+            raise InvalidInputError(
+                f"the pass rule needs an element-wise map; {call.name!r} maps "
+                f"{tuple(z.shape)} to {tuple(call.output.shape)}"
+            )
         flat = z == 0
         ratio = call.output / z.masked_fill(flat, 1.0)
-        if bool(flat.any()):  # the limit f'(0) (f(0) = 0 for these activations)
+        if bool(flat.any()):  # the limit f'(0) (f(0) = 0 for these maps)
+            run = call.function if call.function is not None else call.module
             with torch.enable_grad():
                 t = z.detach().requires_grad_(True)
-                (slope,) = torch.autograd.grad(call.function(t), t, torch.ones_like(t))
+                (slope,) = torch.autograd.grad(run(t), t, torch.ones_like(t))
             ratio = torch.where(flat, slope, ratio)
         return ratio
 

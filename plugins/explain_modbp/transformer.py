@@ -11,10 +11,16 @@ Linear                 the gradient (``epsilon=0``) or LRP-ε        the same
 ``rms_norm``           the scale held constant                      the same
 GELU, SiLU, tanh, …    ``R_x = R_y`` (``f(x)/x``, LRP's pass rule)  the same
 ``softmax``            the gradient: ``R_x = x ⊙ (R_s − s·ΣR_s)``   held constant (no signal)
-``matmul``, ``bmm``,   the uniform rule: half of the relevance to   the gradient (with the
-``mul`` of two         each factor (:class:`Uniform`)               attention weights constant,
-activations                                                         all relevance goes to V)
+``matmul``, ``bmm``    the uniform rule: half of the relevance to   the gradient (with the
+of two activations     each factor (:class:`Uniform`)               attention weights constant,
+                                                                    all relevance goes to V)
+``mul`` of two         the uniform rule                             the uniform rule (a gated
+activations                                                         MLP's gate · up)
 =====================  ===========================================  ===========================
+
+Modules that act element-wise though written with several operations — Hugging Face's activation
+modules and RMSNorm modules such as ``LlamaRMSNorm`` (scale held constant) — take the pass rule
+as a whole (:func:`elementwise_module`).
 
 Additions, reshapes, means and sums pass the gradient, which conserves relevance. CP-LRP makes a
 bias-free transformer dynamic-linear, so its relevance sums to the explained score; AttnLRP's
@@ -30,12 +36,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from explain_core.affine import LINEAR_TYPES
 from explain_core.engine import Composite
-from explain_core.interfaces.relevance import Gradient, Op, Rule, RuleCall
+from explain_core.interfaces.relevance import Gradient, Matcher, Op, Rule, RuleCall
 from explain_core.registry import MethodSpec
 from explain_modbp import rules
+from explain_modbp.activations import PassRelevance
 from explain_modbp.composites import ACTIVATIONS
 from explain_modbp.methods import CompositeMethod
 
@@ -45,6 +53,7 @@ __all__ = [
     "LRPAttn",
     "NormScale",
     "Uniform",
+    "elementwise_module",
     "lrp_attn",
     "lrp_cp",
 ]
@@ -121,38 +130,47 @@ class NormScale(Rule):
         return (signal,)
 
 
-def _linear(epsilon: float) -> Rule:
-    return Gradient() if epsilon == 0 else rules.Epsilon(epsilon)
+def elementwise_module(name: str, module: nn.Module) -> bool:
+    """Modules that act element-wise though written with several operations.
+
+    Hugging Face's activation modules (``NewGELUActivation``: ``0.5·x·(1 + tanh(…))``) and
+    RMSNorm modules written with tensor operations (``LlamaRMSNorm`` and its copies: with the
+    scale held constant ``y = w ⊙ x / rms`` is element-wise), which the pass rule explains as a
+    whole (``R_x = R_y``).
+    """
+    kind = type(module)
+    return kind.__module__ == "transformers.activations" or (
+        kind.__name__.endswith("RMSNorm") and not isinstance(module, nn.RMSNorm)
+    )
+
+
+def _shared(epsilon: float) -> list[tuple[Matcher, Rule]]:
+    linear = Gradient() if epsilon == 0 else rules.Epsilon(epsilon)
+    return [
+        (LINEAR_TYPES, linear),
+        (Op("linear", "addmm"), linear),
+        (elementwise_module, PassRelevance()),
+        (Op("layer_norm", "rms_norm"), NormScale()),
+        ACTIVATIONS,
+    ]
 
 
 def lrp_attn(epsilon: float = 0.0) -> Composite:
     """AttnLRP: the uniform rule at products, the gradient at softmax, σ constant in norms."""
-    return Composite(
-        [
-            (LINEAR_TYPES, _linear(epsilon)),
-            (Op("linear"), _linear(epsilon)),
-            (Op("softmax"), Gradient()),
-            (Op(*PRODUCTS), Uniform()),
-            (Op("layer_norm", "rms_norm"), NormScale()),
-            ACTIVATIONS,
-        ],
-        name="lrp.attn",
-    )
+    rules_ = [(Op("softmax"), Gradient()), (Op(*PRODUCTS), Uniform())]
+    return Composite([*_shared(epsilon), *rules_], name="lrp.attn")
 
 
 def lrp_cp(epsilon: float = 0.0) -> Composite:
     """CP-LRP: the attention weights and normalising scales held constant."""
-    return Composite(
-        [
-            (LINEAR_TYPES, _linear(epsilon)),
-            (Op("linear"), _linear(epsilon)),
-            (Op("softmax"), Constant()),
-            (Op(*PRODUCTS), Gradient()),
-            (Op("layer_norm", "rms_norm"), NormScale()),
-            ACTIVATIONS,
-        ],
-        name="lrp.cp",
-    )
+    # A·V with A constant: all relevance to V (the gradient); other products of activations
+    # (a gated MLP's gate · up) split uniformly, which conserves too.
+    rules_ = [
+        (Op("softmax"), Constant()),
+        (Op("matmul", "bmm"), Gradient()),
+        (Op("mul"), Uniform()),
+    ]
+    return Composite([*_shared(epsilon), *rules_], name="lrp.cp")
 
 
 @dataclass

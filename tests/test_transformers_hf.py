@@ -1,0 +1,117 @@
+"""AttnLRP and CP-LRP on Hugging Face models built from small configs (random weights).
+
+Checks that do not rely on the method under test: eager and sdpa attention (two code paths in
+``transformers``, one of them a fused kernel) give the same relevance; CP-LRP's relevance sums
+to the explained logit on bias-free configurations (every bias, LayerNorm shift, position and
+token-type embedding and class token zeroed); the model and its config are left as they were.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from explain_core import explain
+
+transformers = pytest.importorskip("transformers", reason="the transformers extra is missing")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+class Logits(nn.Module):
+    """The model's logits from its embeddings (``inputs_embeds``) or images (``pixel_values``)."""
+
+    def __init__(self, model: nn.Module, key: str) -> None:
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.key: x}).logits
+
+
+SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_labels": 3}
+
+
+def build(family: str, attention: str) -> tuple[nn.Module, str, tuple[int, ...]]:
+    torch.manual_seed(0)
+    if family == "bert":
+        config = transformers.BertConfig(**SMALL, intermediate_size=64)
+        model, key, shape = transformers.BertForSequenceClassification, "inputs_embeds", (2, 6)
+    elif family == "gpt2":
+        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, num_labels=3)
+        config.pad_token_id = 0
+        model, key, shape = transformers.GPT2ForSequenceClassification, "inputs_embeds", (2, 6)
+    elif family == "vit":
+        config = transformers.ViTConfig(**SMALL, intermediate_size=64, image_size=16, patch_size=4)
+        model, key, shape = transformers.ViTForImageClassification, "pixel_values", (2, 3, 16, 16)
+    else:
+        config = transformers.LlamaConfig(**SMALL, num_key_value_heads=2, intermediate_size=64)
+        config.pad_token_id = 0
+        model, key, shape = transformers.LlamaForSequenceClassification, "inputs_embeds", (2, 6)
+    config._attn_implementation = attention
+    built = model(config).double().eval()
+    if key == "inputs_embeds":
+        shape = (*shape, 32)
+    return built, key, shape
+
+
+FAMILIES = ["bert", "gpt2", "vit", "llama"]
+
+
+def inputs(shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("method", ["lrp.attn", "lrp.cp"])
+def test_eager_and_sdpa_attention_give_the_same_relevance(family, method):
+    eager, key, shape = build(family, "eager")
+    sdpa, _, _ = build(family, "sdpa")
+    sdpa.load_state_dict(eager.state_dict())
+    x = inputs(shape)
+    first = explain(Logits(eager, key), x, method, 1)
+    second = explain(Logits(sdpa, key), x, method, 1)
+    torch.testing.assert_close(first.output, second.output)
+    torch.testing.assert_close(first.attribution, second.attribution)
+    # and the relevance is not the gradient's
+    gradient = explain(Logits(eager, key), x, "input_x_gradient", 1).attribution
+    assert not torch.allclose(first.attribution, gradient, atol=1e-6)
+
+
+def bias_free(model: nn.Module) -> nn.Module:
+    constants = ("position", "token_type", "wpe", "cls_token")
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias") or any(part in name for part in constants):
+                parameter.zero_()
+    return model
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp_lrp_conserves_on_bias_free_configurations(family):
+    model, key, shape = build(family, "eager")
+    model = bias_free(model)
+    result = explain(Logits(model, key), inputs(shape), "lrp.cp", 2)
+    torch.testing.assert_close(result.delta, torch.zeros(2, dtype=torch.float64))
+    attn = explain(Logits(model, key), inputs(shape), "lrp.attn", 2)
+    assert bool((attn.delta.abs() > 1e-8).any())  # AttnLRP's softmax rule does not conserve
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_model_and_its_config_are_left_as_they_were(family):
+    model, key, shape = build(family, "sdpa")
+    state = copy.deepcopy(model.state_dict())
+    config = model.config.to_dict()
+    explain(Logits(model, key), inputs(shape), "lrp.attn", 0)
+    assert model.config.to_dict() == config
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+def test_other_relevance_methods_refuse_with_advice():
+    model, key, shape = build("bert", "eager")
+    with pytest.raises(Exception, match="AttnLRP or CP-LRP"):
+        explain(Logits(model, key), inputs(shape), "lrp.epsilon_plus", 0)
