@@ -115,3 +115,41 @@ def test_other_relevance_methods_refuse_with_advice():
     model, key, shape = build("bert", "eager")
     with pytest.raises(Exception, match="AttnLRP or CP-LRP"):
         explain(Logits(model, key), inputs(shape), "lrp.epsilon_plus", 0)
+
+
+def bert_by_hand(model: nn.Module, x: torch.Tensor, k: int, method: str) -> torch.Tensor:
+    """BertForSequenceClassification written out from its weights with the papers' rules in
+    Gradient×Input form (see ``test_transformer_rules.Rules``): an independent reference."""
+    from test_transformer_rules import Rules
+
+    r = Rules(method)
+    bert, x = model.bert, x.clone().requires_grad_(True)
+    positions = bert.embeddings.position_embeddings.weight[: x.shape[1]]
+    token_types = bert.embeddings.token_type_embeddings.weight[0]
+    h = r.norm(bert.embeddings.LayerNorm, x + positions + token_types)
+    heads = model.config.num_attention_heads
+    for layer in bert.encoder.layer:
+        attention = layer.attention
+        b, n, d = h.shape
+        q, key, v = (
+            lin(h).reshape(b, n, heads, d // heads).transpose(1, 2)
+            for lin in (attention.self.query, attention.self.key, attention.self.value)
+        )
+        scores = r.product(q, key.transpose(-2, -1)) / (d // heads) ** 0.5
+        context = r.product(r.softmax(scores), v).transpose(1, 2).reshape(b, n, d)
+        h = r.norm(attention.output.LayerNorm, attention.output.dense(context) + h)
+        inner = r.activation(layer.intermediate.dense(h))
+        h = r.norm(layer.output.LayerNorm, layer.output.dense(inner) + h)
+    pooled = bert.pooler.dense(h[:, 0])
+    pooled = pooled * (torch.tanh(pooled) / pooled).detach()  # the pass rule at tanh
+    out = model.classifier(pooled)
+    (grad,) = torch.autograd.grad(out[:, k].sum(), x)
+    return x.detach() * grad
+
+
+@pytest.mark.parametrize("method", ["attn", "cp"])
+def test_bert_equals_bert_written_out_by_hand_with_the_papers_rules(method):
+    model, key, shape = build("bert", "sdpa")
+    x = inputs(shape)
+    result = explain(Logits(model, key), x, f"lrp.{method}", 2)
+    torch.testing.assert_close(result.attribution, bert_by_hand(model, x, 2, method))
