@@ -350,3 +350,16 @@ def test_scaled_dot_product_attention_in_a_model_gets_the_attention_rules():
         xr = x.clone().requires_grad_(True)
         (grad,) = torch.autograd.grad(model(xr, Rules(method))[:, 1].sum(), xr)
         torch.testing.assert_close(explain(model, x, name, 1).attribution, x * grad, msg=name)
+
+
+@pytest.mark.parametrize("model", ["tiny", "encoder"])
+def test_gamma_on_the_linear_layers_of_cp_lrp_still_conserves_on_bias_free_models(model):
+    # LRP-γ conserves on a bias-free layer (its denominators are its numerators' sums), so
+    # CP-LRP with γ on every linear layer — modules and the F.linear calls of
+    # nn.MultiheadAttention — conserves too, but gives another map than the gradient's.
+    net = tiny(bias_free=True) if model == "tiny" else encoder(norm_first=True, bias_free=True)
+    x = X if model == "tiny" else torch.randn(2, 5, 8, dtype=torch.float64)
+    gamma = explain(net, x, "lrp.cp", 1, gamma=0.5, epsilon=1e-12)
+    torch.testing.assert_close(gamma.delta, torch.zeros(x.shape[0], dtype=torch.float64))
+    plain = explain(net, x, "lrp.cp", 1).attribution
+    assert not torch.allclose(gamma.attribution, plain, atol=1e-6)

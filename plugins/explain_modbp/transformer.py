@@ -144,8 +144,14 @@ def elementwise_module(name: str, module: nn.Module) -> bool:
     )
 
 
-def _shared(epsilon: float) -> list[tuple[Matcher, Rule]]:
-    linear = Gradient() if epsilon == 0 else rules.Epsilon(epsilon)
+def _linear_rule(epsilon: float, gamma: float) -> Rule:
+    if gamma:
+        return rules.Gamma(gamma, epsilon=epsilon or 1e-6)
+    return Gradient() if epsilon == 0 else rules.Epsilon(epsilon)
+
+
+def _shared(epsilon: float, gamma: float) -> list[tuple[Matcher, Rule]]:
+    linear = _linear_rule(epsilon, gamma)
     return [
         (LINEAR_TYPES, linear),
         (Op("linear", "addmm"), linear),
@@ -155,13 +161,17 @@ def _shared(epsilon: float) -> list[tuple[Matcher, Rule]]:
     ]
 
 
-def lrp_attn(epsilon: float = 0.0) -> Composite:
-    """AttnLRP: the uniform rule at products, the gradient at softmax, σ constant in norms."""
+def lrp_attn(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
+    """AttnLRP: the uniform rule at products, the gradient at softmax, σ constant in norms.
+
+    ``epsilon`` > 0 puts LRP-ε on the linear layers, ``gamma`` > 0 LRP-γ (as the AttnLRP paper
+    tunes for vision transformers).
+    """
     rules_ = [(Op("softmax"), Gradient()), (Op(*PRODUCTS), Uniform())]
-    return Composite([*_shared(epsilon), *rules_], name="lrp.attn")
+    return Composite([*_shared(epsilon, gamma), *rules_], name="lrp.attn")
 
 
-def lrp_cp(epsilon: float = 0.0) -> Composite:
+def lrp_cp(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
     """CP-LRP: the attention weights and normalising scales held constant."""
     # A·V with A constant: all relevance to V (the gradient); other products of activations
     # (a gated MLP's gate · up) split uniformly, which conserves too.
@@ -170,7 +180,7 @@ def lrp_cp(epsilon: float = 0.0) -> Composite:
         (Op("matmul", "bmm"), Gradient()),
         (Op("mul"), Uniform()),
     ]
-    return Composite([*_shared(epsilon), *rules_], name="lrp.cp")
+    return Composite([*_shared(epsilon, gamma), *rules_], name="lrp.cp")
 
 
 @dataclass
@@ -179,10 +189,12 @@ class LRPAttn(CompositeMethod):
 
     Attributes:
         epsilon: LRP-ε on the linear layers; 0 (the default) passes their gradient.
+        gamma: LRP-γ on the linear layers instead (with ``epsilon`` as its stabiliser).
     """
 
     preset = staticmethod(lrp_attn)
     epsilon: float = 0.0
+    gamma: float = 0.0
 
 
 @dataclass
@@ -191,10 +203,12 @@ class LRPCP(CompositeMethod):
 
     Attributes:
         epsilon: LRP-ε on the linear layers; 0 (the default) passes their gradient.
+        gamma: LRP-γ on the linear layers instead (with ``epsilon`` as its stabiliser).
     """
 
     preset = staticmethod(lrp_cp)
     epsilon: float = 0.0
+    gamma: float = 0.0
 
 
 def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:
