@@ -47,6 +47,7 @@ from explain_core.interfaces import (
 from explain_core.model_guard import ModelGuard
 from explain_core.plugin_manager import get_plugin_manager, get_registry, package_version
 from explain_core.registry import Method, MethodResult, MethodSpec
+from explain_core.tokens import TokenAttribution, explain_tokens
 
 __version__ = package_version()
 
@@ -80,11 +81,13 @@ __all__ = [
     "RoutingRecording",
     "Rule",
     "RuleCall",
+    "TokenAttribution",
     "UnknownMethodError",
     "UnsupportedModelError",
     "__version__",
     "dynamic_linear_contributions",
     "explain",
+    "explain_tokens",
     "explanation_mode",
     "get_plugin_manager",
     "get_registry",

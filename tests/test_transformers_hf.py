@@ -153,3 +153,71 @@ def test_bert_equals_bert_written_out_by_hand_with_the_papers_rules(method):
     x = inputs(shape)
     result = explain(Logits(model, key), x, f"lrp.{method}", 2)
     torch.testing.assert_close(result.attribution, bert_by_hand(model, x, 2, method))
+
+
+# --- models that take token ids: explain_tokens ----------------------------------------------
+
+
+def bert_with_padding() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    model, _, _ = build("bert", "sdpa")
+    ids = torch.tensor([[101, 7, 8, 9, 102, 0], [101, 11, 102, 0, 0, 0]])
+    mask = (ids != 0).long()
+    return model, {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "token_type_ids": torch.zeros_like(ids),
+    }
+
+
+def test_explain_tokens_explains_at_the_embeddings_and_per_token():
+    from explain_core.tokens import explain_tokens
+
+    model, batch = bert_with_padding()
+    result = explain_tokens(model, batch, "lrp.cp", target=1)
+    vectors = model.get_input_embeddings()(batch["input_ids"]).detach()
+
+    class Logits(nn.Module):  # the reference: the same call written out
+        def forward(self, x):
+            return model(inputs_embeds=x, attention_mask=batch["attention_mask"]).logits
+
+    expected = explain(Logits(), vectors, "lrp.cp", 1)
+    torch.testing.assert_close(result.attribution.attribution, expected.attribution)
+    per_token = expected.attribution.sum(-1) * batch["attention_mask"]
+    torch.testing.assert_close(result.relevance, per_token)
+    assert bool((result.relevance[batch["attention_mask"] == 0] == 0).all())  # padding: 0
+
+
+def test_a_padded_batch_gives_each_sample_what_it_gets_alone():
+    # Methods that stack copies of the batch (Integrated Gradients' path, SmoothGrad's noise)
+    # get the attention mask stacked the same way.
+    from explain_core.tokens import explain_tokens
+
+    model, batch = bert_with_padding()
+    together = explain_tokens(model, batch, "integrated_gradients", target=0, steps=4)
+    for i in range(2):
+        alone = explain_tokens(
+            model,
+            {k: v[i : i + 1] for k, v in batch.items()},
+            "integrated_gradients",
+            target=0,
+            steps=4,
+        )
+        torch.testing.assert_close(together.relevance[i : i + 1], alone.relevance)
+
+
+def test_the_next_token_of_a_language_model_at_a_chosen_position():
+    from explain_core.tokens import explain_tokens
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=50)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    batch = {"input_ids": torch.tensor([[3, 14, 15, 9, 26]])}
+    with pytest.raises(Exception, match="pass position="):
+        explain_tokens(model, batch, "lrp.attn", target=7)
+    last = explain_tokens(model, batch, "lrp.attn", target=7, position=-1)
+    logits = model(**batch).logits[:, -1]
+    torch.testing.assert_close(last.attribution.output, logits)
+    assert last.relevance.shape == (1, 5)
+    # a causal model: the explanation at position 2 gives the later tokens nothing
+    third = explain_tokens(model, batch, "lrp.attn", target=7, position=2)
+    assert bool((third.relevance[:, 3:] == 0).all()) and bool((third.relevance[:, :3] != 0).all())
