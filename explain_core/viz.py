@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,6 +16,8 @@ __all__ = [
     "attribution_to_rgb",
     "image_to_rgb",
     "save_grid",
+    "save_tokens",
+    "tokens_to_html",
 ]
 
 ArrayLike = np.ndarray | torch.Tensor
@@ -112,5 +115,84 @@ def save_grid(
             canvas.paste(picture, (left + c * (size[0] + gap), y))
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    canvas.save(path)
+    return path
+
+
+def _token_colours(tokens: Sequence[str], relevance: ArrayLike) -> list[tuple[int, int, int]]:
+    values = _to_numpy(relevance)
+    if values.ndim != 1 or len(values) != len(tokens):
+        raise ValueError(
+            f"expected one relevance value per token ({len(tokens)}); got shape {values.shape}"
+        )
+    rgb = attribution_to_rgb(values[None], percentile=100.0)[0]  # scale: the largest |value|
+    return [tuple(int(c) for c in colour) for colour in rgb]
+
+
+def tokens_to_html(tokens: Sequence[str], relevance: ArrayLike) -> str:
+    r"""The tokens as HTML, each on its relevance's colour (red positive, blue negative).
+
+    The scale is symmetric, ``(−v, v)`` with ``v`` the largest ``|relevance|``; every token shows
+    its value when hovered.
+
+    Args:
+        tokens: The tokens of one sample (e.g. ``TokenAttribution.tokens[0]``).
+        relevance: One value per token (e.g. ``TokenAttribution.relevance[0]``).
+
+    Returns:
+        An HTML fragment (a ``<div>`` of ``<span>``\ s), text escaped.
+
+    Raises:
+        ValueError: If the lengths differ or a value is not finite.
+    """
+    values = _to_numpy(relevance)
+    spans = [
+        f'<span style="background: rgb{colour}; padding: 1px 2px" '
+        f'title="{value:.4g}">{html.escape(token)}</span>'
+        for token, value, colour in zip(tokens, values, _token_colours(tokens, values), strict=True)
+    ]
+    return '<div style="font-family: monospace; line-height: 1.8">' + " ".join(spans) + "</div>"
+
+
+def save_tokens(tokens: Sequence[str], relevance: ArrayLike, path: str | Path) -> Path:
+    """Save the coloured tokens as ``.html`` (a page) or ``.png`` (Pillow, the ``plots`` extra).
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: For another suffix, or as :func:`tokens_to_html`.
+    """
+    path = Path(path)
+    if path.suffix not in (".html", ".png"):
+        raise ValueError(f"save tokens as .html or .png; got {path.name!r}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.suffix == ".html":
+        body = tokens_to_html(tokens, relevance)
+        path.write_text(f'<!doctype html><meta charset="utf-8">\n{body}\n', encoding="utf-8")
+        return path
+    Image = require("PIL.Image", "saving pictures")  # noqa: N806
+    ImageDraw = require("PIL.ImageDraw", "saving pictures")  # noqa: N806
+    font = require("PIL.ImageFont", "saving pictures").load_default()
+    colours = _token_colours(tokens, relevance)
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    widths = [int(measure.textlength(token, font=font)) + 6 for token in tokens]
+    width, line_height = 600, 18
+    lines: list[list[tuple[int, int]]] = [[]]  # per line: (token index, left edge)
+    left = 4
+    for index, token_width in enumerate(widths):  # wrap at the picture's width
+        if left + token_width > width and lines[-1]:
+            lines.append([])
+            left = 4
+        lines[-1].append((index, left))
+        left += token_width + 2
+    canvas = Image.new("RGB", (width, 8 + line_height * len(lines)), "white")
+    draw = ImageDraw.Draw(canvas)
+    for row, line in enumerate(lines):
+        top = 4 + line_height * row
+        for index, left in line:
+            box = (left, top, left + widths[index], top + line_height - 3)
+            draw.rectangle(box, fill=colours[index])
+            draw.text((left + 3, top + 2), tokens[index], fill="black", font=font)
     canvas.save(path)
     return path
