@@ -118,29 +118,14 @@ def test_other_relevance_methods_refuse_with_advice():
 
 
 def bert_by_hand(model: nn.Module, x: torch.Tensor, k: int, method: str) -> torch.Tensor:
-    """BertForSequenceClassification written out from its weights with the papers' rules in
-    Gradient×Input form (see ``test_transformer_rules.Rules``): an independent reference."""
-    from test_transformer_rules import Rules
+    """BertForSequenceClassification written out from its weights with the papers' rules.
 
-    r = Rules(method)
-    bert, x = model.bert, x.clone().requires_grad_(True)
-    positions = bert.embeddings.position_embeddings.weight[: x.shape[1]]
-    token_types = bert.embeddings.token_type_embeddings.weight[0]
-    h = r.norm(bert.embeddings.LayerNorm, x + positions + token_types)
-    heads = model.config.num_attention_heads
-    for layer in bert.encoder.layer:
-        attention = layer.attention
-        b, n, d = h.shape
-        q, key, v = (
-            lin(h).reshape(b, n, heads, d // heads).transpose(1, 2)
-            for lin in (attention.self.query, attention.self.key, attention.self.value)
-        )
-        scores = r.product(q, key.transpose(-2, -1)) / (d // heads) ** 0.5
-        context = r.product(r.softmax(scores), v).transpose(1, 2).reshape(b, n, d)
-        h = r.norm(attention.output.LayerNorm, attention.output.dense(context) + h)
-        inner = r.activation(layer.intermediate.dense(h))
-        h = r.norm(layer.output.LayerNorm, layer.output.dense(inner) + h)
-    pooled = bert.pooler.dense(h[:, 0])
+    In Gradient×Input form (see ``test_transformer_rules.Rules``): an independent reference.
+    """
+    x = x.clone().requires_grad_(True)
+    mask = torch.ones(x.shape[:2], dtype=torch.long)
+    hidden = bert_encoder_by_hand(model.bert, x, mask, method)
+    pooled = model.bert.pooler.dense(hidden[:, 0])
     pooled = pooled * (torch.tanh(pooled) / pooled).detach()  # the pass rule at tanh
     out = model.classifier(pooled)
     (grad,) = torch.autograd.grad(out[:, k].sum(), x)

@@ -184,31 +184,30 @@ def lrp_cp(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
 
 
 @dataclass
-class LRPAttn(CompositeMethod):
-    """AttnLRP (Achtibat et al., ICML 2024): see the module for its rules.
+class _AttentionLRP(CompositeMethod):
+    """The options of both attention methods.
 
     Attributes:
         epsilon: LRP-ε on the linear layers; 0 (the default) passes their gradient.
         gamma: LRP-γ on the linear layers instead (with ``epsilon`` as its stabiliser).
     """
 
-    preset = staticmethod(lrp_attn)
     epsilon: float = 0.0
     gamma: float = 0.0
 
 
 @dataclass
-class LRPCP(CompositeMethod):
-    """CP-LRP (Ali et al., ICML 2022): attention weights and normalising scales held constant.
+class LRPAttn(_AttentionLRP):
+    """AttnLRP (Achtibat et al., ICML 2024): see the module for its rules and options."""
 
-    Attributes:
-        epsilon: LRP-ε on the linear layers; 0 (the default) passes their gradient.
-        gamma: LRP-γ on the linear layers instead (with ``epsilon`` as its stabiliser).
-    """
+    preset = staticmethod(lrp_attn)
+
+
+@dataclass
+class LRPCP(_AttentionLRP):
+    """CP-LRP (Ali et al., ICML 2022): attention weights and normalising scales held constant."""
 
     preset = staticmethod(lrp_cp)
-    epsilon: float = 0.0
-    gamma: float = 0.0
 
 
 def method_specs(spec: Callable[[str, object, str], MethodSpec]) -> list[MethodSpec]:
