@@ -63,7 +63,6 @@ class MergeBatchNorm(Canonizer):
                 source is None
                 or not isinstance(layers.modules[name], BATCHNORM_TYPES)
                 or source in layers.merged
-                or source in layers.merged.values()
             ):
                 continue
             module = layers.modules[source]

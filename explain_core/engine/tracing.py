@@ -237,8 +237,8 @@ class _Tracer(ModuleListener):
     def __init__(self, model: nn.Module, composite: Composite, extra_ops: frozenset[str]) -> None:
         self.model = model
         self.composite = composite
-        self.extra_ops = extra_ops
-        self.rule_kinds = composite.op_kinds
+        # Operations with a rule (the composite's) or a handler: the pass knows what to do.
+        self.handled = extra_ops | composite.op_kinds
         self.names = {id(m): n for n, m in model.named_modules()}
         self.opaque: dict[str, Rule | None] = {}
         self._find_opaque(model, "")
@@ -339,8 +339,8 @@ class _Tracer(ModuleListener):
                     "module of its own and give that module a rule in the composite"
                 )
             return self.no_grad_problem(name)
-        if name in self.rule_kinds:
-            return None  # the composite has a rule for it
+        if name in self.handled:
+            return None
         problem = None
         if name in _PRODUCT_OPS | {"rmul", "rdiv"}:
             if len(inputs) > 1 or (
@@ -363,16 +363,14 @@ class _Tracer(ModuleListener):
                     f"is padding with mode={mode!r}, value={value!r} (zero, reflect, replicate "
                     "and circular padding are supported)"
                 )
-        elif name in ACTIVATION_OPS and name not in self.extra_ops:
+        elif name in ACTIVATION_OPS:
             problem = (
                 "is an activation this pass has no rule for (LRP's composites pass relevance "
                 "through activations and DeepLIFT rescales them; methods defined for ReLU "
                 "networks, and the ONNX export of LRP, refuse them; a composite of one's own "
                 f"maps Op({name!r}) to a rule)"
             )
-        elif not (
-            name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS or name in self.extra_ops
-        ):
+        elif not (name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS):
             problem = "has no relevance rule"
         if problem is None:
             return None
