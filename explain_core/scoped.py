@@ -115,6 +115,16 @@ def is_own_hook(hook: Any) -> bool:
 
 
 @contextmanager
+def unheard() -> Iterator[None]:
+    """Module calls inside the block reach no listener (a rule re-running its module)."""
+    token = _LISTENERS.set(())
+    try:
+        yield
+    finally:
+        _LISTENERS.reset(token)
+
+
+@contextmanager
 def listening(listener: ModuleListener) -> Iterator[None]:
     """Hand the module calls of this context to ``listener`` inside the block.
 

@@ -152,14 +152,27 @@ def test_method_options_and_refusals(tmp_path):
         export_onnx(model, x, tmp_path / "bad.onnx", explain="lrp.epsilon", steps=3)
     with pytest.raises(InvalidInputError, match="cannot be exported"):
         export_onnx(model, x, tmp_path / "zb.onnx", explain="lrp.zb")
-    with pytest.raises(InvalidInputError, match=r"'1' \(Sigmoid\)"):  # the engine's own check
+    with pytest.raises(InvalidInputError, match=r"'1' \(Softmax\)"):  # the engine's own check
         export_onnx(
-            nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 2)).eval(),
+            nn.Sequential(nn.Linear(8, 8), nn.Softmax(1), nn.Linear(8, 2)).eval(),
             torch.rand(2, 8),
             tmp_path / "s.onnx",
             explain="lrp.epsilon_plus",
         )
     assert not (tmp_path / "bad.onnx").exists() and not (tmp_path / "s.onnx").exists()
+
+
+def test_activation_operation_rules_export(tmp_path):
+    """LRP's pass rule for a sigmoid (an operation rule) is in the graph, branch-free."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sigmoid(), nn.Linear(8, 2)).eval()
+    x = torch.randn(4, 8)
+    path = tmp_path / "sigmoid.onnx"
+    result = export_onnx(model, x, path, explain="lrp.epsilon_plus")
+    assert result.parity is not None and result.parity.passed
+    held_back = torch.randn(3, 8)
+    _, relevance = OnnxSession(path).run(held_back)
+    assert_maps_close(relevance, explain(model, held_back, "lrp.epsilon_plus").attribution)
 
 
 def test_custom_composite_with_a_lone_batchnorm_exports(tmp_path):

@@ -279,3 +279,18 @@ def test_pretrained_minilm_equals_its_encoder_written_out_by_hand(method):
     (grad,) = torch.autograd.grad(probe.pool(hidden, batch["attention_mask"]).sum(), x)
     torch.testing.assert_close(result.attribution.attribution, x.detach() * grad)
     assert bool((result.relevance[batch["attention_mask"] == 0] == 0).all())
+
+
+def test_activation_modules_at_exactly_zero_take_the_limit_of_f_x_over_x():
+    """At x = 0 the pass rule takes ``f'(0)`` (GELU: ½), re-running the module without rules."""
+    from transformers.activations import NewGELUActivation
+
+    from explain_modbp.transformer import lrp_attn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(NewGELUActivation(), nn.Linear(4, 2)).double().eval()
+    x = torch.tensor([[0.0, 1.5, -2.0, 0.0]], dtype=torch.float64)
+    signal = explain(model, x, "gradient", 1, composite=lrp_attn()).attribution
+    gelu = model[0](x)
+    ratio = torch.where(x == 0, torch.full_like(x, 0.5), gelu / x.masked_fill(x == 0, 1.0))
+    torch.testing.assert_close(signal, model[1].weight[1:].detach() * ratio, rtol=1e-12, atol=0)

@@ -25,7 +25,7 @@ from explain_core.engine.ops import OpHandler, op_name
 from explain_core.engine.tracing import Plan
 from explain_core.errors import InvalidInputError
 from explain_core.interfaces.relevance import Gradient, Rule, RuleCall
-from explain_core.scoped import ModuleListener
+from explain_core.scoped import ModuleListener, unheard
 
 if TYPE_CHECKING:
     from explain_core.engine.composite import Composite
@@ -147,7 +147,13 @@ class _OpRuleFunction(torch.autograd.Function):
 
 
 def _apply_op_rule(
-    rule: Rule, kind: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    rule: Rule,
+    kind: str,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    branch_free: bool = False,
 ) -> Any:
     """``func(*args, **kwargs)`` with ``rule`` as the backward of its input-dependent tensors.
 
@@ -186,6 +192,7 @@ def _apply_op_rule(
         layer=_linear_layer(kind, args, kwargs) if len(inputs) == 1 else None,
         args=args,
         kwargs=kwargs,
+        branch_free=branch_free,
     )
     return _OpRuleFunction.apply(rule, call, apply, *inputs)
 
@@ -209,7 +216,7 @@ def _linear_layer(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> A
     return AffineLayer(kind, "linear", weight.detach(), bias)
 
 
-class _OperationMode(TorchFunctionMode):
+class OperationMode(TorchFunctionMode):
     """Applies the composite's operation rules and the handler's to this pass's operations."""
 
     def __init__(self, composite: Composite, handler: OpHandler | None, attached: RulePass) -> None:
@@ -232,7 +239,8 @@ class _OperationMode(TorchFunctionMode):
             if isinstance(rule, Gradient):  # nothing to change: let it through as written
                 return func(*args, **kwargs)
             with self.attached.internal_ops():
-                return _apply_op_rule(rule, name, func, args, kwargs)
+                branch_free = self.attached.plan.branch_free
+                return _apply_op_rule(rule, name, func, args, kwargs, branch_free=branch_free)
         if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
         return func(*args, **kwargs)
@@ -301,10 +309,26 @@ class RulePass(ModuleListener):
         if name is None:
             return None
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
-        call = RuleCall(module, name, tuple(t.detach() for t in tensors), torch.empty(0))
+        call = RuleCall(
+            module,
+            name,
+            tuple(t.detach() for t in tensors),
+            torch.empty(0),
+            function=self._plain_call(module),
+            branch_free=self.plan.branch_free,
+        )
         self.pending[name] = call
         wrapped = iter(_ModuleEntry.apply(self.plan.custom[name], call, *tensors))
         return tuple(next(wrapped) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def _plain_call(self, module: nn.Module) -> Any:
+        """``module`` as written, without this pass's rules (for a rule that re-runs it)."""
+
+        def run(*inputs: torch.Tensor) -> Any:
+            with self.internal_ops(), unheard():
+                return module(*inputs)
+
+        return run
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Stash a merged layer's input, or return a ruled module's output with its rule."""
@@ -360,7 +384,14 @@ class RulePass(ModuleListener):
                 x, source = self.stash.pop(name), self.model.get_submodule(name)
                 layer = AffineLayer.from_module(name, source).merge_batchnorm(bn_name, module)
             layer = replace(layer, input_sign=self.plan.input_sign(name))
-            call = RuleCall(source, name, (x.detach(),), output.detach(), layer=layer)
+            call = RuleCall(
+                source,
+                name,
+                (x.detach(),),
+                output.detach(),
+                layer=layer,
+                branch_free=self.plan.branch_free,
+            )
             if isinstance(rule, Gradient):
                 self.records[name] = LayerRecord(name, x, output, rule, call)
                 return None

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from explain_core.eager import eager_mode
-from explain_core.engine.attach import LayerRecord, RulePass, _OperationMode
+from explain_core.engine.attach import LayerRecord, OperationMode, RulePass
 from explain_core.engine.ops import OpHandler
 from explain_core.engine.plan_cache import expected_calls, forget_plan, planned
 from explain_core.engine.tracing import Plan
@@ -212,7 +212,7 @@ class ModifiedBackprop:
                 with torch.set_grad_enabled(grad):
                     handled = self.handler is not None and self.handler.ops
                     if self.composite.op_kinds or handled or plan.decomposed:
-                        with _OperationMode(self.composite, self.handler, attached):
+                        with OperationMode(self.composite, self.handler, attached):
                             output = model(x)
                     else:
                         output = model(x)

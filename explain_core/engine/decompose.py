@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from explain_core.errors import UnsupportedModelError
 
-__all__ = ["DECOMPOSED", "multi_head_attention", "scaled_dot_product_attention"]
+__all__ = ["DECOMPOSED", "MathAttention", "multi_head_attention", "scaled_dot_product_attention"]
 
 
 def scaled_dot_product_attention(
@@ -187,3 +188,20 @@ DECOMPOSED: dict[str, Callable[..., Any]] = {
     "multi_head_attention_forward": multi_head_attention,
 }
 """Operation kind → its math form."""
+
+
+class MathAttention(TorchFunctionMode):
+    """Inside this context fused attention runs in its math form (this thread only).
+
+    For traced gradient graphs (ONNX exports): the fused kernels' backward operators have no
+    ONNX translation, their math form's have.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from explain_core.engine.ops import op_name
+
+        math_form = DECOMPOSED.get(op_name(func))
+        if math_form is not None:
+            with self:
+                return math_form(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))

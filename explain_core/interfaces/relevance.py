@@ -56,13 +56,16 @@ class RuleCall:
         output: The output of the call, detached.
         state: Whatever :meth:`Rule.forward` returned for this call.
         grad_output: The signal that arrived at the output during backward (set by the engine).
-        function: For an operation: the call as written, applied out of place to other values
-            of its input tensors (one argument per entry of ``inputs``), e.g. to take a
-            derivative.
+        function: The call as written, applied to other values of its input tensors (one
+            argument per entry of ``inputs``; an operation out of place, a module without the
+            pass's rules), e.g. to take a derivative.
         layer: For an affine module: its weights and geometry (merged with the BatchNorm that
             follows it where a canonizer merged them), else ``None``.
         args: For an operation: its positional arguments as written (the inputs among them).
         kwargs: For an operation: its keyword arguments as written.
+        branch_free: The pass is being traced into a graph (an ONNX export): the rule must not
+            branch on tensor values (``if bool(...)``), e.g. compute a fallback everywhere and
+            select it with ``torch.where``.
     """
 
     module: nn.Module | None
@@ -75,6 +78,7 @@ class RuleCall:
     layer: AffineLayer | None = field(default=None, repr=False)
     args: tuple[Any, ...] = field(default=(), repr=False)
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+    branch_free: bool = False
 
 
 class Rule(ABC):

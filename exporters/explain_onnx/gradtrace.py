@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from explain_core.engine.decompose import MathAttention
 from explain_onnx.windows import window_elements
 
 __all__ = [
@@ -344,7 +345,8 @@ BACKWARD_DECOMPOSITIONS: dict[Any, Callable[..., Any]] = {
 def _decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import get_decompositions
 
-    table = get_decompositions([aten.max_pool2d_with_indices_backward])
+    # Backward operators without an ONNX translation, as forward operators.
+    table = get_decompositions([aten.max_pool2d_with_indices_backward, aten.silu_backward])
     table.update(BACKWARD_DECOMPOSITIONS)
     return table
 
@@ -380,7 +382,7 @@ def input_gradient_graph(
     """A module ``(x[, target]) → (logits, explanation)`` with the gradient written out.
 
     The explanation is ``∂ŷ_t/∂x`` (times ``x`` for Input×Gradient) for the class ``t`` given as
-    the second input, or the predicted class.
+    the second input, or the predicted class. Fused attention is traced in its math form.
 
     Args:
         model: A model in eval mode returning ``(batch, classes)``.
@@ -391,7 +393,7 @@ def input_gradient_graph(
 
     def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
         x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), MathAttention():
             logits, selector = logits_and_selector(model, state, x, target)
             (gradient,) = torch.autograd.grad((logits * selector).sum(), x)
         explanation = gradient * x if multiply_by_input else gradient

@@ -23,27 +23,31 @@ non-negative (``bool((x >= 0).all())``, a branch on tensor values) unless the en
 typically) get ``input_sign="signed"`` and the rules take their signed-input form
 (``x = x⁺ + x⁻``), exact for inputs of either sign; for non-negative inputs both forms give the
 same relevance (the ``x⁻`` terms are zero), which the parity check confirms on every export.
+Operation rules see ``RuleCall.branch_free`` and take their branch-free forms too (LRP's pass
+rule for activations computes ``f'(0)`` everywhere and selects it where ``x = 0``). Fused
+attention is traced in its math form, as in the eager pass, so the attention methods
+(``lrp.attn``, ``lrp.cp``) export with their operation rules.
 
 Exportable: every method of the plugin defined by one composite (``lrp.z``, ``lrp.epsilon``,
 ``lrp.zplus``, ``lrp.alpha_beta``/``lrp.alpha2beta1``, ``lrp.gamma``, ``lrp.w2``, ``lrp.flat``,
-``lrp.epsilon_plus``, ``lrp.cmp``, ``excitation_bp``, ``excitation_bp.contrastive``) for models
-the engine supports (Linear/Conv/BatchNorm, ReLU, pooling, zero/reflect/replicate/circular
-padding, flatten, additions, tensors made inside ``forward``, …). Not
+``lrp.epsilon_plus``, ``lrp.cmp``, ``excitation_bp``, ``excitation_bp.contrastive``,
+``lrp.attn``, ``lrp.cp``) for models the engine supports (Linear/Conv/BatchNorm, ReLU and other
+activations, pooling, padding, flatten, additions, attention, tensors made inside ``forward``,
+…). Not
 exportable: ``lrp.zb`` (its bounds check branches on values), ``lrp.contrastive`` (two backward
 passes; not one composite).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from explain_core.engine import Composite
 from explain_core.errors import InvalidInputError
-from explain_core.interfaces.relevance import Op
 
 # Methods of one composite whose rules branch on tensor values in the forward pass.
 UNSUPPORTED = {"lrp.zb": "the z^B rule checks its input bounds with a branch on tensor values"}
@@ -63,16 +67,6 @@ def composite_methods() -> dict[str, Any]:
     }
 
 
-def _without_operation_rules(composite: Composite) -> Composite:
-    """The composite's module rules only.
-
-    Operation rules (LRP's pass rule for activations) branch on values and do not export, so the
-    trace refuses those operations instead.
-    """
-    entries = [(m.matcher, m.rule) for m in composite.mapping if not isinstance(m.matcher, Op)]
-    return Composite(entries, canonizers=composite.canonizers, name=composite.name)
-
-
 def lrp_graph(
     model: nn.Module,
     method: str,
@@ -87,7 +81,7 @@ def lrp_graph(
         InvalidInputError: For a method without a composite, invalid options, or a model the
             engine does not support (``UnsupportedModelError``, naming the module).
     """
-    from explain_core.engine.attach import RulePass
+    from explain_core.engine.attach import OperationMode, RulePass
     from explain_core.engine.tracing import trace
     from explain_core.interfaces.relevance import safe_divide
     from explain_core.scoped import listening
@@ -100,20 +94,19 @@ def lrp_graph(
             f"({UNSUPPORTED.get(method, 'not one composite')})"
         )
     engine = specs[method].create(**options)
-    composite = _without_operation_rules(engine.build_composite())
+    composite = engine.build_composite()
     plan = trace(model, example[:1].detach(), composite)
-    if plan.custom:
-        names = ", ".join(sorted(plan.custom))
-        raise InvalidInputError(
-            f"modules {names} have custom (non-affine) rules, which the ONNX export of "
-            f"{method!r} does not support"
-        )
     plan = replace(plan, branch_free=True)  # rules take their forms exact for either sign
     start_one = getattr(engine, "start", "logit") == "one"
 
     def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
         x = x.detach().requires_grad_(True)
-        with listening(RulePass(model, plan, record=False)), torch.enable_grad():
+        attached = RulePass(model, plan, record=False)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(listening(attached))
+            stack.enter_context(torch.enable_grad())
+            if composite.op_kinds or plan.decomposed:  # operation rules, fused attention's math
+                stack.enter_context(OperationMode(composite, None, attached))
             logits, signal = logits_and_selector(model, state, x, target)
             if start_one:  # relevance 1 at the explained output
                 signal = safe_divide(signal, logits.detach())

@@ -91,7 +91,7 @@ class PassRelevance(Rule):
             )
         flat = z == 0
         ratio = call.output / z.masked_fill(flat, 1.0)
-        if bool(flat.any()):  # the limit f'(0) (f(0) = 0 for these maps)
+        if call.branch_free or bool(flat.any()):  # the limit f'(0) (f(0) = 0 for these maps)
             run = call.function if call.function is not None else call.module
             with torch.enable_grad():
                 t = z.detach().requires_grad_(True)
