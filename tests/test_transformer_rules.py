@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from explain_core import Composite, Op, explain
+from explain_core.errors import UnsupportedModelError
 from explain_modbp.transformer import NormScale, Uniform
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -363,3 +364,76 @@ def test_gamma_on_the_linear_layers_of_cp_lrp_still_conserves_on_bias_free_model
     torch.testing.assert_close(gamma.delta, torch.zeros(x.shape[0], dtype=torch.float64))
     plain = explain(net, x, "lrp.cp", 1).attribution
     assert not torch.allclose(gamma.attribution, plain, atol=1e-6)
+
+
+def test_masking_with_where_by_a_constant_condition_is_a_selection():
+    """``torch.where(causal, scores, min)`` (GPT-2's eager attention in transformers 4.5x)."""
+
+    class Causal(nn.Module):
+        def __init__(self, select: bool) -> None:
+            super().__init__()
+            torch.manual_seed(11)
+            self.qkv, self.head, self.select = nn.Linear(8, 24), nn.Linear(8, 2), select
+            self.register_buffer("causal", torch.ones(5, 5, dtype=torch.bool).tril())
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = self.qkv(x).chunk(3, dim=-1)
+            scores = q @ k.transpose(-2, -1) / math.sqrt(8)
+            lowest = torch.tensor(torch.finfo(scores.dtype).min, dtype=scores.dtype)
+            if self.select:
+                scores = torch.where(self.causal, scores, lowest)
+            else:
+                scores = scores.masked_fill(~self.causal, torch.finfo(scores.dtype).min)
+            return self.head((scores.softmax(-1) @ v).mean(1))
+
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(12))
+    for method in ("lrp.attn", "lrp.cp"):
+        selected = explain(Causal(True).double().eval(), x, method, 1).attribution
+        masked = explain(Causal(False).double().eval(), x, method, 1).attribution
+        torch.testing.assert_close(selected, masked, rtol=1e-12, atol=1e-14)
+
+
+def test_where_with_an_input_dependent_condition_is_refused():
+    class Select(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            return self.b(torch.where(h > 0, h, 0.1 * h))
+
+    # refused at the comparison that makes the condition
+    with pytest.raises(UnsupportedModelError, match="'gt'.*comparison of activations"):
+        explain(Select().eval(), torch.randn(2, 4), "lrp.attn", 1)
+
+
+class SwiGLU(nn.Module):
+    """A gated MLP, ``down(act(gate(x)) · up(x))``, the activation as an op or a module."""
+
+    def __init__(self, activation: nn.Module | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(13)
+        self.gate, self.up, self.down = nn.Linear(6, 12), nn.Linear(6, 12), nn.Linear(12, 3)
+        self.act = activation
+
+    def forward(self, x: torch.Tensor, method: str = "plain") -> torch.Tensor:
+        g = self.act(self.gate(x)) if self.act is not None else F.silu(self.gate(x))
+        if method == "attn":  # pass rule at the activation, uniform rule at the product
+            g = self.gate(x) * (g / self.gate(x)).detach()
+            return self.down(0.5 * g * self.up(x).detach() + 0.5 * g.detach() * self.up(x))
+        if method == "cp":  # the activated gate held constant
+            g = g.detach()
+        return self.down(g * self.up(x))
+
+
+@pytest.mark.parametrize("activation", [None, nn.SiLU()], ids=["F.silu", "nn.SiLU"])
+@pytest.mark.parametrize(("name", "method"), [("lrp.attn", "attn"), ("lrp.cp", "cp")])
+def test_gated_mlps_hold_the_gate_in_cp_lrp_and_split_uniformly_in_attn_lrp(
+    activation, name, method
+):
+    model = SwiGLU(activation).double().eval()
+    x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    xr = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(xr, method)[:, 2].sum(), xr)
+    torch.testing.assert_close(explain(model, x, name, 2).attribution, x * grad)

@@ -162,8 +162,9 @@ def test_explain_tokens_explains_at_the_embeddings_and_per_token():
     vectors = model.get_input_embeddings()(batch["input_ids"]).detach()
 
     class Logits(nn.Module):  # the reference: the same call written out
-        def forward(self, x):
-            return model(inputs_embeds=x, attention_mask=batch["attention_mask"]).logits
+        def forward(self, x):  # (the engine traces on the first sample alone)
+            mask = batch["attention_mask"][: x.shape[0]]
+            return model(inputs_embeds=x, attention_mask=mask).logits
 
     expected = explain(Logits(), vectors, "lrp.cp", 1)
     torch.testing.assert_close(result.attribution.attribution, expected.attribution)

@@ -152,8 +152,7 @@ def _apply_op_rule(
     func: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-    *,
-    branch_free: bool = False,
+    attached: RulePass,
 ) -> Any:
     """``func(*args, **kwargs)`` with ``rule`` as the backward of its input-dependent tensors.
 
@@ -192,9 +191,10 @@ def _apply_op_rule(
         layer=_linear_layer(kind, args, kwargs) if len(inputs) == 1 else None,
         args=args,
         kwargs=kwargs,
-        branch_free=branch_free,
+        sources=tuple(attached.source_of(t) for t in inputs),
+        branch_free=attached.plan.branch_free,
     )
-    return _OpRuleFunction.apply(rule, call, apply, *inputs)
+    return attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
 
 
 def _linear_layer(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AffineLayer | None:
@@ -239,8 +239,7 @@ class OperationMode(TorchFunctionMode):
             if isinstance(rule, Gradient):  # nothing to change: let it through as written
                 return func(*args, **kwargs)
             with self.attached.internal_ops():
-                branch_free = self.attached.plan.branch_free
-                return _apply_op_rule(rule, name, func, args, kwargs, branch_free=branch_free)
+                return _apply_op_rule(rule, name, func, args, kwargs, self.attached)
         if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
         return func(*args, **kwargs)
@@ -267,6 +266,9 @@ class RulePass(ModuleListener):
         self.calls: dict[str, int] = {}
         self.custom = {id(model.get_submodule(name)): name for name in plan.custom}
         self.pending: dict[str, RuleCall] = {}
+        # tensor id → (tensor, the ruled call that returned it); the tensor is kept so that
+        # its id is not reused during the pass
+        self.producers: dict[int, tuple[torch.Tensor, RuleCall]] = {}
         self._plan_modules()
 
     @contextlib.contextmanager
@@ -315,11 +317,23 @@ class RulePass(ModuleListener):
             tuple(t.detach() for t in tensors),
             torch.empty(0),
             function=self._plain_call(module),
+            sources=tuple(self.source_of(t) for t in tensors),
             branch_free=self.plan.branch_free,
         )
         self.pending[name] = call
         wrapped = iter(_ModuleEntry.apply(self.plan.custom[name], call, *tensors))
         return tuple(next(wrapped) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def produced(self, output: Any, call: RuleCall) -> Any:
+        """Note that ruled ``call`` returned ``output`` (for the sources of later calls)."""
+        if isinstance(output, torch.Tensor):
+            self.producers[id(output)] = (output, call)
+        return output
+
+    def source_of(self, tensor: torch.Tensor) -> RuleCall | None:
+        """The ruled call of this pass that returned ``tensor``, if any."""
+        entry = self.producers.get(id(tensor))
+        return entry[1] if entry is not None and entry[0] is tensor else None
 
     def _plain_call(self, module: nn.Module) -> Any:
         """``module`` as written, without this pass's rules (for a rule that re-runs it)."""
@@ -356,7 +370,7 @@ class RulePass(ModuleListener):
         rule = self.plan.custom[name]
         with torch.no_grad():
             call.state = rule.forward(call)
-        return _ModuleExit.apply(call, output)
+        return self.produced(_ModuleExit.apply(call, output), call)
 
     def _plan_modules(self) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""

@@ -351,6 +351,8 @@ class _Tracer(ModuleListener):
             problem = "divides by an input-dependent tensor"
         elif name in ("masked_fill", "masked_fill_") and len(inputs) > 1:
             problem = "masks with an input-dependent mask"
+        elif name == "where" and any(t.dtype == torch.bool for t in inputs):
+            problem = "selects with an input-dependent condition"
         elif name in DROPOUT_OPS:
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training:

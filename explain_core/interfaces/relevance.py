@@ -63,6 +63,9 @@ class RuleCall:
             follows it where a canonizer merged them), else ``None``.
         args: For an operation: its positional arguments as written (the inputs among them).
         kwargs: For an operation: its keyword arguments as written.
+        sources: For each entry of ``inputs``: the call of this pass, with a rule of the
+            composite's, that returned it (an activation's output, say), else ``None``; e.g.
+            to tell a gate from the signal it gates.
         branch_free: The pass is being traced into a graph (an ONNX export): the rule must not
             branch on tensor values (``if bool(...)``), e.g. compute a fallback everywhere and
             select it with ``torch.where``.
@@ -78,6 +81,7 @@ class RuleCall:
     layer: AffineLayer | None = field(default=None, repr=False)
     args: tuple[Any, ...] = field(default=(), repr=False)
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
+    sources: tuple[RuleCall | None, ...] = field(default=(), repr=False)
     branch_free: bool = False
 
 

@@ -14,8 +14,8 @@ GELU, SiLU, tanh, …    ``R_x = R_y`` (``f(x)/x``, LRP's pass rule)  the same
 ``matmul``, ``bmm``    the uniform rule: half of the relevance to   the gradient (with the
 of two activations     each factor (:class:`Uniform`)               attention weights constant,
                                                                     all relevance goes to V)
-``mul`` of two         the uniform rule                             the uniform rule (a gated
-activations                                                         MLP's gate · up)
+``mul`` of two         the uniform rule                             the activated gate held
+activations                                                         constant (:class:`HoldGate`)
 =====================  ===========================================  ===========================
 
 Modules that act element-wise though written with several operations — Hugging Face's activation
@@ -40,6 +40,7 @@ from torch import nn
 
 from explain_core.affine import LINEAR_TYPES
 from explain_core.engine import Composite
+from explain_core.engine.ops import ACTIVATION_OPS
 from explain_core.interfaces.relevance import Gradient, Matcher, Op, Rule, RuleCall
 from explain_core.registry import MethodSpec
 from explain_modbp import rules
@@ -50,6 +51,7 @@ from explain_modbp.methods import CompositeMethod
 __all__ = [
     "LRPCP",
     "Constant",
+    "HoldGate",
     "LRPAttn",
     "NormScale",
     "Uniform",
@@ -80,6 +82,39 @@ class Uniform(Rule):
         grads = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
         share = len(inputs)
         return tuple(None if g is None else g / share for g in grads)
+
+
+def _activated(source: RuleCall | None) -> bool:
+    """Whether ``source`` (the call that made a factor) is an element-wise activation."""
+    if source is None:
+        return False
+    if source.module is None:
+        return source.name in ACTIVATION_OPS
+    kind = type(source.module)
+    return kind.__module__ in ("transformers.activations", "torch.nn.modules.activation")
+
+
+class HoldGate(Rule):
+    """A gated product ``act(g) ⊙ u`` with the activated gate held constant: all relevance to u.
+
+    CP-LRP's rule for gated MLPs (SwiGLU, GeGLU), as its reference package writes it; the gate is
+    the factor an element-wise activation returned (``call.sources``). A product without
+    exactly one such factor takes the uniform rule.
+    """
+
+    def backward(  # noqa: D102
+        self, call: RuleCall, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        gates = [_activated(source) for source in call.sources]
+        if len(gates) != 2 or sum(gates) != 1:
+            return Uniform().backward(call, grad_output)
+        assert call.function is not None
+        inputs = [t.detach().requires_grad_(not gate) for t, gate in zip(call.inputs, gates)]
+        with torch.enable_grad():
+            output = call.function(*inputs)
+        signal = inputs[gates.index(False)]
+        (grad,) = torch.autograd.grad(output, signal, grad_output)
+        return tuple(None if gate else grad for gate in gates)
 
 
 class Constant(Rule):
@@ -173,12 +208,12 @@ def lrp_attn(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
 
 def lrp_cp(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
     """CP-LRP: the attention weights and normalising scales held constant."""
-    # A·V with A constant: all relevance to V (the gradient); other products of activations
-    # (a gated MLP's gate · up) split uniformly, which conserves too.
+    # A·V with A constant: all relevance to V (the gradient); a gated MLP's act(gate) · up
+    # with the activated gate constant: all relevance to up. Both conserve.
     rules_ = [
         (Op("softmax"), Constant()),
         (Op("matmul", "bmm"), Gradient()),
-        (Op("mul"), Uniform()),
+        (Op("mul"), HoldGate()),
     ]
     return Composite([*_shared(epsilon, gamma), *rules_], name="lrp.cp")
 
