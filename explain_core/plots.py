@@ -13,10 +13,11 @@ import numpy as np
 import torch
 
 from explain_core.extras import require
-from explain_core.viz import attribution_to_rgb, image_to_rgb
+from explain_core.viz import attribution_to_rgb, image_to_rgb, patch_relevance
 
 __all__ = [
     "save_attribution_figure",
+    "save_overlay",
 ]
 
 
@@ -76,6 +77,77 @@ def save_attribution_figure(
                 axis.set_title(column_titles[c], fontsize=8)
     if title:
         figure.suptitle(title, fontsize=9)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return path
+
+
+def save_overlay(
+    image: np.ndarray | torch.Tensor,
+    attribution: np.ndarray | torch.Tensor,
+    path: str | Path,
+    *,
+    patch_size: int | None = None,
+    percentile: float = 99.75,
+    title: str | None = None,
+) -> Path:
+    """The input with its explanation laid over it, and a colour bar stating the scale.
+
+    The map is summed over channels (and over each patch, for a ViT's ``patch_size``) and
+    coloured on a symmetric scale ``(−v, v)``, ``v`` the ``percentile`` of ``|map|``: positive
+    red, negative blue, half transparent over the input shown in grey.
+
+    Args:
+        image: The input ``(C, H, W)`` or ``(H, W)``; any value range (shown min to max).
+        attribution: Its explanation, ``(C, H, W)`` or ``(H, W)``.
+        path: PNG (or any matplotlib format) to write.
+        patch_size: Colour each ``p × p`` patch by its summed relevance (a ViT's tokens).
+        percentile: Percentile of ``|map|`` mapped to full colour.
+        title: Optional title.
+
+    Returns:
+        The path written.
+    """
+    plt = _pyplot()
+    picture = image.detach().cpu().double().numpy() if isinstance(image, torch.Tensor) else image
+    picture = np.asarray(picture, dtype=np.float64)
+    grey = picture.mean(axis=0) if picture.ndim == 3 else picture
+    span = grey.max() - grey.min()
+    grey = (grey - grey.min()) / span if span > 0 else np.zeros_like(grey)
+    values = (
+        attribution.detach().cpu().double().numpy()
+        if isinstance(attribution, torch.Tensor)
+        else np.asarray(attribution, dtype=np.float64)
+    )
+    heat = (
+        patch_relevance(values, patch_size)
+        if patch_size
+        else (values.sum(axis=0) if values.ndim == 3 else values)
+    )
+    scale = float(np.percentile(np.abs(heat), percentile)) or 1.0
+    height, width = grey.shape
+    figure, axis = plt.subplots(figsize=(4.2, 3.6))
+    axis.imshow(grey, cmap="gray", interpolation="nearest")
+    shown = axis.imshow(
+        heat,
+        cmap="bwr",
+        vmin=-scale,
+        vmax=scale,
+        alpha=0.55,
+        interpolation="nearest",
+        extent=(-0.5, width - 0.5, height - 0.5, -0.5),
+    )
+    axis.set_xticks([])
+    axis.set_yticks([])
+    bar = figure.colorbar(shown, ax=axis, fraction=0.046, pad=0.04)
+    what = f"relevance per {patch_size}×{patch_size} patch" if patch_size else "relevance"
+    bar.set_label(f"{what}; ±{scale:.3g} = {percentile:g}th pct of |R|", fontsize=7)
+    bar.ax.tick_params(labelsize=7)
+    if title:
+        axis.set_title(title, fontsize=9)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

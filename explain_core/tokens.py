@@ -10,12 +10,14 @@ position (a language model's next token), ``position`` picks the one explained.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from explain_core.api import explain
 from explain_core.attribution import Attribution
@@ -34,15 +36,41 @@ class TokenAttribution:
         relevance: Its sum over the hidden dimension: one value per token, ``(batch, tokens)``;
             0 at padding (``attention_mask == 0``).
         tokens: The tokens of each sample, when a tokenizer was given.
+        absorbed: With ``explain_tokens(..., absorbed=True)``: the relevance per token that
+            each of the model's other embedding tables (by module name, e.g.
+            ``"bert.embeddings.position_embeddings"``) absorbs, ``(batch, tokens)``.
     """
 
     attribution: Attribution
     relevance: torch.Tensor
     tokens: list[list[str]] | None = None
+    absorbed: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class _EmbeddingTables(TorchFunctionMode):
+    """Replaces the lookups in the given embedding tables by given vectors (this thread only)."""
+
+    def __init__(self, tables: Mapping[int, Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        super().__init__()
+        self.tables = tables  # id(weight) → the vectors to return for a lookup
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding:
+            weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
+            vectors = self.tables.get(id(weight))
+            if vectors is not None:
+                return vectors(func(*args, **kwargs))
+        return func(*args, **kwargs)
 
 
 class _FromEmbeddings(nn.Module):
-    """The model run from its embeddings, returning ``(batch, n_outputs)`` scores."""
+    """The model run from its embeddings, returning ``(batch, n_outputs)`` scores.
+
+    With ``tables``, the input is ``(batch, 1 + len(tables), tokens, hidden)``: the token
+    vectors, then the vectors those embedding tables give each token (which the model's own
+    lookups in them return instead).
+    """
 
     def __init__(
         self,
@@ -50,14 +78,30 @@ class _FromEmbeddings(nn.Module):
         others: Mapping[str, torch.Tensor],
         key: str,
         position: int | None,
+        tables: Sequence[nn.Embedding] = (),
     ) -> None:
         super().__init__()
         self.model = model
         self.others = dict(others)
         self.key = key
         self.position = position
+        self.tables = list(tables)
 
     def forward(self, embeddings: torch.Tensor) -> torch.Tensor:
+        if not self.tables:
+            return self._scores(embeddings)
+
+        def given(index: int) -> Callable[[torch.Tensor], torch.Tensor]:
+            # the model's lookup (e.g. (1, tokens, hidden) positions) as the input's vectors
+            return lambda looked_up: embeddings[:, 1 + index].expand(
+                embeddings.shape[0], *looked_up.shape[1:]
+            )
+
+        tables = {id(table.weight): given(i) for i, table in enumerate(self.tables)}
+        with _EmbeddingTables(tables):
+            return self._scores(embeddings[:, 0])
+
+    def _call_model(self, embeddings: torch.Tensor) -> Any:
         others = {}
         samples = embeddings.shape[0]
         for name, value in self.others.items():
@@ -71,7 +115,10 @@ class _FromEmbeddings(nn.Module):
                 )
             else:  # methods stack copies of the batch (path points, noisy copies, reference)
                 others[name] = value.repeat(copies, *([1] * (value.dim() - 1)))
-        output = self.model(**{self.key: embeddings}, **others)
+        return self.model(**{self.key: embeddings}, **others)
+
+    def _scores(self, embeddings: torch.Tensor) -> torch.Tensor:
+        output = self._call_model(embeddings)
         scores = getattr(output, "logits", output)
         if isinstance(scores, tuple):
             scores = scores[0]
@@ -101,6 +148,7 @@ def explain_tokens(
     tokenizer: Any = None,
     ids: str = "input_ids",
     embeddings_key: str = "inputs_embeds",
+    absorbed: bool = False,
     **options: Any,
 ) -> TokenAttribution:
     """Explain a model that takes token ids (and other inputs) at its embeddings.
@@ -120,7 +168,13 @@ def explain_tokens(
         tokenizer: Gives the tokens (``convert_ids_to_tokens``), optional.
         ids: The name of the token ids in ``inputs``.
         embeddings_key: The name under which the model takes the vectors.
-        **options: Method options (``baselines=`` too: a reference at the embeddings).
+        absorbed: Also explain the model's other embedding tables (position, token type):
+            the vectors they add to each token become part of the explained input, and their
+            relevance per token is ``result.absorbed[table name]``. For the rules of LRP the
+            token relevance is the same either way; for Integrated Gradients and SmoothGrad
+            the path and the noise then move those vectors too.
+        **options: Method options (``baselines=`` too: a reference at the embeddings; with
+            ``absorbed``, shaped ``(batch, 1 + tables, tokens, hidden)``).
 
     Raises:
         InvalidInputError: For missing ids, no embedding module, or outputs that do not fit.
@@ -146,13 +200,89 @@ def explain_tokens(
         for name, value in inputs.items()
         if name != ids and isinstance(value, torch.Tensor)
     }
-    wrapped = _FromEmbeddings(model, others, embeddings_key, position)
-    attribution = explain(wrapped, vectors, method, target, **options)
-    relevance = attribution.attribution.sum(-1)
+    tables: dict[str, nn.Embedding] = {}
+    if absorbed:
+        tables = _tables_looked_up(model, vectors, others, embeddings_key, embedding)
+        if not tables:
+            raise InvalidInputError(
+                "absorbed=True, but the model looks up no embedding table besides its token "
+                "embeddings (no position or token-type embeddings to report)"
+            )
+        looked_up = _looked_up_vectors(model, vectors, others, embeddings_key, tables)
+        vectors = torch.stack([vectors, *looked_up], dim=1)
+    wrapped = _FromEmbeddings(model, others, embeddings_key, position, list(tables.values()))
+    result = explain(wrapped, vectors, method, target, **options)
     mask = inputs.get("attention_mask")
-    if isinstance(mask, torch.Tensor) and mask.shape == relevance.shape:
-        relevance = relevance * (mask != 0)
+    keep = None
+    if isinstance(mask, torch.Tensor) and mask.shape == token_ids.shape:
+        keep = mask != 0
+    per_token = result.attribution.sum(-1)
+    if keep is not None:
+        per_token = per_token * (keep[:, None] if tables else keep)
+    absorbed_relevance = {}
+    if tables:
+        token_vectors = replace(result, attribution=result.attribution[:, 0])
+        absorbed_relevance = {name: per_token[:, 1 + i] for i, name in enumerate(tables)}
+        result, per_token = token_vectors, per_token[:, 0]
     tokens = None
     if tokenizer is not None:
         tokens = [tokenizer.convert_ids_to_tokens(row.tolist()) for row in token_ids]
-    return TokenAttribution(attribution, relevance, tokens)
+    return TokenAttribution(result, per_token, tokens, absorbed_relevance)
+
+
+def _tables_looked_up(
+    model: nn.Module,
+    vectors: torch.Tensor,
+    others: Mapping[str, torch.Tensor],
+    key: str,
+    token_embedding: nn.Module,
+) -> dict[str, nn.Embedding]:
+    """The model's embedding tables (other than the token embeddings) its forward looks up."""
+    candidates = {
+        id(module.weight): (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding) and module is not token_embedding
+    }
+    seen: dict[str, nn.Embedding] = {}
+
+    class Probe(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.embedding:
+                weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
+                if id(weight) in candidates:
+                    name, module = candidates[id(weight)]
+                    seen[name] = module
+            return func(*args, **kwargs)
+
+    with torch.no_grad(), Probe():
+        _FromEmbeddings(model, others, key, None)._call_model(vectors[:1])
+    return seen
+
+
+def _looked_up_vectors(
+    model: nn.Module,
+    vectors: torch.Tensor,
+    others: Mapping[str, torch.Tensor],
+    key: str,
+    tables: Mapping[str, nn.Embedding],
+) -> list[torch.Tensor]:
+    """The vectors each table gives each token in the model's forward, ``(batch, tokens, h)``."""
+    found: dict[int, torch.Tensor] = {}
+    weights = {id(table.weight) for table in tables.values()}
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            result = func(*args, **kwargs)
+            if func is F.embedding:
+                weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
+                if id(weight) in weights:
+                    found[id(weight)] = result
+            return result
+
+    with torch.no_grad(), Record():
+        _FromEmbeddings(model, others, key, None)._call_model(vectors)
+    return [
+        found[id(table.weight)].expand(vectors.shape).detach().clone() for table in tables.values()
+    ]

@@ -59,6 +59,28 @@ def attribution_to_rgb(attribution: ArrayLike, percentile: float = 99.75) -> np.
     return (np.clip(rgb, 0, 1) * 255).round().astype(np.uint8)
 
 
+def patch_relevance(attribution: ArrayLike, patch_size: int) -> np.ndarray:
+    """The relevance of each patch (a ViT's tokens), ``(H / p, W / p)``.
+
+    A ``(C, H, W)`` or ``(H, W)`` map summed over channels and each ``p × p`` patch.
+
+    Raises:
+        ValueError: If the map's height or width is not a multiple of ``patch_size``.
+    """
+    values = _to_numpy(attribution)
+    if values.ndim == 3:
+        values = values.sum(axis=0)
+    if values.ndim != 2 or patch_size < 1:
+        raise ValueError(f"expected a (C, H, W) or (H, W) map; got shape {values.shape}")
+    height, width = values.shape
+    if height % patch_size or width % patch_size:
+        raise ValueError(
+            f"a {height}×{width} map does not divide into {patch_size}×{patch_size} patches"
+        )
+    rows, cols = height // patch_size, width // patch_size
+    return values.reshape(rows, patch_size, cols, patch_size).sum(axis=(1, 3))
+
+
 def image_to_rgb(image: ArrayLike) -> np.ndarray:
     """An input image ``(C, H, W)`` or ``(H, W)`` with values in [0, 1] as ``(H, W, 3)`` uint8."""
     values = _to_numpy(image)

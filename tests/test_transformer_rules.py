@@ -404,7 +404,7 @@ def test_where_with_an_input_dependent_condition_is_refused():
             return self.b(torch.where(h > 0, h, 0.1 * h))
 
     # refused at the comparison that makes the condition
-    with pytest.raises(UnsupportedModelError, match="'gt'.*comparison of activations"):
+    with pytest.raises(UnsupportedModelError, match=r"'gt'.*comparison of activations"):
         explain(Select().eval(), torch.randn(2, 4), "lrp.attn", 1)
 
 

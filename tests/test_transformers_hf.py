@@ -295,3 +295,49 @@ def test_activation_modules_at_exactly_zero_take_the_limit_of_f_x_over_x():
     gelu = model[0](x)
     ratio = torch.where(x == 0, torch.full_like(x, 0.5), gelu / x.masked_fill(x == 0, 1.0))
     torch.testing.assert_close(signal, model[1].weight[1:].detach() * ratio, rtol=1e-12, atol=0)
+
+
+def test_position_and_token_type_embeddings_report_the_relevance_they_absorb():
+    from explain_core.tokens import explain_tokens
+    from explain_modbp.transformer import lrp_cp
+
+    model, batch = bert_with_padding()
+    plain = explain_tokens(model, batch, "lrp.cp", target=1)
+    result = explain_tokens(model, batch, "lrp.cp", target=1, absorbed=True)
+    torch.testing.assert_close(result.relevance, plain.relevance, rtol=0, atol=0)
+    assert set(result.absorbed) == {
+        "bert.embeddings.position_embeddings",
+        "bert.embeddings.token_type_embeddings",
+    }
+    # The reference: each table's vectors times the signal that reaches the token vectors
+    # (they are added to them), summed over the hidden dimension.
+    signal = explain_tokens(model, batch, "gradient", 1, composite=lrp_cp()).attribution
+    embeddings = model.bert.embeddings
+    positions = embeddings.position_embeddings.weight[:6].detach()
+    types = embeddings.token_type_embeddings(batch["token_type_ids"]).detach()
+    keep = batch["attention_mask"] != 0
+    for name, vectors in (("position", positions), ("token_type", types)):
+        expected = (vectors * signal.attribution).sum(-1) * keep
+        torch.testing.assert_close(result.absorbed[f"bert.embeddings.{name}_embeddings"], expected)
+
+
+def test_tokens_and_embedding_tables_sum_to_the_score_on_a_bias_free_bert():
+    from explain_core.tokens import explain_tokens
+
+    model, batch = bert_with_padding()
+    with torch.no_grad():
+        for module in model.modules():
+            if getattr(module, "bias", None) is not None:
+                module.bias.zero_()
+    result = explain_tokens(model, batch, "lrp.cp", target=1, absorbed=True)
+    total = result.relevance.sum(1) + sum(r.sum(1) for r in result.absorbed.values())
+    torch.testing.assert_close(total, result.attribution.output[:, 1])
+
+
+def test_absorbed_needs_embedding_tables_besides_the_tokens():
+    from explain_core.errors import InvalidInputError
+    from explain_core.tokens import explain_tokens
+
+    model, _, _ = build("llama", "sdpa")  # rotary positions: no table
+    with pytest.raises(InvalidInputError, match="no embedding table besides"):
+        explain_tokens(model, {"input_ids": torch.tensor([[1, 2, 3]])}, "lrp.cp", 0, absorbed=True)

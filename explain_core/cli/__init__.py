@@ -115,7 +115,12 @@ def _main(argv: Sequence[str] | None) -> int:
                 raise
             print(f"{PROGRAM}: error: {_describe(error)}", file=sys.stderr)
             return 1
-    if code == 0 and getattr(args, "weights", False) is None and _is_main_rank():
+    if (
+        code == 0
+        and getattr(args, "weights", False) is None
+        and getattr(args, "model", None)
+        and _is_main_rank()
+    ):
         from explain_core.cli.common import note
 
         note(

@@ -19,18 +19,23 @@ from explain_core.errors import InvalidInputError
 from explain_core.extras import require
 
 NAME = "attribute"
-HELP = "explain your own model on image or .npy files"
+HELP = "explain your own model (or a Hugging Face model folder) on images, arrays or text"
 DESCRIPTION = (
     "Build a model from package.module:factory, load its weights (safetensors or a state dict "
     "read with torch.load(weights_only=True)), explain each input with a registered method and "
-    "write a heatmap PNG and the raw .npy attribution per input."
+    "write a heatmap PNG and the raw .npy attribution per input. With --hf FOLDER, a saved "
+    "Hugging Face model explains --text strings (per token: .html, .png, .npy) or image files "
+    "(the relevance of each patch over the image: .png, .npy)."
 )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The subcommand's arguments."""
-    parser.add_argument("inputs", nargs="+", type=Path, help="image files or .npy arrays")
-    add_model_arguments(parser, method=True)
+    parser.add_argument("inputs", nargs="*", type=Path, help="image files or .npy arrays")
+    add_model_arguments(parser, method=True, hugging_face=True)
+    parser.add_argument(
+        "--text", action="append", default=[], help="with --hf: a text to explain (repeatable)"
+    )
     parser.add_argument("--out", type=output_path, required=True, help="output folder")
     parser.add_argument("--target", type=int, help="class to explain (default: predicted)")
     parser.add_argument(
@@ -49,6 +54,14 @@ def run(args: argparse.Namespace) -> int:
 
     options = method_options(args)
     check_output_folder(args.out)  # creates nothing: the folder appears with the first output
+    if args.hf is not None:
+        from explain_core.cli.hugging_face import run_hugging_face
+
+        return run_hugging_face(args, options)
+    if args.text or not args.inputs:
+        raise InvalidInputError(
+            "give image files or .npy arrays to explain (--text needs a Hugging Face model: --hf)"
+        )
     stems = _unique_stems(args.inputs)
     check_not_overwriting(
         [args.out / f"{stem}{suffix}" for stem in stems for suffix in (".npy", ".png")],

@@ -30,9 +30,21 @@ __all__ = [
 ]
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, method: bool = False) -> None:
-    """``--model`` and ``--weights``; with ``method``, also the required ``--method``."""
-    parser.add_argument("--model", required=True, help="package.module:factory")
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, method: bool = False, hugging_face: bool = False
+) -> None:
+    """``--model`` and ``--weights``; with ``method``, also the required ``--method``.
+
+    With ``hugging_face``, ``--hf FOLDER`` (a saved Hugging Face model) may replace ``--model``.
+    """
+    if hugging_face:
+        source = parser.add_mutually_exclusive_group(required=True)
+        source.add_argument("--model", help="package.module:factory")
+        source.add_argument(
+            "--hf", type=Path, help="a Hugging Face model folder (what save_pretrained writes)"
+        )
+    else:
+        parser.add_argument("--model", required=True, help="package.module:factory")
     parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
     if method:
         parser.add_argument("--method", required=True, help="registered method (explain plugins)")

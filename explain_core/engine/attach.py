@@ -23,7 +23,7 @@ from explain_core.affine import AFFINE_TYPES, AffineLayer
 from explain_core.engine.decompose import DECOMPOSED
 from explain_core.engine.ops import OpHandler, op_name
 from explain_core.engine.tracing import Plan
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import Gradient, Rule, RuleCall
 from explain_core.scoped import ModuleListener, unheard
 
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LayerRecord",
+    "OperationMode",
     "RulePass",
 ]
 
@@ -80,8 +81,10 @@ class _ModuleEntry(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rule: Rule, call: RuleCall, *inputs: torch.Tensor) -> Any:
         ctx.rule, ctx.call = rule, call
-        # Clones keep in-place modules (ReLU(inplace=True)) from altering the recorded inputs.
-        return tuple(t.clone() for t in inputs)
+        call.state = tuple(t._version for t in call.inputs)  # to find changes made in place
+        if getattr(call.module, "inplace", False):  # ReLU(inplace=True) changes its inputs
+            return tuple(t.clone() for t in inputs)
+        return tuple(t.view_as(t) for t in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -118,7 +121,13 @@ class _OpRuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, rule: Rule, call: RuleCall, apply: Any, *inputs: torch.Tensor) -> Any:
+        versions = tuple(t._version for t in call.inputs)
         y = apply(*inputs)  # the call as written: in place where the model asked for that
+        if any(t._version != v for t, v in zip(call.inputs, versions, strict=True)):
+            raise UnsupportedModelError(
+                f"operation {call.name!r} changed its input in place in a way the engine did "
+                "not foresee; pass inplace=True by keyword, or write it out of place"
+            )
         if not isinstance(y, torch.Tensor):
             raise InvalidInputError(
                 f"operation {call.name!r} returns {type(y).__name__}; a rule needs an "
@@ -126,9 +135,11 @@ class _OpRuleFunction(torch.autograd.Function):
             )
         if any(y is t for t in inputs):
             ctx.mark_dirty(y)
-        call.output = y.detach().clone()
+        call.output = y.detach().clone()  # later code may change y in place (relu_ after it)
         with torch.no_grad():
             call.state = rule.forward(call)
+        # Inputs are saved by reference, as autograd saves tensors: versions tell changes.
+        ctx.versions = tuple(t._version for t in call.inputs)
         ctx.rule, ctx.call = rule, call
         return y
 
@@ -136,6 +147,12 @@ class _OpRuleFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         call: RuleCall = ctx.call
+        if any(t._version != v for t, v in zip(call.inputs, ctx.versions, strict=True)):
+            raise UnsupportedModelError(
+                f"an input of operation {call.name!r} was changed in place after the operation "
+                "(as autograd's own backward would refuse for most operations); write that "
+                "change out of place in forward (e.g. h = h + x, not h += x)"
+            )
         call.grad_output = grad_output
         grads = tuple(ctx.rule.backward(call, grad_output))
         if len(grads) != len(call.inputs):
@@ -181,13 +198,15 @@ def _apply_op_rule(
         return apply(*(value.clone() for value in values))
 
     inputs = tuple(flat[i] for i in positions)
-    detached = tuple(t.detach().clone() for t in inputs)
+    # An in-place call (relu_, F.elu(x, inplace=True), F.elu(x, 1.0, True)) overwrites its
+    # inputs: rules see copies of them
+    in_place = kind.endswith("_") or kwargs.get("inplace") is True or any(a is True for a in args)
     call = RuleCall(
         None,
         kind,
-        detached,
+        tuple(t.detach().clone() if in_place else t.detach() for t in inputs),
         torch.empty(0),
-        function=out_of_place,
+        function=out_of_place if in_place else apply,
         layer=_linear_layer(kind, args, kwargs) if len(inputs) == 1 else None,
         args=args,
         kwargs=kwargs,
@@ -365,6 +384,12 @@ class RulePass(ModuleListener):
             raise InvalidInputError(
                 f"module {name or '<root>'!r} ({type(module).__name__}) returns "
                 f"{type(output).__name__}; a rule needs a module that returns one tensor"
+            )
+        if any(t._version != v for t, v in zip(call.inputs, call.state, strict=True)):
+            raise UnsupportedModelError(
+                f"module {name or '<root>'!r} ({type(module).__name__}) changed its input in "
+                "place, which its rule needs; give it inplace=False (or an attribute "
+                "inplace = True, for which the engine keeps a copy)"
             )
         call.output = output.detach()
         rule = self.plan.custom[name]

@@ -121,8 +121,10 @@ LINEAR_OPS = (
     | frozenset(
         # where: a selection by a mask that does not depend on the input (the trace refuses
         # input-dependent masks) is linear in the selected tensors
-        ["add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad", "setitem"]
-        + ["where"]
+        [
+            *("add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad"),
+            *("setitem", "where"),
+        ]
     )
 )
 RELU_OPS = frozenset({"relu", "relu_"})

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import weakref
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -25,8 +26,10 @@ if TYPE_CHECKING:
 
 # Key: the composite's *shape* (matchers that are types, type tuples, name globs or operation
 # kinds, and the type of every rule), the handler's extra operations and the input's per-sample
-# shape, dtype and device, and the canonizers (type and options). A composite with other matchers
-# (callables) is never cached.
+# shape, dtype and device, and the canonizers (type and options). Predicates count by identity
+# when they are functions defined at module level (which decide by the module's name and
+# structure, both validated below); a composite with other matchers (lambdas, closures,
+# callable objects) is never cached.
 # Validity, checked on every call: every submodule, parameter and buffer is the same object as
 # when traced (compared through weak references) and unchanged since (version counters), modules
 # are in the same train/eval mode with the same plain attributes (flags that may steer
@@ -54,10 +57,20 @@ def _composite_key(composite: Composite, extra_ops: frozenset[str]) -> Any:
         if not (
             isinstance(matcher, (str, type, Op, InputLayer, OutputLayer))
             or (isinstance(matcher, tuple) and all(isinstance(t, type) for t in matcher))
+            or _named_function(matcher)
         ):
             return None
         entries.append((matcher, type(entry.rule)))
     return (type(composite), tuple(entries), canonizers, extra_ops)
+
+
+def _named_function(matcher: Any) -> bool:
+    """A predicate defined at module level (by identity: it decides by name and module only)."""
+    return (
+        inspect.isfunction(matcher)
+        and matcher.__closure__ is None
+        and "<" not in matcher.__qualname__  # not a lambda, not a function made in a function
+    )
 
 
 def _fingerprint(model: nn.Module) -> list[tuple[Any, ...]]:

@@ -369,7 +369,7 @@ class _Tracer(ModuleListener):
             problem = (
                 "is an activation this pass has no rule for (LRP's composites pass relevance "
                 "through activations and DeepLIFT rescales them; methods defined for ReLU "
-                "networks, and the ONNX export of LRP, refuse them; a composite of one's own "
+                "networks refuse them; a composite of one's own "
                 f"maps Op({name!r}) to a rule)"
             )
         elif not (name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS):

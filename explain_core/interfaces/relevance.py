@@ -52,8 +52,9 @@ class RuleCall:
     Attributes:
         module: The module that was called (``None`` for an operation).
         name: Its qualified name inside the model (``""`` for the root), or the operation's kind.
-        inputs: The tensor inputs of the call, detached.
-        output: The output of the call, detached.
+        inputs: The tensor inputs of the call, detached (not copied, as autograd saves
+            tensors: an operation's input changed in place before backward is refused).
+        output: The output of the call, detached (a copy: later code may change it in place).
         state: Whatever :meth:`Rule.forward` returned for this call.
         grad_output: The signal that arrived at the output during backward (set by the engine).
         function: The call as written, applied to other values of its input tensors (one

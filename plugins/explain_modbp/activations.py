@@ -90,14 +90,14 @@ class PassRelevance(Rule):
                 f"{tuple(z.shape)} to {tuple(call.output.shape)}"
             )
         flat = z == 0
-        ratio = call.output / z.masked_fill(flat, 1.0)
-        if call.branch_free or bool(flat.any()):  # the limit f'(0) (f(0) = 0 for these maps)
-            run = call.function if call.function is not None else call.module
-            with torch.enable_grad():
-                t = z.detach().requires_grad_(True)
-                (slope,) = torch.autograd.grad(run(t), t, torch.ones_like(t))
-            ratio = torch.where(flat, slope, ratio)
-        return ratio
+        if not call.branch_free and not bool(flat.any()):
+            return call.output / z
+        # the limit f'(0) where z = 0 (f(0) = 0 for these maps)
+        run = call.function if call.function is not None else call.module
+        with torch.enable_grad():
+            t = z.detach().requires_grad_(True)
+            (slope,) = torch.autograd.grad(run(t), t, torch.ones_like(t))
+        return torch.where(flat, slope, call.output / z.masked_fill(flat, 1.0))
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         return (grad_output * call.state,)

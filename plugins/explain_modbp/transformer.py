@@ -109,7 +109,9 @@ class HoldGate(Rule):
         if len(gates) != 2 or sum(gates) != 1:
             return Uniform().backward(call, grad_output)
         assert call.function is not None
-        inputs = [t.detach().requires_grad_(not gate) for t, gate in zip(call.inputs, gates)]
+        inputs = [
+            t.detach().requires_grad_(not gate) for t, gate in zip(call.inputs, gates, strict=True)
+        ]
         with torch.enable_grad():
             output = call.function(*inputs)
         signal = inputs[gates.index(False)]

@@ -1,0 +1,261 @@
+"""Speed and peak memory of AttnLRP and CP-LRP against one plain input gradient, at real sizes.
+
+Models (random weights from their configs; ``transformers``' defaults are the base sizes): a
+BERT-base encoder (``BertForSequenceClassification``, 12 layers, hidden 768, sequence 128,
+batch 8, explained at its input embeddings) and ViT-B/16 (``ViTForImageClassification``,
+224×224, batch 4), float32, sdpa attention. Candidates, timed interleaved round by round in one
+process (so load from other processes hits every candidate alike), one torch thread:
+
+- one plain gradient: ``torch.autograd.grad`` of the target logits w.r.t. the input;
+- ``explain(model, x, "input_x_gradient", target)``: the library's own overhead;
+- ``explain(model, x, "lrp.attn", target)`` and ``"lrp.cp"``.
+
+Peak memory: each candidate runs once in a fresh process (after the model is built and has run
+one forward pass); a thread samples the resident set every millisecond, and the peak above the
+resident set before the call is what the candidate needed. Goals (issue 20): ≤ 1.2× the
+gradient's time and ≤ 1.3× its peak memory.
+
+    python benchmarks/bench_transformers_speed.py             # ~10 min on 2 cores
+    python benchmarks/bench_transformers_speed.py --quick     # small sizes, a smoke run
+
+With ``--lxt`` (in lxt's throw-away environment, see ``crosscheck_lxt.py``) it times lxt 2.1's
+AttnLRP and CP-LRP on BERT-base beside the plain gradient of the same model in the same process
+and writes ``transformers_speed_lxt.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from harness import interleaved_medians, write_results
+from torch import nn
+
+METHODS = ("input_x_gradient", "lrp.attn", "lrp.cp")
+
+
+class Logits(nn.Module):
+    """A Hugging Face model's logits from one tensor input (``inputs_embeds``, ``pixel_values``)."""
+
+    def __init__(self, model: nn.Module, key: str) -> None:
+        super().__init__()
+        self.model, self.key = model, key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(**{self.key: x}).logits
+
+
+def build(name: str, quick: bool) -> tuple[nn.Module, torch.Tensor]:
+    """The model (in eval mode) and its input batch."""
+    import transformers
+
+    torch.manual_seed(0)
+    small = {"num_hidden_layers": 2, "hidden_size": 96, "intermediate_size": 192} if quick else {}
+    if name == "bert-base":
+        config = transformers.BertConfig(num_labels=2, attn_implementation="sdpa", **small)
+        model = Logits(transformers.BertForSequenceClassification(config), "inputs_embeds")
+        x = torch.randn(8, 32 if quick else 128, config.hidden_size)
+    else:
+        config = transformers.ViTConfig(num_labels=10, attn_implementation="sdpa", **small)
+        model = Logits(transformers.ViTForImageClassification(config), "pixel_values")
+        x = torch.randn(4, 3, 224, 224)
+    return model.eval(), x
+
+
+def candidates(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]]:
+    """Name → one explanation of the batch ``x`` (its first predicted classes)."""
+    from explain_core import explain
+
+    with torch.no_grad():
+        target = model(x).argmax(1)
+
+    def gradient() -> torch.Tensor:
+        inputs = x.detach().requires_grad_(True)
+        scores = model(inputs).gather(1, target[:, None]).sum()
+        return torch.autograd.grad(scores, inputs)[0]
+
+    runs: dict[str, Callable[[], Any]] = {"gradient": gradient}
+    for method in METHODS:
+        runs[method] = lambda method=method: explain(model, x, method, target)
+    return runs
+
+
+class PeakResidentSet:
+    """The largest resident set seen by a thread sampling ``/proc/self/statm`` every 1 ms."""
+
+    def __init__(self) -> None:
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.now()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * self.page
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def __enter__(self) -> PeakResidentSet:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.now())
+
+
+def memory_worker(name: str, candidate: str, quick: bool) -> None:
+    """Print the peak memory (bytes above the start) of one candidate, in this fresh process."""
+    torch.set_num_threads(1)
+    model, x = build(name, quick)
+    run = candidates(model, x)[candidate]  # (runs one forward pass for the targets)
+    before = PeakResidentSet().now()
+    with PeakResidentSet() as peak:
+        run()
+    print(json.dumps({"extra_bytes": peak.peak - before}))
+
+
+def peak_memory(name: str, candidate: str, quick: bool) -> int:
+    """Bytes a candidate needs above the built model, in a fresh process."""
+    command = [sys.executable, __file__, "--memory-worker", name, candidate]
+    if quick:
+        command.append("--quick")
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
+
+
+def measure(name: str, rounds: int, quick: bool) -> list[dict[str, Any]]:
+    """Rows for one model: median seconds and peak memory, with ratios to the gradient."""
+    model, x = build(name, quick)
+    runs = candidates(model, x)
+    seconds = interleaved_medians(runs, rounds)
+    memory = {candidate: peak_memory(name, candidate, quick) for candidate in runs}
+    rows = []
+    for candidate in runs:
+        rows.append(
+            {
+                "model": name,
+                "input": "×".join(map(str, x.shape)),
+                "candidate": candidate,
+                "median s": seconds[candidate],
+                "× gradient time": seconds[candidate] / seconds["gradient"],
+                "peak MiB above model": memory[candidate] / 2**20,
+                "× gradient memory": memory[candidate] / memory["gradient"],
+            }
+        )
+        print(rows[-1], flush=True)
+    return rows
+
+
+def lxt_rows(rounds: int) -> list[dict[str, Any]]:
+    """lxt's AttnLRP and CP-LRP on BERT-base beside the plain gradient, in this process."""
+    import transformers
+    from lxt.efficient import monkey_patch
+    from transformers.models.bert import modeling_bert
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(num_labels=2, attn_implementation="eager")
+    weights = transformers.BertForSequenceClassification(config).eval().state_dict()
+    x = torch.randn(8, 128, config.hidden_size)
+
+    def timed(model: nn.Module) -> float:
+        target = model(inputs_embeds=x).logits.argmax(1)
+
+        def run() -> None:
+            inputs = x.detach().requires_grad_(True)
+            scores = model(inputs_embeds=inputs).logits.gather(1, target[:, None]).sum()
+            torch.autograd.grad(scores, inputs)
+
+        return statistics.median(interleaved_medians({"run": run}, rounds).values())
+
+    def fresh() -> nn.Module:
+        model = transformers.BertForSequenceClassification(config).eval()
+        model.load_state_dict(weights)
+        return model
+
+    gradient = timed(fresh())
+    rows = []
+    for label, options in (("lxt AttnLRP", {}), ("lxt CP-LRP", {"cp": True})):
+        from lxt.efficient.patches import cp_LRP_patch_map, patch_map
+
+        monkey_patch(modeling_bert, patch_map=cp_LRP_patch_map if options else patch_map)
+        seconds = timed(fresh())
+        rows.append(
+            {
+                "model": "bert-base",
+                "candidate": label,
+                "median s": seconds,
+                "gradient median s (same process, before patching)": gradient,
+                "× gradient time": seconds / gradient,
+            }
+        )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="small models, a smoke run")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--lxt", action="store_true", help="time lxt (its environment only)")
+    parser.add_argument("--memory-worker", nargs=2, metavar=("MODEL", "CANDIDATE"))
+    args = parser.parse_args()
+    if args.memory_worker:
+        memory_worker(*args.memory_worker, args.quick)
+        return
+    torch.set_num_threads(1)
+    if args.lxt:
+        rows = lxt_rows(args.rounds)
+        write_results(
+            "transformers_speed_lxt",
+            rows,
+            title="lxt 2.1's AttnLRP and CP-LRP on BERT-base against one plain gradient",
+            command="HF_HUB_OFFLINE=1 /tmp/lxt_env/bin/python "
+            "benchmarks/bench_transformers_speed.py --lxt",
+            notes=LXT_NOTES,
+        )
+        return
+    rows = [
+        row for name in ("bert-base", "vit-b16") for row in measure(name, args.rounds, args.quick)
+    ]
+    if args.quick:
+        return
+    write_results(
+        "transformers_speed",
+        rows,
+        title="AttnLRP and CP-LRP at real sizes against one plain input gradient",
+        command="python benchmarks/bench_transformers_speed.py",
+        notes=NOTES,
+    )
+
+
+NOTES = (
+    "Medians of 5 interleaved rounds, one torch thread, float32, sdpa attention, random weights "
+    "(BERT-base: batch 8, sequence 128, at the input embeddings; ViT-B/16: batch 4, 224×224). "
+    "peak MiB above model: the largest resident set during one call in a fresh process, minus "
+    "the resident set before it (the model built and run once). Goal (issue 20): ≤ 1.2× the "
+    "gradient's time and ≤ 1.3× its peak memory."
+)
+LXT_NOTES = (
+    "lxt 2.1 in its own environment (transformers 4.53, eager attention; see crosscheck_lxt.py): "
+    "the plain gradient of BERT-base (batch 8, sequence 128, one torch thread) timed first, then "
+    "the same weights after lxt's monkey_patch (AttnLRP's patch map, then CP-LRP's): one "
+    "forward and backward each, medians of 5 rounds."
+)
+
+
+if __name__ == "__main__":
+    main()
