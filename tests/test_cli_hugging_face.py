@@ -37,8 +37,21 @@ def test_text_classifier_gives_tokens_pictures_and_values(tmp_path, tokenizer, c
     model = transformers.BertForSequenceClassification(config).eval()
     saved(tmp_path / "bert", model, tokenizer)
     code, out, err = run_cli(
-        ["attribute", "--hf", str(tmp_path / "bert"), "--method", "lrp.cp", "--target", "2"]
-        + ["--text", "a wonderful film", "--text", "dull", "--out", str(tmp_path / "out")],
+        [
+            "attribute",
+            "--hf",
+            str(tmp_path / "bert"),
+            "--method",
+            "lrp.cp",
+            "--target",
+            "2",
+            "--text",
+            "a wonderful film",
+            "--text",
+            "dull",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capsys,
     )
     assert code == 0, err
@@ -61,8 +74,17 @@ def test_language_model_explains_the_next_token(tmp_path, tokenizer, capsys):
     model = transformers.LlamaForCausalLM(config).eval()
     saved(tmp_path / "llama", model, tokenizer)
     code, out, err = run_cli(
-        ["attribute", "--hf", str(tmp_path / "llama"), "--method", "lrp.attn"]
-        + ["--text", "the cat sat on the", "--out", str(tmp_path / "out")],
+        [
+            "attribute",
+            "--hf",
+            str(tmp_path / "llama"),
+            "--method",
+            "lrp.attn",
+            "--text",
+            "the cat sat on the",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capsys,
     )
     assert code == 0, err
@@ -89,8 +111,18 @@ def test_image_classifier_gives_patch_overlays(tmp_path, capsys):
     picture = (np.random.default_rng(0).random((40, 40, 3)) * 255).astype(np.uint8)
     Image.fromarray(picture).save(tmp_path / "digit.png")
     code, out, err = run_cli(
-        ["attribute", str(tmp_path / "digit.png"), "--hf", str(tmp_path / "vit")]
-        + ["--method", "lrp.attn", "--target", "1", "--out", str(tmp_path / "out")],
+        [
+            "attribute",
+            str(tmp_path / "digit.png"),
+            "--hf",
+            str(tmp_path / "vit"),
+            "--method",
+            "lrp.attn",
+            "--target",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capsys,
     )
     assert code == 0, err
@@ -108,22 +140,48 @@ def test_folders_without_safetensors_or_processor_are_refused(tmp_path, tokenize
     model.config.save_pretrained(tmp_path / "pickled")  # with pickled weights only
     torch.save(model.state_dict(), tmp_path / "pickled" / "pytorch_model.bin")
     code, _, err = run_cli(
-        ["attribute", "--hf", str(tmp_path / "pickled"), "--method", "lrp.cp"]
-        + ["--text", "x", "--out", str(tmp_path / "out")],
+        [
+            "attribute",
+            "--hf",
+            str(tmp_path / "pickled"),
+            "--method",
+            "lrp.cp",
+            "--text",
+            "x",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capsys,
     )
     assert code == 1 and "pickled weights (pytorch_model.bin) are never loaded" in err
     saved(tmp_path / "bert", model, tokenizer)
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "a.png")
     code, _, err = run_cli(
-        ["attribute", str(tmp_path / "a.png"), "--hf", str(tmp_path / "bert")]
-        + ["--method", "lrp.cp", "--out", str(tmp_path / "out")],
+        [
+            "attribute",
+            str(tmp_path / "a.png"),
+            "--hf",
+            str(tmp_path / "bert"),
+            "--method",
+            "lrp.cp",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capsys,
     )
     assert code == 1 and "no preprocessor_config.json" in err
     code, _, err = run_cli(
-        ["attribute", "--model", "x:y", "--method", "lrp.cp", "--text", "x"]
-        + ["--out", str(tmp_path / "out")],
+        [
+            "attribute",
+            "--model",
+            "x:y",
+            "--method",
+            "lrp.cp",
+            "--text",
+            "x",
+            "--out",
+            str(tmp_path / "out"),
+        ],
         capsys,
     )
     assert code == 1 and "--text needs a Hugging Face model" in err

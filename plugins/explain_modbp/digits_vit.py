@@ -43,7 +43,7 @@ class DigitsViT(nn.Module):
         self,
         image_size: int = 8,
         patch_size: int = 2,
-        dim: int = 48,
+        dim: int = 32,
         depth: int = 3,
         heads: int = 4,
         mlp_ratio: int = 2,
@@ -162,8 +162,7 @@ def train_digits_vit(
 
     Deterministic for a given ``seed`` and thread count: the initialisation and the batch order
     come from seeded generators, and AdamW with a linear warm-up and cosine decay needs no
-    tuning per run. Small random shifts of ±1 pixel augment the 1348 training images, which
-    ViTs (no convolutional prior) need more than CNNs do.
+    tuning per run. No augmentation: random ±1-pixel shifts were tried and cost accuracy here.
 
     Args:
         seed: Seed of the initialisation, batch order and augmentation.
@@ -201,26 +200,15 @@ def train_digits_vit(
         order = torch.randperm(len(x), generator=generator)
         running = 0.0
         for batch in order.split(batch_size):
-            images = _shift(x[batch], generator)
-            loss = F.cross_entropy(model(images), y[batch])
+            loss = F.cross_entropy(model(x[batch]), y[batch])
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
             schedule.step()
-            running += float(loss) * len(batch)
+            running += loss.item() * len(batch)
         if verbose and (epoch + 1) % 10 == 0:
             print(f"epoch {epoch + 1}/{epochs}: loss {running / len(x):.4f}", flush=True)
     model.eval()
     with torch.no_grad():
         predicted = model(digits.test_images).argmax(1)
     return model, float((predicted == digits.test_labels).float().mean())
-
-
-def _shift(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Each image shifted by −1, 0 or +1 pixels along each axis, the border filled with 0."""
-    padded = F.pad(images, (1, 1, 1, 1))
-    size = images.shape[-1]
-    offsets = torch.randint(0, 3, (len(images), 2), generator=generator)
-    return torch.stack(
-        [p[:, i : i + size, j : j + size] for p, (i, j) in zip(padded, offsets.tolist())]
-    )
