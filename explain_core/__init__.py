@@ -47,7 +47,7 @@ from explain_core.interfaces import (
 from explain_core.model_guard import ModelGuard
 from explain_core.plugin_manager import get_plugin_manager, get_registry, package_version
 from explain_core.registry import Method, MethodResult, MethodSpec
-from explain_core.tokens import TokenAttribution, explain_tokens
+from explain_core.tokens import TokenAttribution, explain_inputs, explain_tokens
 
 __version__ = package_version()
 
@@ -87,6 +87,7 @@ __all__ = [
     "__version__",
     "dynamic_linear_contributions",
     "explain",
+    "explain_inputs",
     "explain_tokens",
     "explanation_mode",
     "get_plugin_manager",

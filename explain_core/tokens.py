@@ -1,4 +1,4 @@
-"""Explaining models that take token ids: attributions at the embeddings, and per token.
+"""Models called with keyword inputs: token ids explained at their embeddings, or any input.
 
 Integer token ids carry no gradient, so a language model is explained at its embedding output:
 :func:`explain_tokens` embeds the ids once, runs the model from those vectors (the Hugging Face
@@ -6,6 +6,8 @@ convention ``model(inputs_embeds=..., attention_mask=..., ...)``) and returns th
 every vector and its sum per token. The model's other inputs (attention mask, token types, …) go
 with every call; a model returning an output object is read at ``.logits``; for a score per
 position (a language model's next token), ``position`` picks the one explained.
+:func:`explain_inputs` does the same for a floating-point input given by name
+(``pixel_values``, say).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from explain_core.attribution import Attribution
 from explain_core.errors import InvalidInputError
 from explain_core.targets import TargetLike
 
-__all__ = ["TokenAttribution", "explain_tokens"]
+__all__ = ["TokenAttribution", "explain_inputs", "explain_tokens"]
 
 
 @dataclass
@@ -64,8 +66,8 @@ class _EmbeddingTables(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-class _FromEmbeddings(nn.Module):
-    """The model run from its embeddings, returning ``(batch, n_outputs)`` scores.
+class _KeywordModel(nn.Module):
+    """The model run from one of its keyword inputs, returning ``(batch, n_outputs)`` scores.
 
     With ``tables``, the input is ``(batch, 1 + len(tables), tokens, hidden)``: the token
     vectors, then the vectors those embedding tables give each token (which the model's own
@@ -75,7 +77,7 @@ class _FromEmbeddings(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        others: Mapping[str, torch.Tensor],
+        others: Mapping[str, Any],
         key: str,
         position: int | None,
         tables: Sequence[nn.Embedding] = (),
@@ -105,6 +107,9 @@ class _FromEmbeddings(nn.Module):
         others = {}
         samples = embeddings.shape[0]
         for name, value in self.others.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                others[name] = value  # an option (a flag, a number): as given
+                continue
             copies, rest = divmod(samples, value.shape[0])
             if samples < value.shape[0]:  # the first samples (the engine traces on one)
                 others[name] = value[:samples]
@@ -135,6 +140,47 @@ class _FromEmbeddings(nn.Module):
                 )
             scores = scores[:, self.position]
         return scores
+
+
+def explain_inputs(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    method: str,
+    target: TargetLike = None,
+    *,
+    explained: str,
+    position: int | None = None,
+    **options: Any,
+) -> Attribution:
+    """Explain a model called with keyword inputs at one of them, the others held as given.
+
+    For Hugging Face models and any model whose ``forward`` takes several inputs:
+    ``explain_inputs(vit, {"pixel_values": x}, "lrp.attn", 3, explained="pixel_values")``.
+    The model may return scores or an output object with ``.logits``; ``position`` picks the
+    explained position of a score per position. Other tensors with a batch axis go with every
+    call (stacked as methods stack the batch); other values (flags, numbers) are passed as given.
+
+    Args:
+        model: The model, in eval mode, called as ``model(**inputs)``.
+        inputs: Its inputs by name.
+        method: A registered method.
+        target: The explained output (see :func:`~explain_core.explain`).
+        explained: The name of the floating-point input to explain.
+        position: For a score per position ``(batch, positions, n)``: the explained position.
+        **options: Method options (``baselines=`` too, shaped like the explained input).
+
+    Raises:
+        InvalidInputError: If ``explained`` is not a floating-point tensor among ``inputs``.
+    """
+    value = inputs.get(explained)
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+        raise InvalidInputError(
+            f"explained={explained!r} must name a floating-point tensor among the inputs "
+            f"{sorted(inputs)}; token ids are explained at their embeddings with explain_tokens"
+        )
+    others = {name: other for name, other in inputs.items() if name != explained}
+    wrapped = _KeywordModel(model, others, explained, position)
+    return explain(wrapped, value, method, target, **options)
 
 
 def explain_tokens(
@@ -210,7 +256,7 @@ def explain_tokens(
             )
         looked_up = _looked_up_vectors(model, vectors, others, embeddings_key, tables)
         vectors = torch.stack([vectors, *looked_up], dim=1)
-    wrapped = _FromEmbeddings(model, others, embeddings_key, position, list(tables.values()))
+    wrapped = _KeywordModel(model, others, embeddings_key, position, list(tables.values()))
     result = explain(wrapped, vectors, method, target, **options)
     mask = inputs.get("attention_mask")
     keep = None
@@ -256,7 +302,7 @@ def _tables_looked_up(
             return func(*args, **kwargs)
 
     with torch.no_grad(), Probe():
-        _FromEmbeddings(model, others, key, None)._call_model(vectors[:1])
+        _KeywordModel(model, others, key, None)._call_model(vectors[:1])
     return seen
 
 
@@ -282,7 +328,7 @@ def _looked_up_vectors(
             return result
 
     with torch.no_grad(), Record():
-        _FromEmbeddings(model, others, key, None)._call_model(vectors)
+        _KeywordModel(model, others, key, None)._call_model(vectors)
     return [
         found[id(table.weight)].expand(vectors.shape).detach().clone() for table in tables.values()
     ]

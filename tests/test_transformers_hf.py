@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from explain_core import explain
+from explain_core.errors import InvalidInputError
 
 transformers = pytest.importorskip("transformers", reason="the transformers extra is missing")
 
@@ -341,3 +342,40 @@ def test_absorbed_needs_embedding_tables_besides_the_tokens():
     model, _, _ = build("llama", "sdpa")  # rotary positions: no table
     with pytest.raises(InvalidInputError, match="no embedding table besides"):
         explain_tokens(model, {"input_ids": torch.tensor([[1, 2, 3]])}, "lrp.cp", 0, absorbed=True)
+
+
+def test_explain_inputs_explains_one_named_input_of_several():
+    from explain_core import explain_inputs
+
+    model, key, shape = build("vit", "sdpa")
+    pixels = inputs(shape)
+    by_name = explain_inputs(model, {"pixel_values": pixels}, "lrp.attn", 1, explained=key)
+    expected = explain(Logits(model, key), pixels, "lrp.attn", 1)
+    torch.testing.assert_close(by_name.attribution, expected.attribution, rtol=0, atol=0)
+
+    class TwoInputs(nn.Module):  # a second tensor (held as given) and a flag
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 3), nn.Linear(2, 3)
+
+        def forward(self, x: torch.Tensor, context: torch.Tensor, double: bool) -> torch.Tensor:
+            return (self.a(x) * (2.0 if double else 1.0) + self.b(context)).relu()
+
+    two = TwoInputs().double().eval()
+    x, context = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    result = explain_inputs(
+        two, {"x": x, "context": context, "double": True}, "integrated_gradients", 0, explained="x"
+    )
+
+    class Reference(nn.Module):  # the context stacked as the method stacks the batch
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            n = x.shape[0]
+            return two(x, context[:n] if n < 5 else context.repeat(n // 5, 1), True)
+
+    torch.testing.assert_close(
+        result.attribution, explain(Reference(), x, "integrated_gradients", 0).attribution
+    )
+    with pytest.raises(InvalidInputError, match="explained='double' must name"):
+        explain_inputs(
+            two, {"x": x, "context": context, "double": True}, "gradient", explained="double"
+        )

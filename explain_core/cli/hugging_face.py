@@ -105,27 +105,12 @@ def _scores_per_position(model: Any, batch: dict[str, Any]) -> bool:
     return getattr(output, "logits", output).dim() == 3
 
 
-def _pixel_logits(model: Any) -> Any:
-    """The module explained for images: ``pixel_values`` → ``.logits``."""
-    from torch import nn
-
-    class PixelLogits(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = model
-
-        def forward(self, pixel_values: Any) -> Any:
-            return self.model(pixel_values=pixel_values).logits
-
-    return PixelLogits().eval()
-
-
 def _explain_images(model: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
     import numpy as np
 
-    from explain_core.api import explain
     from explain_core.files import write_atomically
     from explain_core.plots import save_overlay
+    from explain_core.tokens import explain_inputs
 
     transformers = require("transformers", "explaining Hugging Face models")
     Image = require("PIL.Image", "reading images")  # noqa: N806
@@ -140,7 +125,14 @@ def _explain_images(model: Any, args: argparse.Namespace, options: dict[str, Any
     )
     images = [Image.open(path).convert("RGB") for path in args.inputs]
     pixels = processor(images=images, return_tensors="pt")["pixel_values"]
-    result = explain(_pixel_logits(model), pixels, args.method, args.target, **options)
+    result = explain_inputs(
+        model,
+        {"pixel_values": pixels},
+        args.method,
+        args.target,
+        explained="pixel_values",
+        **options,
+    )
     patch = getattr(model.config, "patch_size", None)
     for index, path in enumerate(args.inputs):
         stem = args.out / path.stem
