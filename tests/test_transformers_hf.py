@@ -379,3 +379,17 @@ def test_explain_inputs_explains_one_named_input_of_several():
         explain_inputs(
             two, {"x": x, "context": context, "double": True}, "gradient", explained="double"
         )
+
+
+def test_an_attribution_leaves_nothing_of_its_pass_alive():
+    """No reference cycle through the autograd graph keeps a pass (and its tensors) alive."""
+    import gc
+
+    from explain_core.engine.attach import RulePass
+
+    model, key, shape = build("bert", "sdpa")  # GELU modules: rules that re-run their module
+    x = inputs(shape)
+    for method in ("lrp.attn", "lrp.cp"):
+        explain(Logits(model, key), x, method, 1)
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, RulePass)]

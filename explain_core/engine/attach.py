@@ -9,6 +9,7 @@ computed from tensors saved in the forward pass; an operation handler runs as a
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -285,9 +286,10 @@ class RulePass(ModuleListener):
         self.calls: dict[str, int] = {}
         self.custom = {id(model.get_submodule(name)): name for name in plan.custom}
         self.pending: dict[str, RuleCall] = {}
-        # tensor id → (tensor, the ruled call that returned it); the tensor is kept so that
-        # its id is not reused during the pass
-        self.producers: dict[int, tuple[torch.Tensor, RuleCall]] = {}
+        # tensor id → (a weak reference to it, the ruled call that returned it); a strong one
+        # would make a cycle through the autograd graph (tensor → its node → call) that
+        # Python's collector cannot see
+        self.producers: dict[int, tuple[weakref.ref[torch.Tensor], RuleCall]] = {}
         self._plan_modules()
 
     @contextlib.contextmanager
@@ -346,19 +348,24 @@ class RulePass(ModuleListener):
     def produced(self, output: Any, call: RuleCall) -> Any:
         """Note that ruled ``call`` returned ``output`` (for the sources of later calls)."""
         if isinstance(output, torch.Tensor):
-            self.producers[id(output)] = (output, call)
+            self.producers[id(output)] = (weakref.ref(output), call)
         return output
 
     def source_of(self, tensor: torch.Tensor) -> RuleCall | None:
         """The ruled call of this pass that returned ``tensor``, if any."""
         entry = self.producers.get(id(tensor))
-        return entry[1] if entry is not None and entry[0] is tensor else None
+        return entry[1] if entry is not None and entry[0]() is tensor else None
 
     def _plain_call(self, module: nn.Module) -> Any:
         """``module`` as written, without this pass's rules (for a rule that re-runs it)."""
+        # A weak reference: the call holding this function is reachable from the autograd
+        # graph, and a cycle back to the pass through it would outlive the attribution.
+        attached = weakref.ref(self)
 
         def run(*inputs: torch.Tensor) -> Any:
-            with self.internal_ops(), unheard():
+            rules = attached()
+            internal = rules.internal_ops() if rules is not None else contextlib.nullcontext()
+            with internal, unheard():
                 return module(*inputs)
 
         return run
