@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from explain_core import Composite, InvalidInputError, Rule, explain
@@ -172,3 +173,30 @@ def test_the_uniform_rule_splits_a_product_of_two_activations_in_half():
 def test_without_a_rule_a_product_of_two_activations_is_refused():
     with pytest.raises(InvalidInputError, match="multiplies or divides two input-dependent"):
         explain(Gated().double().eval(), X, "lrp.z", 0)
+
+
+def test_tensors_a_rule_keeps_are_checked_for_in_place_changes():
+    """Kept by reference: an output changed later is computed again, a changed input refused."""
+    from explain_core.errors import UnsupportedModelError
+    from explain_modbp.transformer import lrp_attn
+
+    class Later(nn.Module):
+        def __init__(self, change: str) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b, self.change = nn.Linear(4, 4), nn.Linear(4, 2), change
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            y = F.gelu(h)  # the pass rule reads h and y in backward
+            (y if self.change == "output" else h).mul_(2.0)
+            return self.b(y)
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    model = Later("output").double().eval()
+    got = explain(model, x, "gradient", 1, composite=lrp_attn()).attribution
+    h = model.a(x).detach()
+    expected = (2.0 * model.b.weight[1] * (F.gelu(h) / h)) @ model.a.weight  # R passes GELU
+    torch.testing.assert_close(got, expected.detach())
+    with pytest.raises(UnsupportedModelError, match="changed in place later in forward"):
+        explain(Later("input").double().eval(), x, "gradient", 1, composite=lrp_attn())

@@ -76,45 +76,60 @@ class _RuleFunction(torch.autograd.Function):
         return grad, None, None, None
 
 
-class _ModuleEntry(torch.autograd.Function):
-    """Identity on a ruled module's inputs whose backward is the module's rule."""
+class _ModuleRule(torch.autograd.Function):
+    """A ruled module's output, from its inputs, with the module's rule as backward.
+
+    The module itself ran without autograd (its own graph would only be thrown away): this
+    function is the one step from the module's inputs to its output.
+    """
 
     @staticmethod
-    def forward(ctx: Any, rule: Rule, call: RuleCall, *inputs: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, rule: Rule, call: RuleCall, output: torch.Tensor, *inputs: torch.Tensor
+    ) -> torch.Tensor:
         ctx.rule, ctx.call = rule, call
-        call.state = tuple(t._version for t in call.inputs)  # to find changes made in place
-        if getattr(call.module, "inplace", False):  # ReLU(inplace=True) changes its inputs
-            return tuple(t.clone() for t in inputs)
-        return tuple(t.view_as(t) for t in inputs)
+        ctx.versions = _versions(call)
+        return output
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    @once_differentiable
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rule: Rule = ctx.rule
         call: RuleCall = ctx.call
-        if call.grad_output is None:  # the module's output never reached what is differentiated
-            return (None, None, *grads)
+        _check_versions(rule, call, ctx.versions, f"module {call.name or '<root>'!r}")
+        call.grad_output = grad_output
         with torch.enable_grad():
-            results = tuple(rule.backward(call, call.grad_output))
+            results = tuple(rule.backward(call, grad_output))
         if len(results) != len(call.inputs):
             raise InvalidInputError(
                 f"{type(rule).__name__}.backward returned {len(results)} tensors for the "
                 f"{len(call.inputs)} tensor inputs of module {call.name or '<root>'!r}"
             )
-        return (None, None, *results)
+        return (None, None, None, *results)
 
 
-class _ModuleExit(torch.autograd.Function):
-    """Identity on a ruled module's output that hands the arriving signal to its call."""
+def _versions(call: RuleCall) -> tuple[int, ...]:
+    """The version counters of the call's inputs and output (to find in-place changes)."""
+    return tuple(t._version for t in (*call.inputs, call.output))
 
-    @staticmethod
-    def forward(ctx: Any, call: RuleCall, output: torch.Tensor) -> torch.Tensor:
-        ctx.call = call
-        return output.clone()
 
-    @staticmethod
-    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[None, torch.Tensor]:
-        ctx.call.grad_output = grad_output
-        return None, grad_output
+def _check_versions(rule: Rule, call: RuleCall, versions: tuple[int, ...], what: str) -> None:
+    """Before backward: what the model changed in place since the call.
+
+    Inputs changed in place are refused (as autograd does); an output changed in place is
+    computed again from the inputs if the rule reads it.
+    """
+    *inputs, output = versions
+    if any(t._version != v for t, v in zip(call.inputs, inputs, strict=True)):
+        raise UnsupportedModelError(
+            f"an input of {what} was changed in place later in forward (as autograd's own "
+            "backward would refuse for most operations); write that change out of place "
+            "(e.g. h = h + x, not h += x)"
+        )
+    if rule.output_in_backward and call.output._version != output:
+        assert call.function is not None
+        with torch.no_grad():
+            call.output = call.function(*call.inputs).detach()
 
 
 class _OpRuleFunction(torch.autograd.Function):
@@ -134,13 +149,14 @@ class _OpRuleFunction(torch.autograd.Function):
                 f"operation {call.name!r} returns {type(y).__name__}; a rule needs an "
                 "operation that returns one tensor"
             )
-        if any(y is t for t in inputs):
+        call.output = y.detach()
+        if any(y is t for t in inputs):  # in place: autograd moves y's version on; a copy
             ctx.mark_dirty(y)
-        call.output = y.detach().clone()  # later code may change y in place (relu_ after it)
+            call.output = call.output.clone()
         with torch.no_grad():
             call.state = rule.forward(call)
-        # Inputs are saved by reference, as autograd saves tensors: versions tell changes.
-        ctx.versions = tuple(t._version for t in call.inputs)
+        # Saved by reference, as autograd saves tensors: versions tell in-place changes.
+        ctx.versions = _versions(call)
         ctx.rule, ctx.call = rule, call
         return y
 
@@ -148,12 +164,7 @@ class _OpRuleFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
         call: RuleCall = ctx.call
-        if any(t._version != v for t, v in zip(call.inputs, ctx.versions, strict=True)):
-            raise UnsupportedModelError(
-                f"an input of operation {call.name!r} was changed in place after the operation "
-                "(as autograd's own backward would refuse for most operations); write that "
-                "change out of place in forward (e.g. h = h + x, not h += x)"
-            )
+        _check_versions(ctx.rule, call, ctx.versions, f"operation {call.name!r}")
         call.grad_output = grad_output
         grads = tuple(ctx.rule.backward(call, grad_output))
         if len(grads) != len(call.inputs):
@@ -185,7 +196,7 @@ def _apply_op_rule(
         and value.requires_grad
         and not isinstance(value, nn.Parameter)
     ]
-    if not positions:  # nothing here depends on the input: no backward to replace
+    if len(positions) < max(rule.min_inputs, 1):  # e.g. no input-dependent tensor at all
         return func(*args, **kwargs)
 
     def apply(*values: torch.Tensor) -> Any:
@@ -285,7 +296,8 @@ class RulePass(ModuleListener):
         self.counted: dict[int, str] = {}
         self.calls: dict[str, int] = {}
         self.custom = {id(model.get_submodule(name)): name for name in plan.custom}
-        self.pending: dict[str, RuleCall] = {}
+        # module name → (its call, its inputs as given, the grad mode to restore after it)
+        self.pending: dict[str, tuple[RuleCall, tuple[torch.Tensor, ...], bool]] = {}
         # tensor id → (a weak reference to it, the ruled call that returned it); a strong one
         # would make a cycle through the autograd graph (tensor → its node → call) that
         # Python's collector cannot see
@@ -332,18 +344,25 @@ class RulePass(ModuleListener):
         if name is None:
             return None
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        in_place = getattr(module, "inplace", False) is True  # ReLU(inplace=True)
+        detached = tuple(t.detach().clone() if in_place else t.detach() for t in tensors)
         call = RuleCall(
             module,
             name,
-            tuple(t.detach() for t in tensors),
+            detached,
             torch.empty(0),
             function=self._plain_call(module),
             sources=tuple(self.source_of(t) for t in tensors),
             branch_free=self.plan.branch_free,
         )
-        self.pending[name] = call
-        wrapped = iter(_ModuleEntry.apply(self.plan.custom[name], call, *tensors))
-        return tuple(next(wrapped) if isinstance(a, torch.Tensor) else a for a in args)
+        call.state = tuple(t._version for t in detached)  # to find changes made in place
+        self.pending[name] = (call, tensors, torch.is_grad_enabled())
+        # The module runs without autograd on copies of the references (_ModuleRule is its
+        # backward); the grad mode comes back in after(), or with the pass's own context
+        # if the module raises.
+        torch.set_grad_enabled(False)
+        given = iter(t.clone() if in_place else t.detach() for t in tensors)
+        return tuple(next(given) if isinstance(a, torch.Tensor) else a for a in args)
 
     def produced(self, output: Any, call: RuleCall) -> Any:
         """Note that ruled ``call`` returned ``output`` (for the sources of later calls)."""
@@ -386,7 +405,8 @@ class RulePass(ModuleListener):
         return self._apply_rule(ruled[0], ruled[1], module, args, output)
 
     def _apply_custom(self, name: str, module: nn.Module, output: Any) -> torch.Tensor:
-        call = self.pending.pop(name)
+        call, inputs, grad_mode = self.pending.pop(name)
+        torch.set_grad_enabled(grad_mode)
         if not isinstance(output, torch.Tensor):
             raise InvalidInputError(
                 f"module {name or '<root>'!r} ({type(module).__name__}) returns "
@@ -402,7 +422,7 @@ class RulePass(ModuleListener):
         rule = self.plan.custom[name]
         with torch.no_grad():
             call.state = rule.forward(call)
-        return self.produced(_ModuleExit.apply(call, output), call)
+        return self.produced(_ModuleRule.apply(rule, call, output.detach(), *inputs), call)
 
     def _plan_modules(self) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""

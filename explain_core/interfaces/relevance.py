@@ -54,7 +54,7 @@ class RuleCall:
         name: Its qualified name inside the model (``""`` for the root), or the operation's kind.
         inputs: The tensor inputs of the call, detached (not copied, as autograd saves
             tensors: an operation's input changed in place before backward is refused).
-        output: The output of the call, detached (a copy: later code may change it in place).
+        output: The output of the call, detached (not copied: see ``output_in_backward``).
         state: Whatever :meth:`Rule.forward` returned for this call.
         grad_output: The signal that arrived at the output during backward (set by the engine).
         function: The call as written, applied to other values of its input tensors (one
@@ -98,9 +98,18 @@ class Rule(ABC):
         returns_relevance: :meth:`backward` returns relevance, not a signal, at the input. Such
             rules (Deep Taylor's w², flat, z^B) only apply to the layer that reads the model
             input: relevance cannot be propagated further down.
+        output_in_backward: :meth:`backward` reads ``call.output``. The engine keeps the
+            call's tensors by reference (no copies, as autograd saves tensors); an output the
+            model changes in place later in its forward is computed again from the inputs
+            for such rules (inputs changed in place are refused, as autograd does).
+        min_inputs: An operation rule applies to calls with at least this many
+            input-dependent tensors; others pass the gradient (a product rule needs two
+            factors: a product with a weight is linear).
     """
 
     returns_relevance: ClassVar[bool] = False
+    output_in_backward: ClassVar[bool] = True
+    min_inputs: ClassVar[int] = 1
 
     def applies_to(self, module: nn.Module) -> bool:
         """Whether the rule can serve ``module`` (composites skip entries that cannot)."""

@@ -82,22 +82,27 @@ class PassRelevance(Rule):
     operations; an RMSNorm with its scale held constant: ``y/x = w / rms``).
     """
 
-    def forward(self, call: RuleCall) -> torch.Tensor:  # noqa: D102
+    def forward(self, call: RuleCall) -> torch.Tensor | None:  # noqa: D102
         (z,) = call.inputs
         if call.output.shape != z.shape:
             raise InvalidInputError(
                 f"the pass rule needs an element-wise map; {call.name!r} maps "
                 f"{tuple(z.shape)} to {tuple(call.output.shape)}"
             )
-        flat = z == 0
-        if not call.branch_free and not bool(flat.any()):
-            return call.output / z
+        if not call.branch_free and not bool((z == 0).any()):
+            return None  # f(z)/z everywhere: computed in backward from what is kept anyway
         # the limit f'(0) where z = 0 (f(0) = 0 for these maps)
         run = call.function if call.function is not None else call.module
         with torch.enable_grad():
             t = z.detach().requires_grad_(True)
             (slope,) = torch.autograd.grad(run(t), t, torch.ones_like(t))
-        return torch.where(flat, slope, call.output / z.masked_fill(flat, 1.0))
+        return slope
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        return (grad_output * call.state,)
+        (z,) = call.inputs
+        if call.state is None:
+            return (grad_output * (call.output / z),)
+        flat = z == 0
+        return (
+            grad_output * torch.where(flat, call.state, call.output / z.masked_fill(flat, 1.0)),
+        )

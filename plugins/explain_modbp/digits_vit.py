@@ -6,8 +6,8 @@ no dropout), a final LayerNorm and a linear head on the class token — the layo
 so that it trains in seconds on two CPU cores. :func:`train_digits_vit` trains it
 deterministically on :func:`explain_core.data.digits.load_digits`.
 
-    model, accuracy = train_digits_vit(seed=0)
-    result = explain(model, digits.test_images[:4], "lrp.cp")
+    model, accuracy = train_digits_vit(seed=0)  # about 98% on the 449 test digits
+    result = explain(model, load_digits().test_images[:4], "lrp.cp")
 
 The model runs unchanged under ``lrp.attn`` and ``lrp.cp`` (the engine computes
 :class:`torch.nn.MultiheadAttention` in its math form); :meth:`DigitsViT.attention_maps`
@@ -16,6 +16,7 @@ recomputes the attention weights from the modules' own parameters (for attention
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -139,8 +140,6 @@ def bias_free_copy(model: DigitsViT) -> DigitsViT:
     With these constants gone CP-LRP's relevance must sum to the explained logit exactly
     (the model is dynamic-linear once attention weights and norm scales are held constant).
     """
-    import copy
-
     clone = copy.deepcopy(model)
     with torch.no_grad():
         for name, parameter in clone.named_parameters():
@@ -154,21 +153,23 @@ def train_digits_vit(
     epochs: int = 40,
     *,
     batch_size: int = 64,
-    lr: float = 3e-3,
+    lr: float = 1e-3,
     verbose: bool = False,
     **architecture: int,
 ) -> tuple[DigitsViT, float]:
     """Train a :class:`DigitsViT` on the bundled digits (native 8×8, split seed 0).
 
     Deterministic for a given ``seed`` and thread count: the initialisation and the batch order
-    come from seeded generators, and AdamW with a linear warm-up and cosine decay needs no
-    tuning per run. No augmentation: random ±1-pixel shifts were tried and cost accuracy here.
+    come from seeded generators. AdamW (weight decay 0.05 on the weight matrices) with a cosine
+    decay of the learning rate and no warm-up, which started learning soonest here; with the
+    defaults the test accuracy is about 98% (seed 0). No augmentation: random ±1-pixel shifts
+    were tried and cost accuracy.
 
     Args:
-        seed: Seed of the initialisation, batch order and augmentation.
+        seed: Seed of the initialisation and the batch order.
         epochs: Passes over the training split.
         batch_size: Images per step.
-        lr: Peak learning rate.
+        lr: Initial learning rate (decayed to 0 along a cosine).
         verbose: Print the loss every 10 epochs.
         **architecture: Passed to :class:`DigitsViT` (e.g. ``dim=32, depth=2``).
 
@@ -187,13 +188,9 @@ def train_digits_vit(
         [{"params": decay, "weight_decay": 0.05}, {"params": other, "weight_decay": 0.0}], lr=lr
     )
     x, y = digits.train_images, digits.train_labels
-    steps_per_epoch = math.ceil(len(x) / batch_size)
-    total, warmup = epochs * steps_per_epoch, steps_per_epoch
+    total = epochs * math.ceil(len(x) / batch_size)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser,
-        lambda step: (
-            min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
-        ),
+        optimiser, lambda step: 0.5 * (1 + math.cos(math.pi * min(step, total) / total))
     )
     for epoch in range(epochs):
         model.train()

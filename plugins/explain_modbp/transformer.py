@@ -72,6 +72,9 @@ class Uniform(Rule):
     factor (a scaling by a weight) is linear and passes the gradient.
     """
 
+    min_inputs = 2
+    output_in_backward = False
+
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -102,6 +105,9 @@ class HoldGate(Rule):
     exactly one such factor takes the uniform rule.
     """
 
+    min_inputs = 2
+    output_in_backward = False
+
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -122,6 +128,8 @@ class HoldGate(Rule):
 class Constant(Rule):
     """The operation's output held constant: no signal reaches its inputs (CP-LRP's softmax)."""
 
+    output_in_backward = False
+
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -140,6 +148,8 @@ class NormScale(Rule):
     dimensions; β absorbs relevance. ``rms_norm``: ``y = γ ⊙ x / rms(x)`` with ``rms`` constant:
     ``s_x = γ ⊙ s_y / rms``, so ``R_x = R_y`` element-wise.
     """
+
+    output_in_backward = False
 
     def forward(self, call: RuleCall) -> tuple[torch.Tensor | None, torch.Tensor, tuple, bool]:  # noqa: D102
         centred = call.name == "layer_norm"
