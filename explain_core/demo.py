@@ -57,6 +57,7 @@ PLANNED_SECTIONS: dict[str, str] = {
     "capsules": "Capsules and REM: routing entropy, pruning, parse-tree dictionaries",
     "parse-trees": "Parse-tree diagrams with and without REM",
     "modified-bp": "Modified backpropagation (LRP family, DeepLIFT, …) and faithfulness checks",
+    "transformers": "Transformers: AttnLRP and CP-LRP on a ViT trained on the digits",
     "onnx": "ONNX export of models and explanations, parity and latency",
 }
 

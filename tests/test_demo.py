@@ -118,6 +118,10 @@ def test_summary_numbers_are_sane(quick_demo) -> None:
         assert card["first_layer"] == "conv1"
     assert cards["DeepLIFT Rescale"]["completeness"] < 1e-4  # DeepLIFT is complete
     assert cards["Gradient"]["completeness"] == "not defined"
+    transformer = _section(summary, "Transformers")
+    gaps = transformer["conservation_gap"]
+    assert gaps["CP-LRP"]["bias-free"] < 1e-9  # dynamic-linear: conserves
+    assert gaps["AttnLRP"]["bias-free"] > 1e-3  # its softmax rule does not
     models = _section(summary, "Capsules and REM")["models"]
     assert models["CapsNet+Q"]["sparsity"] == 0.0
     assert 0.75 <= models["CapsNet+REM"]["sparsity"] <= 0.85

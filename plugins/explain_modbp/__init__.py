@@ -87,8 +87,9 @@ def explain_register_methods() -> list[MethodSpec]:
 def explain_demo_steps() -> list[object]:
     """The modified-backpropagation section of ``explain demo``."""
     from explain_modbp.demo import ModifiedBackpropDemoStep
+    from explain_modbp.demo_transformer import TransformerDemoStep
 
-    return [ModifiedBackpropDemoStep()]
+    return [ModifiedBackpropDemoStep(), TransformerDemoStep()]
 
 
 @hookimpl
