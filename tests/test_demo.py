@@ -92,7 +92,7 @@ def test_every_section_is_in_both_reports(quick_demo) -> None:
 
 def test_nothing_is_listed_as_missing(quick_demo) -> None:
     _, _, summary = quick_demo
-    assert len(PLANNED_SECTIONS) == 5
+    assert len(PLANNED_SECTIONS) == 6
     assert summary["not_yet_available"] == []
     assert summary["unavailable"] == {}
     assert summary["quick"] is True and summary["threads"] == 1
