@@ -109,7 +109,7 @@ def test_summary_numbers_are_sane(quick_demo) -> None:
     assert summary["accuracies"]
     for name, value in summary["accuracies"].items():
         assert 0.1 <= value <= 1.0, name  # quick runs train briefly, but above chance
-    cards = _section(summary, "LRP")["cards"]
+    cards = _section(summary, "Modified backpropagation")["cards"]
     assert len(cards) >= 5
     for name, card in cards.items():
         for key in ("random_logit_ssim", "randomisation_ssim_top", "randomisation_ssim_all"):
