@@ -191,7 +191,11 @@ def test_missing_required_argument_is_one_line(capsys: pytest.CaptureFixture[str
     code, _, err = run_cli(["attribute", "x.npy", "--method", "gradient"], capsys)
     assert code == 2
     line = assert_one_line_error(err, prefix="explain attribute: error:")
-    assert "--model" in line and "--out" in line
+    assert "--out" in line
+    code, _, err = run_cli(["attribute", "x.npy", "--method", "gradient", "--out", "o"], capsys)
+    assert code == 2
+    line = assert_one_line_error(err, prefix="explain attribute: error:")
+    assert "--model" in line and "--hf" in line  # one of them
 
 
 def test_bad_choice_for_channels(capsys: pytest.CaptureFixture[str]) -> None:

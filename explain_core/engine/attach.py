@@ -84,12 +84,13 @@ class _ModuleRule(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, rule: Rule, call: RuleCall, output: torch.Tensor, *inputs: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(ctx: Any, rule: Rule, call: RuleCall, *inputs: torch.Tensor) -> torch.Tensor:
         ctx.rule, ctx.call = rule, call
         ctx.versions = _versions(call)
-        return output
+        # A new tensor on the module's output storage: not an input returned as-is (autograd
+        # would treat it as a view and forbid changing it in place later), not call.output
+        # (its grad_fn would close a cycle through the graph), and no copy.
+        return call.output.detach()
 
     @staticmethod
     @once_differentiable
@@ -105,7 +106,7 @@ class _ModuleRule(torch.autograd.Function):
                 f"{type(rule).__name__}.backward returned {len(results)} tensors for the "
                 f"{len(call.inputs)} tensor inputs of module {call.name or '<root>'!r}"
             )
-        return (None, None, None, *results)
+        return (None, None, *results)
 
 
 def _versions(call: RuleCall) -> tuple[int, ...]:
@@ -422,7 +423,7 @@ class RulePass(ModuleListener):
         rule = self.plan.custom[name]
         with torch.no_grad():
             call.state = rule.forward(call)
-        return self.produced(_ModuleRule.apply(rule, call, output.detach(), *inputs), call)
+        return self.produced(_ModuleRule.apply(rule, call, *inputs), call)
 
     def _plan_modules(self) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""
