@@ -77,12 +77,7 @@ def save_attribution_figure(
                 axis.set_title(column_titles[c], fontsize=8)
     if title:
         figure.suptitle(title, fontsize=9)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return path
+    return _save(plt, figure, path)
 
 
 def save_overlay(
@@ -148,6 +143,11 @@ def save_overlay(
     bar.ax.tick_params(labelsize=7)
     if title:
         axis.set_title(title, fontsize=9)
+    return _save(plt, figure, path)
+
+
+def _save(plt: Any, figure: Any, path: str | Path) -> Path:
+    """Lay out, write (creating the folder) and close ``figure``."""
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

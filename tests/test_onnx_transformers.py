@@ -20,13 +20,7 @@ from explain_core import explain  # noqa: E402
 from explain_onnx import OnnxSession, export_onnx  # noqa: E402
 from explain_onnx.parity import relative_difference  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 class Encoder(nn.Module):
