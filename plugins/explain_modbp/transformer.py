@@ -78,13 +78,41 @@ class Uniform(Rule):
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        assert call.function is not None
-        inputs = tuple(t.detach().requires_grad_(True) for t in call.inputs)
-        with torch.enable_grad():
-            output = call.function(*inputs)
-        grads = torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
-        share = len(inputs)
+        grads = product_gradients(call, grad_output)
+        share = len(call.inputs)
         return tuple(None if g is None else g / share for g in grads)
+
+
+def product_gradients(
+    call: RuleCall, grad_output: torch.Tensor, needed: tuple[bool, ...] | None = None
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradient to each factor of a product (``None`` where not ``needed``).
+
+    Written out for ``a * b`` and ``a @ b`` of matrices (the products attention models make),
+    so that backward does not compute the product again; other calls go through autograd.
+    """
+    needed = needed or (True,) * len(call.inputs)
+    if len(call.inputs) == 2 and not call.kwargs:
+        a, b = call.inputs
+        if call.name in ("mul", "mul_"):
+            return (
+                (grad_output * b).sum_to_size(a.shape) if needed[0] else None,
+                (grad_output * a).sum_to_size(b.shape) if needed[1] else None,
+            )
+        if call.name in ("matmul", "bmm") and a.dim() >= 2 and b.dim() >= 2:
+            return (
+                (grad_output @ b.mT).sum_to_size(a.shape) if needed[0] else None,
+                (a.mT @ grad_output).sum_to_size(b.shape) if needed[1] else None,
+            )
+    assert call.function is not None
+    inputs = tuple(
+        t.detach().requires_grad_(wanted) for t, wanted in zip(call.inputs, needed, strict=True)
+    )
+    with torch.enable_grad():
+        output = call.function(*inputs)
+    wanted = [t for t in inputs if t.requires_grad]
+    grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
+    return tuple(next(grads) if t.requires_grad else None for t in inputs)
 
 
 def _activated(source: RuleCall | None) -> bool:
@@ -114,15 +142,7 @@ class HoldGate(Rule):
         gates = [_activated(source) for source in call.sources]
         if len(gates) != 2 or sum(gates) != 1:
             return Uniform().backward(call, grad_output)
-        assert call.function is not None
-        inputs = [
-            t.detach().requires_grad_(not gate) for t, gate in zip(call.inputs, gates, strict=True)
-        ]
-        with torch.enable_grad():
-            output = call.function(*inputs)
-        signal = inputs[gates.index(False)]
-        (grad,) = torch.autograd.grad(output, signal, grad_output)
-        return tuple(None if gate else grad for gate in gates)
+        return product_gradients(call, grad_output, tuple(not gate for gate in gates))
 
 
 class Constant(Rule):
