@@ -41,7 +41,9 @@ _COMPILED_SEGMENT = re.compile(r"(^|\.)_orig_mod\.")
 def load_factory(reference: str) -> nn.Module:
     """Import ``package.module:factory`` and call the factory.
 
-    The current working directory is searched first, like ``python -m``.
+    A module not found on the installed path is looked up in the current working directory;
+    ``sys.path`` is left as it was afterwards (and installed packages are never shadowed by
+    folders of the same name in the working directory).
 
     Raises:
         ModelLoadError: If the reference is malformed, the import fails, or the factory does not
@@ -53,8 +55,10 @@ def load_factory(reference: str) -> nn.Module:
             "mymodels.digits:build_model"
         )
     module_name, attribute = reference.split(":")
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        sys.path.insert(0, str(Path.cwd()))
+    folder = str(Path.cwd())
+    added = "" not in sys.path and folder not in sys.path
+    if added:
+        sys.path.append(folder)  # last: a planted safetensors/ there never shadows the real one
     try:
         module = importlib.import_module(module_name)
     except Exception as error:
@@ -62,6 +66,9 @@ def load_factory(reference: str) -> nn.Module:
             f"cannot import {module_name!r} ({type(error).__name__}: {error}); run from the "
             "folder that contains it or install its package"
         ) from error
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
     factory: object = module
     for part in attribute.split("."):
         if not hasattr(factory, part):

@@ -322,3 +322,20 @@ def test_state_dict_shape_mismatch(models: str, tmp_path: Path) -> None:
     assert "do not fit" in message
     assert "size mismatch" in message and "1.weight" in message
     assert "\n" not in message
+
+
+def test_the_working_folder_is_not_left_on_sys_path(tmp_path: Path, monkeypatch) -> None:
+    """Issue 22: a package planted in the working folder must not be imported later."""
+    import sys
+    import uuid
+
+    name = f"usermodels_{uuid.uuid4().hex}"
+    (tmp_path / f"{name}.py").write_text(MODULE_SOURCE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    before = list(sys.path)
+    assert isinstance(load_factory(f"{name}:build"), nn.Module)
+    assert sys.path == before
+    with pytest.raises(ModelLoadError):
+        load_factory("no_such_module_here:build")
+    assert sys.path == before
