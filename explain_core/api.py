@@ -106,6 +106,12 @@ def explain(
         returned = engine.attribute(model, inputs, target_tensor, reference)
     result = check_method_result(returned, inputs, spec.label)
     check_output_finite(result.output)
+    if not spec.builtin and not bool(torch.isfinite(result.attribution).all()):
+        # the model's outputs are finite, so the NaN/Inf are the method's own
+        raise MethodError(
+            f"{spec.label} returned NaN or infinite attributions for finite model outputs; "
+            "report it to the plugin's authors"
+        )
     return Attribution(
         attribution=result.attribution,
         method=method,
@@ -127,13 +133,14 @@ def _named_plugin_errors(spec: MethodSpec) -> Iterator[None]:
 
     The user cannot fix a plugin's bug, so it gets a one-line error on the command line (with
     the original chained) instead of a traceback; a built-in method's error is a bug of this
-    package and keeps its type and traceback.
+    package and keeps its type and traceback. ``SystemExit`` (``sys.exit(0)`` in a plugin) and
+    other ``BaseException`` subclasses count as errors too; only ``KeyboardInterrupt`` passes.
     """
     try:
         yield
-    except ExplainError:
+    except (ExplainError, KeyboardInterrupt):
         raise
-    except Exception as error:
+    except BaseException as error:  # sys.exit(0) in a plugin must not look like success
         if spec.builtin:
             raise
         first = (str(error).strip().splitlines() or [""])[0]

@@ -7,7 +7,7 @@ CLI prints such errors as one line; anything else is a bug and keeps its traceba
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 __all__ = [
@@ -41,15 +41,21 @@ class ExplainError(Exception):
 class UnknownMethodError(ExplainError, KeyError):
     """A method name that no loaded plugin registers."""
 
-    def __init__(self, name: str, known: Iterable[str]) -> None:
+    def __init__(
+        self, name: str, known: Iterable[str], failed: Mapping[str, str] | None = None
+    ) -> None:
         known = sorted(known)
         close = difflib.get_close_matches(name, known, n=3, cutoff=0.5)
         if not close:
             # Fall back to names sharing the family prefix or containing the query.
             close = [k for k in known if name.split(".")[0] in k or name in k][:3]
         hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+        broken = ""
+        if failed:  # the method may be one of theirs: say so first
+            plugins = "; ".join(f"{plugin!r} {error}" for plugin, error in sorted(failed.items()))
+            broken = f"it may belong to a plugin that failed (plugin {plugins}); "
         message = (
-            f"unknown method {name!r}; {hint}"
+            f"unknown method {name!r}; {broken}{hint}"
             f"run `explain plugins` to list the {len(known)} registered methods"
         )
         super().__init__(message)

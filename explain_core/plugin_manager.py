@@ -367,7 +367,8 @@ class PluginManager:
             names = (n for n, s in specs.items() if s.plugin == info.name)
             # A rejected twin has the same name as the loaded plugin but none of its methods.
             info.methods = sorted(names) if self.plugins.get(info.name) is info else []
-        return MethodRegistry(specs), clashes
+        failed = {info.name: info.error for info in self.plugins.values() if info.error}
+        return MethodRegistry(specs, failed), clashes
 
     def _skip_shadowing(self, spec: MethodSpec, builtin: str) -> None:
         problem = (

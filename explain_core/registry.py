@@ -12,7 +12,7 @@ from typing import Any, ClassVar, NoReturn
 import torch
 from torch import nn
 
-from explain_core.errors import InvalidInputError, MethodError, UnknownMethodError
+from explain_core.errors import ExplainError, InvalidInputError, MethodError, UnknownMethodError
 from explain_core.option_types import check_option_types
 
 __all__ = [
@@ -135,7 +135,8 @@ class MethodSpec:
 
         Raises:
             InvalidInputError: If an option is unknown, of the wrong type, not finite or invalid.
-            MethodError: If the factory does not build a :class:`Method`.
+            MethodError: If the factory does not build a :class:`Method`, or a third-party
+                factory raises (``SystemExit`` too).
         """
         known = self.options()
         unknown = sorted(set(options) - set(known))
@@ -150,6 +151,16 @@ class MethodSpec:
             method = self.factory(**options)
         except (TypeError, ValueError) as error:
             raise InvalidInputError(f"invalid options for method {self.name!r}: {error}") from error
+        except (ExplainError, KeyboardInterrupt):
+            raise
+        except BaseException as error:  # sys.exit(0) in a plugin must not look like success
+            if self.builtin:
+                raise
+            first = (str(error).strip().splitlines() or [""])[0]
+            raise MethodError(
+                f"{self.label} raised {type(error).__name__} while being built: {first}; "
+                "report it to the plugin's authors"
+            ) from error
         if not isinstance(method, Method):
             raise MethodError(
                 f"{self.label}: its factory built {type(method).__name__}; expected an "
@@ -229,14 +240,17 @@ def _check_target(label: str, target: torch.Tensor, n_outputs: int) -> None:
 class MethodRegistry(Mapping[str, MethodSpec]):
     """Read-only mapping of method names to specifications."""
 
-    def __init__(self, specs: Mapping[str, MethodSpec]) -> None:
+    def __init__(
+        self, specs: Mapping[str, MethodSpec], failed: Mapping[str, str] | None = None
+    ) -> None:
         self._specs = dict(sorted(specs.items()))
+        self._failed = dict(failed or {})  # plugin name → why it failed (its methods are gone)
 
     def __getitem__(self, name: str) -> MethodSpec:
         try:
             return self._specs[name]
         except KeyError:
-            raise UnknownMethodError(name, self._specs) from None
+            raise UnknownMethodError(name, self._specs, self._failed) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._specs)

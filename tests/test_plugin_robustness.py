@@ -31,6 +31,7 @@ from explain_core import (
     Method,
     MethodResult,
     MethodSpec,
+    UnknownMethodError,
     explain,
     hookimpl,
 )
@@ -192,6 +193,14 @@ BAD_RESULTS = {
     "delta_shape": (
         lambda x, out, t: MethodResult(torch.zeros_like(x), out, t, torch.zeros(2, 1)),
         r"returned a delta of shape \(2, 1\); expected shape \(2,\) or None",
+    ),
+    "nan_map": (
+        lambda x, out, t: MethodResult(torch.full_like(x, float("nan")), out, t),
+        r"'bad\.nan_map' \(plugin 'bad'\) returned NaN or infinite attributions",
+    ),
+    "inf_map": (
+        lambda x, out, t: MethodResult(torch.full_like(x, float("inf")), out, t),
+        r"returned NaN or infinite attributions for finite model outputs",
     ),
 }
 
@@ -450,6 +459,9 @@ def test_sys_exit_at_import_fails_alone_and_keyboard_interrupt_still_stops(site,
         manager.load(builtins=(), entry_points=True)
     assert "SystemExit" in manager.plugins[exits].error
     assert list(manager.registry) == ["fine.one"]
+    # its method is not "unknown, did you mean …": the failed plugin is named first
+    with pytest.raises(UnknownMethodError, match=rf"may belong to a plugin that failed.*'{exits}'"):
+        manager.registry["exits.method"]
     monkeypatch.setenv(ENV_VARIABLE, stops)  # Ctrl-C while a plugin imports: the user's wish
     with pytest.raises(KeyboardInterrupt):
         PluginManager().load(builtins=(), entry_points=True)
@@ -556,3 +568,32 @@ def test_a_multi_line_failure_is_listed_on_one_line(use, capsys) -> None:
         for line in out.splitlines()
     )
     assert "config" in _line(out, "badarg ")
+
+
+class _Exits(Method):
+    def attribute(self, model, inputs, target, baselines):
+        sys.exit(0)  # must not look like success
+
+
+def _exiting_factory():
+    raise SystemExit(0)
+
+
+def test_sys_exit_in_a_method_or_its_factory_is_a_named_failure(use, project, capsys) -> None:
+    specs = [
+        MethodSpec("x.method", _Exits, "test", "exits"),
+        MethodSpec("x.factory", _exiting_factory, "test", "exits while built"),
+    ]
+    use(_manager(("exiting", _Plugin(specs))))
+    for method in ("x.method", "x.factory"):
+        with pytest.raises(
+            MethodError, match=rf"'{method}' \(plugin 'exiting'\) raised SystemExit"
+        ):
+            explain(_linear(), X, method, 0)
+        code, _, err = run_cli([*project, "--method", method, "--out", "maps"], capsys)
+        assert code == 1 and "raised SystemExit" in err, err
+        assert not Path("maps").exists()
+        check = ["check", *project[1:], "--method", method, "--out", "card.json"]
+        code, _, err = run_cli(check, capsys)
+        assert code == 1 and "raised SystemExit" in err, err
+        assert not Path("card.json").exists()
