@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,7 +14,7 @@ from torch import nn
 from explain_core.attribution import Attribution
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import ExplainError, InvalidInputError
-from explain_core.model_guard import ModelGuard, require_eval_mode
+from explain_core.model_guard import ModelGuard, RefuseTrainingCalls, require_eval_mode
 from explain_core.plugin_manager import get_registry
 from explain_core.registry import MethodError, MethodSpec, check_method_result
 from explain_core.targets import TargetLike, normalize_target
@@ -38,6 +39,7 @@ def explain(
     target: TargetLike = None,
     *,
     baselines: torch.Tensor | float | None = None,
+    allow_training: bool = False,
     **options: Any,
 ) -> Attribution:
     """Explain ``model`` at ``inputs`` with a registered method.
@@ -56,6 +58,10 @@ def explain(
         target: Output to explain: ``None`` (predicted class), one int, or one int per sample.
         baselines: Reference input(s) for methods that use them (a tensor broadcastable to
             ``inputs``, or a number).
+        allow_training: Explain a model whose forward runs dropout (or batch statistics) in
+            training mode, through calls such as ``F.dropout(h, p, self.training)``; refused
+            by default, since the map would change from call to call. BatchNorm and Dropout
+            modules in training mode are refused either way.
         **options: Method options, e.g. ``steps=20``.
 
     Returns:
@@ -102,6 +108,7 @@ def explain(
         eager_mode(),
         _named_plugin_errors(spec),
         clear_model_errors(model, inputs),
+        contextlib.nullcontext() if allow_training else RefuseTrainingCalls(),
     ):
         returned = engine.attribute(model, inputs, target_tensor, reference)
     result = check_method_result(returned, inputs, spec.label)

@@ -7,6 +7,7 @@ an exception escapes, so that no explainer can leave a trace on the user's model
 
 from __future__ import annotations
 
+import inspect
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import TracebackType
@@ -14,11 +15,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from explain_core.errors import ModelStateError
 
 __all__ = [
     "ModelGuard",
+    "RefuseTrainingCalls",
     "require_eval_mode",
 ]
 
@@ -306,3 +309,68 @@ def require_eval_mode(model: nn.Module) -> None:
                 "model.eval() before explaining, so that normalisation and dropout are "
                 "deterministic and the model's buffers stay unchanged"
             )
+
+
+def _training_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """What a call does in training mode (``"dropout with p=0.5"``), or ``None``.
+
+    Dropout draws new units on every call, batch norm uses the batch's statistics: the calls a
+    forward makes with ``training=self.training``, which no check of the layer types can see.
+    """
+    functional = torch.nn.functional
+    if func in _TRAINING_SIGNATURES:
+        bound = _TRAINING_SIGNATURES[func].bind(*args, **kwargs)
+        bound.apply_defaults()
+        values = bound.arguments
+        if not values.get("training"):
+            return None
+        if func is functional.batch_norm:
+            return "batch norm with the batch's statistics"
+        if func is functional.rrelu:
+            return "a randomised leaky ReLU"
+        p = values.get("p", values.get("dropout_p", 0.0))
+        return f"dropout with p={p}" if p else None
+    if func is functional.scaled_dot_product_attention:
+        p = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+        return f"attention dropout with p={p}" if p else None
+    return None
+
+
+def _signatures() -> dict[Any, inspect.Signature]:
+    functional = torch.nn.functional
+    calls = (
+        functional.dropout,
+        functional.dropout1d,
+        functional.dropout2d,
+        functional.dropout3d,
+        functional.alpha_dropout,
+        functional.feature_alpha_dropout,
+        functional.batch_norm,
+        functional.rrelu,
+        functional.multi_head_attention_forward,
+    )
+    return {call: inspect.signature(call) for call in calls}
+
+
+_TRAINING_SIGNATURES = _signatures()
+
+
+class RefuseTrainingCalls(TorchFunctionMode):
+    """Refuses the calls a forward makes in training mode (this thread only).
+
+    ``F.dropout(h, p, self.training)`` in a model left in training mode gives another map on
+    every call; :func:`require_eval_mode` only sees modules, this sees the calls.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        use = _training_use(func, args, kwargs)
+        if use is not None:
+            raise ModelStateError(
+                f"the model's forward calls {getattr(func, '__name__', func)} in training mode "
+                f"({use}), so the explanation would change from call to call; call "
+                "model.eval() before explaining (a forward that passes training=self.training "
+                "then runs deterministically), or pass allow_training=True to explain() to "
+                "explain the random model anyway"
+            )
+        return func(*args, **kwargs)

@@ -274,3 +274,52 @@ def test_bad_input_gets_clear_errors():
     with_dropout = nn.Sequential(nn.Flatten(), nn.Dropout(), nn.Linear(12, 4)).double()
     with pytest.raises(ModelStateError, match=r"Dropout '1' is in training mode.*model.eval\(\)"):
         explain(with_dropout, x, "gradient")
+
+
+class FunctionalTraining(nn.Module):
+    """Dropout and batch norm as calls that follow ``self.training`` (no such modules)."""
+
+    def __init__(self, call: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.call = nn.Linear(5, 8), nn.Linear(8, 3), call
+        self.register_buffer("mean", torch.zeros(8))
+        self.register_buffer("var", torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x).relu()
+        if self.call == "dropout":
+            h = torch.nn.functional.dropout(h, 0.5, self.training)
+        else:
+            h = torch.nn.functional.batch_norm(
+                h, self.mean.clone(), self.var.clone(), None, None, self.training
+            )
+        return self.b(h)
+
+
+@pytest.mark.parametrize("call", ["dropout", "batch_norm"])
+def test_calls_that_follow_training_mode_are_refused(call):
+    """Issue 22: F.dropout(h, p, self.training) gave another map on every call, unwarned."""
+    model, x = FunctionalTraining(call), torch.randn(4, 5)
+    with pytest.raises(ModelStateError, match=rf"calls {call} in training mode.*model\.eval\(\)"):
+        explain(model, x, "gradient", 0)
+    explain(model, x, "gradient", 0, allow_training=True)  # the user asked for it
+    first = explain(model.eval(), x, "gradient", 0).attribution  # eval: deterministic
+    torch.testing.assert_close(explain(model, x, "gradient", 0).attribution, first)
+
+
+def test_attention_dropout_in_training_mode_is_refused():
+    attention = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
+
+    class Attend(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention, self.head = attention, nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+    model, x = Attend(), torch.randn(2, 4, 8)
+    with pytest.raises(ModelStateError, match=r"dropout with p=0\.5"):
+        explain(model, x, "gradient", 0)
+    explain(model.eval(), x, "gradient", 0)
