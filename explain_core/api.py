@@ -60,8 +60,9 @@ def explain(
             ``inputs``, or a number).
         allow_training: Explain a model whose forward runs dropout (or batch statistics) in
             training mode, through calls such as ``F.dropout(h, p, self.training)``; refused
-            by default, since the map would change from call to call. BatchNorm and Dropout
-            modules in training mode are refused either way.
+            by default for the built-in methods, since the map would change from call to call
+            (a third-party method may use training mode on purpose, e.g. Monte-Carlo dropout).
+            BatchNorm and Dropout modules in training mode are refused either way.
         **options: Method options, e.g. ``steps=20``.
 
     Returns:
@@ -108,7 +109,9 @@ def explain(
         eager_mode(),
         _named_plugin_errors(spec),
         clear_model_errors(model, inputs),
-        contextlib.nullcontext() if allow_training else RefuseTrainingCalls(),
+        # Third-party methods may run the model in training mode on purpose (Monte-Carlo
+        # dropout); their guard restores the model afterwards.
+        RefuseTrainingCalls() if spec.builtin and not allow_training else contextlib.nullcontext(),
     ):
         returned = engine.attribute(model, inputs, target_tensor, reference)
     result = check_method_result(returned, inputs, spec.label)
