@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -13,10 +11,15 @@ from torch import nn
 
 from explain_core.attribution import Attribution
 from explain_core.eager import eager_mode, uncompiled
-from explain_core.errors import ExplainError, InvalidInputError
+from explain_core.errors import InvalidInputError
 from explain_core.model_guard import ModelGuard, RefuseTrainingCalls, require_eval_mode
 from explain_core.plugin_manager import get_registry
-from explain_core.registry import MethodError, MethodSpec, check_method_result
+from explain_core.registry import (
+    MethodError,
+    MethodSpec,
+    check_method_result,
+    third_party_errors,
+)
 from explain_core.targets import TargetLike, normalize_target
 from explain_core.validation import (
     check_inputs,
@@ -107,7 +110,11 @@ def explain(
         # threads may use the model meanwhile. Third-party methods may, so theirs restores it.
         ModelGuard(model, during=_third_party_call(spec), restore=not spec.builtin),
         eager_mode(),
-        _named_plugin_errors(spec),
+        third_party_errors(
+            spec,
+            "the error comes from the method or from the model's forward it called (the "
+            "chained traceback says where, --debug on the command line)",
+        ),
         clear_model_errors(model, inputs),
         # Third-party methods may run the model in training mode on purpose (Monte-Carlo
         # dropout); their guard restores the model afterwards.
@@ -135,30 +142,6 @@ def explain(
 def _third_party_call(spec: MethodSpec) -> str | None:
     """The call for the guard's message; ``None`` for built-ins, which never write weights."""
     return None if spec.builtin else f"explain(..., {spec.name!r}) (plugin {spec.plugin!r})"
-
-
-@contextmanager
-def _named_plugin_errors(spec: MethodSpec) -> Iterator[None]:
-    """Turn an error escaping a third-party method into one naming the method and plugin.
-
-    The user cannot fix a plugin's bug, so it gets a one-line error on the command line (with
-    the original chained) instead of a traceback; a built-in method's error is a bug of this
-    package and keeps its type and traceback. ``SystemExit`` (``sys.exit(0)`` in a plugin) and
-    other ``BaseException`` subclasses count as errors too; only ``KeyboardInterrupt`` passes.
-    """
-    try:
-        yield
-    except (ExplainError, KeyboardInterrupt):
-        raise
-    except BaseException as error:  # sys.exit(0) in a plugin must not look like success
-        if spec.builtin:
-            raise
-        first = (str(error).strip().splitlines() or [""])[0]
-        raise MethodError(
-            f"{spec.label} raised {type(error).__name__}: {first}; the error comes from the "
-            "method or from the model's forward it called (the chained traceback says where, "
-            "--debug on the command line)"
-        ) from error
 
 
 class Explainer:

@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NoReturn
 
@@ -21,6 +22,7 @@ __all__ = [
     "MethodResult",
     "MethodSpec",
     "check_method_result",
+    "third_party_errors",
 ]
 
 
@@ -147,20 +149,13 @@ class MethodSpec:
                 f"accepted options: {accepted}"
             )
         check_option_types(self.name, self.factory, options, known)
-        try:
-            method = self.factory(**options)
-        except (TypeError, ValueError) as error:
-            raise InvalidInputError(f"invalid options for method {self.name!r}: {error}") from error
-        except (ExplainError, KeyboardInterrupt):
-            raise
-        except BaseException as error:  # sys.exit(0) in a plugin must not look like success
-            if self.builtin:
-                raise
-            first = (str(error).strip().splitlines() or [""])[0]
-            raise MethodError(
-                f"{self.label} raised {type(error).__name__} while being built: {first}; "
-                "report it to the plugin's authors"
-            ) from error
+        with third_party_errors(self, "report it to the plugin's authors", " while being built"):
+            try:
+                method = self.factory(**options)
+            except (TypeError, ValueError) as error:
+                raise InvalidInputError(
+                    f"invalid options for method {self.name!r}: {error}"
+                ) from error
         if not isinstance(method, Method):
             raise MethodError(
                 f"{self.label}: its factory built {type(method).__name__}; expected an "
@@ -168,6 +163,33 @@ class MethodSpec:
                 "report it to the plugin's authors"
             )
         return method
+
+
+@contextmanager
+def third_party_errors(spec: MethodSpec, advice: str, doing: str = "") -> Iterator[None]:
+    """Turn an error escaping a third-party method into one naming the method and plugin.
+
+    The user cannot fix a plugin's bug, so it gets a one-line error on the command line (with
+    the original chained) instead of a traceback; a built-in method's error is a bug of this
+    package and keeps its type and traceback. ``SystemExit`` (``sys.exit(0)`` in a plugin) and
+    other ``BaseException`` subclasses count as errors too; only ``KeyboardInterrupt`` passes.
+
+    Args:
+        spec: The method.
+        advice: What the message tells the user after naming the error.
+        doing: What the method was doing, e.g. ``" while being built"``.
+    """
+    try:
+        yield
+    except (ExplainError, KeyboardInterrupt):
+        raise
+    except BaseException as error:  # sys.exit(0) in a plugin must not look like success
+        if spec.builtin:
+            raise
+        first = (str(error).strip().splitlines() or [""])[0]
+        raise MethodError(
+            f"{spec.label} raised {type(error).__name__}{doing}: {first}; {advice}"
+        ) from error
 
 
 def check_method_result(result: Any, inputs: torch.Tensor, label: str) -> MethodResult:

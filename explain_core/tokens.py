@@ -58,12 +58,17 @@ class _EmbeddingTables(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.embedding:
-            weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
-            vectors = self.tables.get(id(weight))
-            if vectors is not None:
-                return vectors(func(*args, **kwargs))
+        vectors = self.tables.get(id(_table(func, args, kwargs)))
+        if vectors is not None:
+            return vectors(func(*args, **kwargs))
         return func(*args, **kwargs)
+
+
+def _table(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The table an ``F.embedding`` call looks up in, else ``None``."""
+    if func is not F.embedding:
+        return None
+    return kwargs.get("weight", args[1] if len(args) > 1 else None)
 
 
 class _KeywordModel(nn.Module):
@@ -248,14 +253,14 @@ def explain_tokens(
     }
     tables: dict[str, nn.Embedding] = {}
     if absorbed:
-        tables = _tables_looked_up(model, vectors, others, embeddings_key, embedding)
-        if not tables:
+        looked_up = _other_lookups(model, vectors, others, embeddings_key, embedding)
+        if not looked_up:
             raise InvalidInputError(
                 "absorbed=True, but the model looks up no embedding table besides its token "
                 "embeddings (no position or token-type embeddings to report)"
             )
-        looked_up = _looked_up_vectors(model, vectors, others, embeddings_key, tables)
-        vectors = torch.stack([vectors, *looked_up], dim=1)
+        tables = {name: table for name, (table, _) in looked_up.items()}
+        vectors = torch.stack([vectors, *(found for _, found in looked_up.values())], dim=1)
     wrapped = _KeywordModel(model, others, embeddings_key, position, list(tables.values()))
     result = explain(wrapped, vectors, method, target, **options)
     mask = inputs.get("attention_mask")
@@ -276,59 +281,34 @@ def explain_tokens(
     return TokenAttribution(result, per_token, tokens, absorbed_relevance)
 
 
-def _tables_looked_up(
+def _other_lookups(
     model: nn.Module,
     vectors: torch.Tensor,
     others: Mapping[str, torch.Tensor],
     key: str,
     token_embedding: nn.Module,
-) -> dict[str, nn.Embedding]:
-    """The model's embedding tables (other than the token embeddings) its forward looks up."""
+) -> dict[str, tuple[nn.Embedding, torch.Tensor]]:
+    """The other embedding tables the model's forward looks up, with their vectors.
+
+    By module name: the table and the vectors it gives each token, ``(batch, tokens, hidden)``.
+    """
     candidates = {
         id(module.weight): (name, module)
         for name, module in model.named_modules()
         if isinstance(module, nn.Embedding) and module is not token_embedding
     }
-    seen: dict[str, nn.Embedding] = {}
-
-    class Probe(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            kwargs = kwargs or {}
-            if func is F.embedding:
-                weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
-                if id(weight) in candidates:
-                    name, module = candidates[id(weight)]
-                    seen[name] = module
-            return func(*args, **kwargs)
-
-    with torch.no_grad(), Probe():
-        _KeywordModel(model, others, key, None)._call_model(vectors[:1])
-    return seen
-
-
-def _looked_up_vectors(
-    model: nn.Module,
-    vectors: torch.Tensor,
-    others: Mapping[str, torch.Tensor],
-    key: str,
-    tables: Mapping[str, nn.Embedding],
-) -> list[torch.Tensor]:
-    """The vectors each table gives each token in the model's forward, ``(batch, tokens, h)``."""
-    found: dict[int, torch.Tensor] = {}
-    weights = {id(table.weight) for table in tables.values()}
+    found: dict[str, tuple[nn.Embedding, torch.Tensor]] = {}
 
     class Record(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             result = func(*args, **kwargs)
-            if func is F.embedding:
-                weight = kwargs.get("weight", args[1] if len(args) > 1 else None)
-                if id(weight) in weights:
-                    found[id(weight)] = result
+            table = candidates.get(id(_table(func, args, kwargs)))
+            if table is not None:
+                name, module = table
+                found[name] = (module, result.expand(vectors.shape).detach().clone())
             return result
 
     with torch.no_grad(), Record():
         _KeywordModel(model, others, key, None)._call_model(vectors)
-    return [
-        found[id(table.weight)].expand(vectors.shape).detach().clone() for table in tables.values()
-    ]
+    return found

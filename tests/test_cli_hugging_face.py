@@ -131,6 +131,22 @@ def test_image_classifier_gives_patch_overlays(tmp_path, capsys):
     assert attribution.shape == (3, 32, 32)
     assert patch_relevance(attribution, 8).shape == (4, 4)
     assert Image.open(tmp_path / "out" / "digit.png").size[0] > 100  # the figure, not the map
+    before = (tmp_path / "digit.png").read_bytes()  # --out beside the input: refused, kept
+    code, _, err = run_cli(
+        [
+            "attribute",
+            str(tmp_path / "digit.png"),
+            "--hf",
+            str(tmp_path / "vit"),
+            "--method",
+            "lrp.attn",
+            "--out",
+            str(tmp_path),
+        ],
+        capsys,
+    )
+    assert code == 1 and "choose another --out folder" in err, err
+    assert (tmp_path / "digit.png").read_bytes() == before
 
 
 def test_folders_without_safetensors_or_processor_are_refused(tmp_path, tokenizer, capsys):

@@ -16,6 +16,8 @@ from typing import Any
 from explain_core.errors import InvalidInputError, ModelLoadError
 from explain_core.extras import require
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+
 
 def load_folder(folder: Path) -> Any:
     """The model saved in ``folder``, in eval mode.
@@ -46,22 +48,34 @@ def load_folder(folder: Path) -> Any:
     return model.eval()
 
 
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
-
-
 def run_hugging_face(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """Explain ``--text`` strings or image files with the model in ``--hf``."""
+    from explain_core.cli.attribute import _unique_stems
+    from explain_core.cli.common import check_not_overwriting
+
     if bool(args.text) == bool(args.inputs):
         raise InvalidInputError(
             "with --hf give either --text (repeatable) or image files, not both and not neither"
         )
+    if args.text:
+        stems = [f"text-{index + 1}" for index in range(len(args.text))]
+        suffixes: tuple[str, ...] = (".npy", ".html", ".png")
+    else:
+        stems, suffixes = _unique_stems(args.inputs), (".npy", ".png")
+    check_not_overwriting(
+        [args.out / f"{stem}{suffix}" for stem in stems for suffix in suffixes],
+        [("input file", path) for path in args.inputs],
+        advice="choose another --out folder",
+    )
     model = load_folder(args.hf)
     if args.text:
-        return _explain_texts(model, args, options)
-    return _explain_images(model, args, options)
+        return _explain_texts(model, args, stems, options)
+    return _explain_images(model, args, stems, options)
 
 
-def _explain_texts(model: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
+def _explain_texts(
+    model: Any, args: argparse.Namespace, stems: list[str], options: dict[str, Any]
+) -> int:
     import numpy as np
 
     from explain_core.files import write_atomically
@@ -70,7 +84,7 @@ def _explain_texts(model: Any, args: argparse.Namespace, options: dict[str, Any]
 
     transformers = require("transformers", "explaining Hugging Face models")
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.hf, local_files_only=True)
-    for index, text in enumerate(args.text):
+    for index, (text, stem) in enumerate(zip(args.text, stems, strict=True)):
         batch = dict(tokenizer([text], return_tensors="pt"))
         position = -1 if _scores_per_position(model, batch) else None
         result = explain_tokens(
@@ -83,13 +97,12 @@ def _explain_texts(model: Any, args: argparse.Namespace, options: dict[str, Any]
             **options,
         )
         tokens, relevance = result.tokens[0], result.relevance[0]
-        stem = args.out / f"text-{index + 1}"
-        npy = write_atomically(stem.with_suffix(".npy"), lambda f, r=relevance: np.save(f, r))
+        npy = write_atomically(args.out / f"{stem}.npy", lambda f, r=relevance: np.save(f, r))
         html = write_atomically(
-            stem.with_suffix(".html"),
+            args.out / f"{stem}.html",
             lambda f, t=tokens, r=relevance: f.write(tokens_to_html(t, r).encode()),
         )
-        png = save_tokens(tokens, relevance, stem.with_suffix(".png"))
+        png = save_tokens(tokens, relevance, args.out / f"{stem}.png")
         target = int(result.attribution.target[0])
         what = "next token" if position is not None else "class"
         print(f"text {index + 1}: {args.method} for {what} {target} -> {html}, {png}, {npy}")
@@ -105,7 +118,9 @@ def _scores_per_position(model: Any, batch: dict[str, Any]) -> bool:
     return getattr(output, "logits", output).dim() == 3
 
 
-def _explain_images(model: Any, args: argparse.Namespace, options: dict[str, Any]) -> int:
+def _explain_images(
+    model: Any, args: argparse.Namespace, stems: list[str], options: dict[str, Any]
+) -> int:
     import numpy as np
 
     from explain_core.files import write_atomically
@@ -134,15 +149,14 @@ def _explain_images(model: Any, args: argparse.Namespace, options: dict[str, Any
         **options,
     )
     patch = getattr(model.config, "patch_size", None)
-    for index, path in enumerate(args.inputs):
-        stem = args.out / path.stem
+    for index, (path, stem) in enumerate(zip(args.inputs, stems, strict=True)):
         attribution = result.attribution[index].numpy()
-        npy = write_atomically(stem.with_suffix(".npy"), lambda f, a=attribution: np.save(f, a))
+        npy = write_atomically(args.out / f"{stem}.npy", lambda f, a=attribution: np.save(f, a))
         target = int(result.target[index])
         png = save_overlay(
             pixels[index],
             attribution,
-            stem.with_suffix(".png"),
+            args.out / f"{stem}.png",
             patch_size=patch,
             title=f"{args.method}, class {target}",
         )

@@ -277,6 +277,9 @@ class OperationMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_Pending = tuple[RuleCall, tuple[torch.Tensor, ...], tuple[int, ...], bool]
+
+
 class RulePass(ModuleListener):
     """The rules of one attribution pass, applied to the module calls of its context only.
 
@@ -297,8 +300,9 @@ class RulePass(ModuleListener):
         self.counted: dict[int, str] = {}
         self.calls: dict[str, int] = {}
         self.custom = {id(model.get_submodule(name)): name for name in plan.custom}
-        # module name → (its call, its inputs as given, the grad mode to restore after it)
-        self.pending: dict[str, tuple[RuleCall, tuple[torch.Tensor, ...], bool]] = {}
+        # module name → (its call, its inputs as given, their versions, the grad mode to
+        # restore after it)
+        self.pending: dict[str, _Pending] = {}
         # tensor id → (a weak reference to it, the ruled call that returned it); a strong one
         # would make a cycle through the autograd graph (tensor → its node → call) that
         # Python's collector cannot see
@@ -345,8 +349,7 @@ class RulePass(ModuleListener):
         if name is None:
             return None
         tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
-        in_place = getattr(module, "inplace", False) is True  # ReLU(inplace=True)
-        detached = tuple(t.detach().clone() if in_place else t.detach() for t in tensors)
+        detached = tuple(t.detach() for t in tensors)
         call = RuleCall(
             module,
             name,
@@ -356,13 +359,15 @@ class RulePass(ModuleListener):
             sources=tuple(self.source_of(t) for t in tensors),
             branch_free=self.plan.branch_free,
         )
-        call.state = tuple(t._version for t in detached)  # to find changes made in place
-        self.pending[name] = (call, tensors, torch.is_grad_enabled())
-        # The module runs without autograd on copies of the references (_ModuleRule is its
-        # backward); the grad mode comes back in after(), or with the pass's own context
-        # if the module raises.
+        versions = tuple(t._version for t in tensors)
+        self.pending[name] = (call, tensors, versions, torch.is_grad_enabled())
+        # The module runs without autograd (_ModuleRule is its backward); the grad mode comes
+        # back in after(), or with the pass's own context if the module raises. A module that
+        # says it works in place (ReLU(inplace=True)) gets copies, so that the call keeps its
+        # inputs; other changes in place are found by version in after().
         torch.set_grad_enabled(False)
-        given = iter(t.clone() if in_place else t.detach() for t in tensors)
+        in_place = getattr(module, "inplace", False) is True
+        given = iter(t.clone() if in_place else t for t in detached)
         return tuple(next(given) if isinstance(a, torch.Tensor) else a for a in args)
 
     def produced(self, output: Any, call: RuleCall) -> Any:
@@ -406,14 +411,14 @@ class RulePass(ModuleListener):
         return self._apply_rule(ruled[0], ruled[1], module, args, output)
 
     def _apply_custom(self, name: str, module: nn.Module, output: Any) -> torch.Tensor:
-        call, inputs, grad_mode = self.pending.pop(name)
+        call, inputs, versions, grad_mode = self.pending.pop(name)
         torch.set_grad_enabled(grad_mode)
         if not isinstance(output, torch.Tensor):
             raise InvalidInputError(
                 f"module {name or '<root>'!r} ({type(module).__name__}) returns "
                 f"{type(output).__name__}; a rule needs a module that returns one tensor"
             )
-        if any(t._version != v for t, v in zip(call.inputs, call.state, strict=True)):
+        if any(t._version != v for t, v in zip(inputs, versions, strict=True)):
             raise UnsupportedModelError(
                 f"module {name or '<root>'!r} ({type(module).__name__}) changed its input in "
                 "place, which its rule needs; give it inplace=False (or an attribute "

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from explain_core.engine.ops import op_name
 from explain_core.errors import UnsupportedModelError
 
 __all__ = ["DECOMPOSED", "MathAttention", "multi_head_attention", "scaled_dot_product_attention"]
@@ -198,8 +199,6 @@ class MathAttention(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from explain_core.engine.ops import op_name
-
         math_form = DECOMPOSED.get(op_name(func))
         if math_form is not None:
             with self:
