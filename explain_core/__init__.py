@@ -22,6 +22,7 @@ from explain_core.errors import (
     ModelLoadError,
     ModelRunError,
     ModelStateError,
+    OutOfMemoryError,
     UnknownMethodError,
     UnsupportedModelError,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "ModelLoadError",
     "ModelRunError",
     "ModelStateError",
+    "OutOfMemoryError",
     "ModifiedGradient",
     "Op",
     "OutputLayer",

@@ -25,6 +25,7 @@ from explain_core.validation import (
     check_inputs,
     check_output_finite,
     clear_model_errors,
+    memory_errors,
     refuse_inference_mode,
 )
 
@@ -78,6 +79,8 @@ def explain(
             tensor, or a call inside ``torch.inference_mode()``. A model whose forward raises
             on the inputs gets a :class:`~explain_core.errors.ModelRunError` that blames their
             shape only for a shape error, with the model's error chained.
+        OutOfMemoryError: If the attribution runs out of memory (on the CPU or an
+            accelerator), naming the batch size and the method's option that bounds memory.
         ModelStateError: If the model is in training mode, or its parameters change in place
             during the call (found, named and not undone; see ``ModelGuard``): by its forward, or
             by a third-party method.
@@ -119,6 +122,12 @@ def explain(
         # Third-party methods may run the model in training mode on purpose (Monte-Carlo
         # dropout); their guard restores the model afterwards.
         RefuseTrainingCalls() if spec.builtin and not allow_training else contextlib.nullcontext(),
+        memory_errors(
+            inputs.shape[0],
+            method,
+            engine.memory_option,
+            getattr(engine, engine.memory_option or "", None),
+        ),
     ):
         returned = engine.attribute(model, inputs, target_tensor, reference)
     result = check_method_result(returned, inputs, spec.label)

@@ -23,6 +23,7 @@ __all__ = [
     "ModelLoadError",
     "ModelRunError",
     "ModelStateError",
+    "OutOfMemoryError",
     "OutputPathError",
     "ParityError",
     "PluginLoadError",
@@ -91,6 +92,13 @@ class UnsupportedModelError(InvalidInputError):
     """A layer, operation or structure that relevance rules cannot propagate through.
 
     Raised instead of silently letting the ordinary gradient through a part of the model.
+    """
+
+
+class OutOfMemoryError(ExplainError, RuntimeError):
+    """An attribution that ran out of memory; names the batch size and what bounds memory.
+
+    Also a ``RuntimeError``, the type of torch's own out-of-memory errors (chained as the cause).
     """
 
 

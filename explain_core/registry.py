@@ -52,9 +52,12 @@ class Method(ABC):
 
     Attributes:
         uses_baselines: Whether :meth:`attribute` accepts reference inputs.
+        memory_option: The option that bounds the rows per forward pass, if the method has
+            one (named by the out-of-memory error, e.g. ``"internal_batch_size"``).
     """
 
     uses_baselines: ClassVar[bool] = False
+    memory_option: ClassVar[str | None] = None
 
     @abstractmethod
     def attribute(

@@ -8,6 +8,7 @@ do, so that every entry point refuses the same bad input in the same words.
 from __future__ import annotations
 
 import re
+import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from explain_core.errors import ExplainError, InvalidInputError, ModelRunError
+from explain_core.errors import ExplainError, InvalidInputError, ModelRunError, OutOfMemoryError
 
 __all__ = [
     "check_inputs",
@@ -232,7 +233,7 @@ def diagnose_failure(
     method's or the model's own. Run it inside the model guard, so that the probe leaves no trace
     on the model.
     """
-    if isinstance(error, torch.cuda.OutOfMemoryError):  # a batch too large, not a mismatch
+    if is_out_of_memory(error):  # a batch too large, not a mismatch
         return None
     probe = inputs[:1].clone()
     try:
@@ -266,6 +267,47 @@ def clear_model_errors(model: nn.Module, inputs: torch.Tensor) -> Iterator[None]
         if clear is None:
             raise
         raise clear from error
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is an allocation failure: torch's on an accelerator or the CPU, Python's."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    # the CPU allocator raises a plain RuntimeError
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+@contextmanager
+def memory_errors(samples: int, method: str, option: str | None, value: Any) -> Iterator[None]:
+    """Turn running out of memory inside the block into one error saying what bounds memory.
+
+    Args:
+        samples: The batch size explained.
+        method: The method's name.
+        option: The method's option that bounds the rows per pass, if it has one.
+        value: That option's current value.
+    """
+    try:
+        yield
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        first = re.sub(r"^\[enforce fail[^\]]*\][^.]*\.\s*", "", first)  # the CPU allocator's
+        fewer = (
+            f"explain fewer samples per call (e.g. {samples // 2} at a time)"
+            if samples > 1
+            else "use smaller inputs or a device with more memory (one sample does not fit)"
+        )
+        advice = (
+            f"lower {option} (now {value}), the rows each forward pass evaluates, or {fewer}"
+            if option is not None
+            else fewer
+        )
+        raise OutOfMemoryError(
+            f"out of memory explaining a batch of {samples} samples with {method!r} "
+            f"({textwrap.shorten(first, 200, placeholder=' …')}); {advice}"
+        ) from error
 
 
 # Words in torch's messages about inputs that do not fit a layer ("mat1 and mat2 shapes cannot

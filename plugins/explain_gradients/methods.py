@@ -76,6 +76,23 @@ def _per_sample_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(tensor.shape[0], -1).sum(dim=1)
 
 
+def _passes(samples: int, rows_per_pass: int) -> tuple[int, list[slice]]:
+    """Copies of each sample per pass and the samples' slices, at most ``rows_per_pass`` rows.
+
+    A batch that fits is evaluated whole, with as many copies (path points, noisy inputs) per
+    pass as fit; a larger batch is split into slices of ``rows_per_pass`` samples, one copy each.
+    """
+    if samples <= rows_per_pass:
+        return rows_per_pass // samples, [slice(0, samples)]
+    return 1, [slice(start, start + rows_per_pass) for start in range(0, samples, rows_per_pass)]
+
+
+def _outputs(model: nn.Module, inputs: torch.Tensor, rows_per_pass: int) -> torch.Tensor:
+    """The model's outputs without gradients, ``rows_per_pass`` samples per pass."""
+    with torch.no_grad():
+        return torch.cat([model(part) for part in inputs.split(rows_per_pass)])
+
+
 @dataclass
 class Gradient(Method):
     """The gradient of the explained output with respect to the input (a saliency map).
@@ -131,7 +148,8 @@ class IntegratedGradients(Method):
 
     Attributes:
         steps: Number of points on the straight path from the baseline to the input.
-        internal_batch_size: Path points evaluated per forward pass (bounds memory).
+        internal_batch_size: Rows per forward pass (path points × samples; bounds memory,
+            also for batches larger than it, which are split).
         composite: A composite's name or object: its modified gradient is integrated instead.
     """
 
@@ -139,6 +157,7 @@ class IntegratedGradients(Method):
     internal_batch_size: int = 64
     composite: Composite = None
     uses_baselines = True
+    memory_option = "internal_batch_size"
 
     def __post_init__(self) -> None:
         _check_composite(self.composite)
@@ -150,23 +169,23 @@ class IntegratedGradients(Method):
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         reference = torch.zeros_like(inputs) if baselines is None else baselines
-        with torch.no_grad():
-            output = model(inputs)
-            reference_output = model(reference)
+        output = _outputs(model, inputs, self.internal_batch_size)
+        reference_output = _outputs(model, reference, self.internal_batch_size)
         chosen = select_target(output, target)
         difference = inputs - reference
         alphas = torch.arange(self.steps, dtype=inputs.dtype, device=inputs.device) + 0.5
         alphas = alphas / self.steps
         total = torch.zeros_like(inputs)
-        # Evaluate several path points per pass: (k * batch, ...) stacked along the batch axis.
-        points_per_pass = max(1, self.internal_batch_size // inputs.shape[0])
-        for chunk in alphas.split(points_per_pass):
-            shape = (-1,) + (1,) * inputs.dim()
-            path = reference[None] + chunk.reshape(shape) * difference[None]
-            _, _, gradient = _output_and_gradient(
-                model, path.flatten(0, 1), chosen.repeat(len(chunk)), self.composite
-            )
-            total += gradient.reshape(len(chunk), *inputs.shape).sum(dim=0)
+        points_per_pass, parts = _passes(inputs.shape[0], self.internal_batch_size)
+        shape = (-1,) + (1,) * inputs.dim()
+        for part in parts:
+            for chunk in alphas.split(points_per_pass):
+                # Several path points per pass: (k * samples, ...) stacked along the batch axis.
+                path = reference[part][None] + chunk.reshape(shape) * difference[part][None]
+                _, _, gradient = _output_and_gradient(
+                    model, path.flatten(0, 1), chosen[part].repeat(len(chunk)), self.composite
+                )
+                total[part] += gradient.reshape(len(chunk), *total[part].shape).sum(dim=0)
         attribution = difference * total / self.steps
         gain = (
             output.gather(1, chosen[:, None])[:, 0]
@@ -195,7 +214,8 @@ class SmoothGrad(Method):
         noise_level: Noise standard deviation relative to each sample's value range.
         times_input: Multiply the averaged gradient by the input.
         seed: Seed of the noise.
-        internal_batch_size: Noisy inputs evaluated per forward pass (bounds memory).
+        internal_batch_size: Rows per forward pass (noisy copies × samples; bounds memory,
+            also for batches larger than it, which are split).
         composite: A composite's name or object: its modified gradient is averaged instead.
     """
 
@@ -205,6 +225,7 @@ class SmoothGrad(Method):
     seed: int = 0
     internal_batch_size: int = 64
     composite: Composite = None
+    memory_option = "internal_batch_size"
 
     def __post_init__(self) -> None:
         _check_composite(self.composite)
@@ -217,18 +238,17 @@ class SmoothGrad(Method):
             raise ValueError(f"noise_level must be >= 0; got {self.noise_level}")
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        with torch.no_grad():
-            output = model(inputs)
+        output = _outputs(model, inputs, self.internal_batch_size)
         chosen = select_target(output, target)
         flat = inputs.reshape(inputs.shape[0], -1)
         spread = (flat.amax(1) - flat.amin(1)).reshape((-1,) + (1,) * (inputs.dim() - 1))
         sigma = self.noise_level * spread
         generator = torch.Generator(device=inputs.device).manual_seed(self.seed)
         total = torch.zeros_like(inputs)
-        copies_per_pass = max(1, self.internal_batch_size // inputs.shape[0])
+        copies_per_pass, parts = _passes(inputs.shape[0], self.internal_batch_size)
         for start in range(0, self.samples, copies_per_pass):
             copies = min(copies_per_pass, self.samples - start)
-            # One draw per copy: the noise does not depend on how the copies are batched.
+            # One draw per copy of the whole batch: the noise does not depend on the batching.
             noise = torch.stack(
                 [
                     torch.randn(
@@ -237,11 +257,12 @@ class SmoothGrad(Method):
                     for _ in range(copies)
                 ]
             )
-            noisy = (inputs[None] + sigma[None] * noise).flatten(0, 1)
-            _, _, gradient = _output_and_gradient(
-                model, noisy, chosen.repeat(copies), self.composite
-            )
-            total += gradient.reshape(copies, *inputs.shape).sum(dim=0)
+            for part in parts:
+                noisy = (inputs[part][None] + sigma[part][None] * noise[:, part]).flatten(0, 1)
+                _, _, gradient = _output_and_gradient(
+                    model, noisy, chosen[part].repeat(copies), self.composite
+                )
+                total[part] += gradient.reshape(copies, *total[part].shape).sum(dim=0)
         attribution = total / self.samples
         if self.times_input:
             attribution = attribution * inputs

@@ -1,0 +1,98 @@
+"""Memory: ``internal_batch_size`` bounds every pass, and running out of memory is one clear error."""
+
+import pytest
+import torch
+from conftest import assert_same_state, state_fingerprint
+from torch import nn
+
+from explain_core import OutOfMemoryError, explain
+
+
+class RowCounter(nn.Module):
+    """A small non-linear model that records the rows of every forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return self.body(x)
+
+
+class Hungry(nn.Module):
+    """Fails to allocate (as a real allocator does) on passes of more than ``limit`` rows."""
+
+    def __init__(self, limit: int, device_error: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(5, 3)
+        self.limit = limit
+        self.device_error = device_error
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            if self.device_error:  # what CUDA's caching allocator raises
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+            torch.empty(2**50)  # 8 PiB: the CPU allocator refuses it at once
+        return self.linear(x)
+
+
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [
+        ("integrated_gradients", {"steps": 6}),
+        ("smoothgrad", {"samples": 5}),
+        ("integrated_gradients", {"steps": 6, "composite": "explanation_mode"}),
+    ],
+)
+@pytest.mark.parametrize("rows", [4, 7])
+def test_internal_batch_size_bounds_every_pass_also_for_larger_batches(method, options, rows):
+    model = RowCounter().double().eval()
+    x = torch.randn(10, 5, dtype=torch.float64)
+    whole = explain(model, x, method, target=1, internal_batch_size=1000, **options)
+    model.rows.clear()
+    bounded = explain(model, x, method, target=1, internal_batch_size=rows, **options)
+    assert max(model.rows) <= rows  # the batch of 10 is split, not run whole per pass
+    torch.testing.assert_close(bounded.attribution, whole.attribution, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bounded.output, whole.output, rtol=1e-12, atol=1e-12)
+    if whole.delta is not None:
+        torch.testing.assert_close(bounded.delta, whole.delta, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("device_error", [False, True])
+@pytest.mark.parametrize(
+    ("method", "option"),
+    [("gradient", None), ("lrp.epsilon", None), ("integrated_gradients", "internal_batch_size")],
+)
+def test_running_out_of_memory_names_the_batch_size_and_the_option(device_error, method, option):
+    model = Hungry(limit=8, device_error=device_error).eval()
+    before = state_fingerprint(model)
+    with pytest.raises(OutOfMemoryError) as caught:
+        explain(model, torch.randn(32, 5), method)
+    message = str(caught.value)
+    assert "out of memory explaining a batch of 32 samples" in message
+    assert "explain fewer samples per call (e.g. 16 at a time)" in message
+    assert "enforce fail" not in message
+    if option is None:
+        assert "internal_batch_size" not in message
+    else:
+        assert f"lower {option} (now 64)" in message
+    assert isinstance(caught.value, RuntimeError)  # code catching torch's error still does
+    assert caught.value.__cause__ is not None
+    assert_same_state(before, state_fingerprint(model))
+
+
+def test_lowering_the_named_option_is_enough():
+    model = Hungry(limit=8, device_error=False).eval()
+    x = torch.randn(32, 5)
+    with pytest.raises(OutOfMemoryError, match="internal_batch_size"):
+        explain(model, x, "integrated_gradients", steps=4)
+    result = explain(model, x, "integrated_gradients", steps=4, internal_batch_size=8)
+    expected = x * model.linear.weight[result.target]  # a linear model: IG is x ⊙ w_target
+    torch.testing.assert_close(result.attribution, expected)
+
+
+def test_one_sample_that_does_not_fit_says_so():
+    with pytest.raises(OutOfMemoryError, match="one sample does not fit"):
+        explain(Hungry(limit=0, device_error=True).eval(), torch.randn(1, 5), "gradient")
