@@ -222,7 +222,7 @@ def refuse_inference_mode(caller: str) -> None:
 
 
 def diagnose_failure(
-    model: nn.Module, inputs: torch.Tensor, error: RuntimeError
+    model: nn.Module, inputs: torch.Tensor, error: RuntimeError | ValueError
 ) -> ModelRunError | None:
     """A clear error for a method that failed with a raw torch error, or ``None`` to re-raise.
 
@@ -239,7 +239,7 @@ def diagnose_failure(
     try:
         with torch.no_grad():
             model(probe)
-    except RuntimeError:
+    except (RuntimeError, ValueError):
         return model_error(model, inputs, error)
     if probe._version > 0 and "in-place" in str(error):  # a fresh clone's version is 0
         return ModelRunError(
@@ -262,7 +262,7 @@ def clear_model_errors(model: nn.Module, inputs: torch.Tensor) -> Iterator[None]
         yield
     except ExplainError:
         raise
-    except RuntimeError as error:
+    except (RuntimeError, ValueError) as error:  # norm layers raise ValueError on bad ranks
         clear = diagnose_failure(model, inputs, error)
         if clear is None:
             raise
@@ -313,7 +313,11 @@ def memory_errors(samples: int, method: str, option: str | None, value: Any) -> 
 # Words in torch's messages about inputs that do not fit a layer ("mat1 and mat2 shapes cannot
 # be multiplied", "expected input[2, 2, 8, 8] to have 1 channels", "size of tensor a (5) must
 # match", "Dimension out of range"); an error without them is not blamed on the inputs' shape.
-_SHAPE_ERROR = re.compile(r"shape|size|dimension|channel|mat1|mat2|\bdims?\b", re.IGNORECASE)
+_SHAPE_ERROR = re.compile(
+    r"shape|size|dimension|channel|mat1|mat2|\bdims?\b|\dD input", re.IGNORECASE
+)
+# torch's norm layers: "expected 4D input (got 3D input)", i.e. one sample without its batch axis
+_DIMS_EXPECTED = re.compile(r"expected (?P<expected>\d)D input \(got (?P<got>\d)D input\)")
 
 
 def model_error(
@@ -340,6 +344,12 @@ def model_error(
     shape = tuple(inputs.shape)
     message = str(error).strip()
     first = (message.splitlines() or [type(error).__name__])[0]
+    dims = _DIMS_EXPECTED.search(message)
+    if dims and int(dims["got"]) == int(dims["expected"]) - 1:
+        return ModelRunError(
+            f"the model cannot run on {name} of shape {shape}: {first}; they lack the batch "
+            f"axis: for one sample pass x.unsqueeze(0), of shape {(1, *shape)}"
+        )
     if _SHAPE_ERROR.search(message):
         return ModelRunError(f"the model cannot run on {name} of shape {shape}: {first}; {hint}")
     return ModelRunError(

@@ -126,6 +126,20 @@ def test_inputs_the_model_cannot_run_on_get_one_clear_error(method, shape):
     assert_same_state(state, state_fingerprint(model))
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_one_sample_without_its_batch_axis_is_told_to_add_it(method):
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1), nn.BatchNorm2d(2), nn.Flatten(), nn.Linear(32, 3)
+    ).eval()
+    shape = (1, 4, 4)
+    state = state_fingerprint(model)
+    with pytest.raises(InvalidInputError, match=r"lack the batch axis") as caught:
+        explain(model, torch.rand(shape), method, 1)  # torch raises ValueError("expected 4D …")
+    assert f"x.unsqueeze(0), of shape {(1, *shape)}" in str(caught.value)
+    assert isinstance(caught.value.__cause__, ValueError)
+    assert_same_state(state, state_fingerprint(model))
+
+
 def test_the_models_own_error_on_valid_inputs_propagates_unchanged():
     calls = []
 

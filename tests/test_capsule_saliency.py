@@ -315,3 +315,16 @@ def test_inputs_of_another_dtype_are_a_clear_error(inputs, dtype):
             record(model, inputs.to(dtype))
     with pytest.raises(InvalidInputError, match=r"floating point; got dtype torch\.int64"):
         collect_parse_tree_data(model, (inputs * 255).long())
+
+
+@pytest.mark.parametrize("method", ["capsules.saliency", "gradient"])
+def test_inputs_that_overflow_the_routing_get_a_clear_error(model, inputs, method):
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    with pytest.raises(InvalidInputError) as caught:
+        api.explain(model, inputs * 1e30, method)  # finite inputs whose votes overflow
+    message = str(caught.value)
+    assert "dynamic_routing in FullyConnectedCapsules('cls')" in message
+    assert "votes are NaN or infinite" in message and "scale the inputs" in message
+    assert isinstance(caught.value, ValueError)  # what the routing raised before
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name])

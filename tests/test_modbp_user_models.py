@@ -499,3 +499,55 @@ def test_tensor_properties_are_operations_of_their_own(prop):
     else:
         with pytest.raises(UnsupportedModelError, match=r"'data'.*not \.data"):
             explain(model, x, "lrp.z", target=0)
+
+
+class _ClampFunction(torch.autograd.Function):
+    """A user's own ReLU as a custom autograd Function."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0)
+
+
+class _FunctionReLU(nn.ReLU):
+    def forward(self, x):
+        return _ClampFunction.apply(x)
+
+
+class _FunctionInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return _ClampFunction.apply(self.linear(x))
+
+
+def test_a_custom_autograd_function_is_named_with_advice_that_works():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double().eval()
+    custom = nn.Sequential(plain[0], _FunctionReLU(), plain[2]).eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError) as caught:
+        explain(custom, x, "lrp.epsilon", 1)
+    message = str(caught.value)
+    assert "custom autograd Function _ClampFunction called in module '1' (_FunctionReLU)" in message
+    assert "Give module '1' a rule in the composite" in message  # a leaf: no new module needed
+    assert "torch.no_grad" not in message
+    # The advice followed: a pass-through rule for the module gives LRP-ε of the plain ReLU net.
+    from explain_modbp.activations import PassRelevance
+
+    ruled = composites.lrp_epsilon().with_rules((_FunctionReLU, PassRelevance()))
+    followed = explain(custom, x, "lrp.custom", 1, composite=ruled)
+    expected = explain(plain, x, "lrp.epsilon", 1)
+    torch.testing.assert_close(followed.attribution, expected.attribution, rtol=1e-12, atol=1e-12)
+    # Inside a module that does more, the Function must first get a module of its own.
+    nested = nn.Sequential(_FunctionInside(), nn.Linear(4, 3)).eval()
+    with pytest.raises(UnsupportedModelError, match=r"in module '0' .*module of its own"):
+        explain(nested, torch.randn(2, 4), "lrp.epsilon", 1)

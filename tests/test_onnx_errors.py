@@ -8,6 +8,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 for _module in ("onnx", "onnxscript", "onnxruntime"):
@@ -170,13 +171,75 @@ def test_session_reports_the_provider_it_uses(tiny_onnx):
         OnnxSession(path.with_name("missing.onnx"))
 
 
-def test_cuda_request_without_cuda_is_a_clear_error(monkeypatch):
+def test_cuda_request_with_the_cpu_build_says_to_install_the_gpu_build():
     import explain_onnx.runtime as runtime
 
-    monkeypatch.setattr(runtime, "cuda_usable", lambda: False)
-    with pytest.raises(InvalidInputError, match="cannot run on CUDA here"):
+    if runtime.cuda_status().listed:
+        pytest.skip("onnxruntime-gpu is installed here")
+    with pytest.raises(InvalidInputError, match="has no CUDA provider.*install onnxruntime-gpu"):
         choose_providers("cuda")
     assert choose_providers("auto") == ["CPUExecutionProvider"]
+
+
+class _GpuBuildWithoutCuda:
+    """onnxruntime-gpu where CUDA's libraries are missing, as it behaves: it lists CUDA, writes
+    its log lines from native code to file descriptor 2 and falls back to the CPU (the real
+    package on this machine kind: benchmarks/check_onnxruntime_gpu_without_cuda.py)."""
+
+    __version__ = "1.31.1"
+    LOG = (
+        "\x1b[1;31m2026-11-25 [E:onnxruntime:Default, provider_bridge_ort.cc:2458 operator()] "
+        "FAIL : Failed to load library libonnxruntime_providers_cuda.so with error: "
+        "libcublasLt.so.13: cannot open shared object file: No such file or directory\n\x1b[m"
+        "\x1b[0;93m2026-11-25 [W:onnxruntime:Default, onnxruntime_pybind_state.cc:1295] Failed "
+        "to create CUDAExecutionProvider. Require cuDNN 9.* and CUDA 13.*. Please install all "
+        "dependencies as mentioned in the GPU requirements page\x1b[m\n"
+    )
+
+    def __init__(self, real):
+        self.SessionOptions = real.SessionOptions
+
+    def get_available_providers(self):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def InferenceSession(self, *args, **kwargs):  # noqa: N802 - onnxruntime's name
+        os.write(2, self.LOG.encode())
+
+        class Session:
+            def get_providers(self):
+                return ["CPUExecutionProvider"]
+
+        return Session()
+
+
+def test_gpu_build_without_cuda_libraries_is_probed_quietly_and_named(monkeypatch, capfd):
+    import onnxruntime
+
+    import explain_onnx.runtime as runtime
+
+    fake = _GpuBuildWithoutCuda(onnxruntime)
+    require = runtime.require
+    monkeypatch.setattr(
+        runtime, "require", lambda name: fake if name == "onnxruntime" else require(name)
+    )
+    runtime.cuda_status.cache_clear()
+    try:
+        status = runtime.cuda_status()
+        assert capfd.readouterr() == ("", "")  # the native log lines were captured, not printed
+        assert not status.usable and status.listed
+        assert status.reason == (
+            "libcublasLt.so.13: cannot open shared object file: No such file or directory; "
+            "it requires cuDNN 9.* and CUDA 13.*"
+        )
+        assert choose_providers("auto") == ["CPUExecutionProvider"]
+        with pytest.raises(InvalidInputError) as caught:
+            choose_providers("cuda")
+        message = str(caught.value)
+        assert "lists its CUDA provider, but it cannot start here: libcublasLt.so.13" in message
+        assert "install onnxruntime-gpu (extra" not in message  # it is installed already
+        assert "use device='cpu'" in message
+    finally:
+        runtime.cuda_status.cache_clear()
 
 
 def test_cpu_only_session_prints_no_error_lines(tiny_onnx, capfd):
@@ -299,9 +362,29 @@ def test_opset_the_exporter_cannot_convert_to_is_an_error(tmp_path):
     # torch.onnx builds opset 18 and converts down; Pad has no adapter to opset 17, and
     # torch.onnx then keeps 18 and only logs it.
     model = nn.Sequential(nn.ZeroPad2d(1), nn.Flatten(), nn.Linear(16, 3)).eval()
-    with pytest.raises(ExportError, match=r"could not convert Sequential to opset 17"):
+    with pytest.raises(ExportError, match=r"could not convert Sequential to opset 17.*opset 18 or"):
         export_onnx(model, torch.rand(2, 1, 2, 2), tmp_path / "m.onnx", opset=17)
     assert not list(tmp_path.iterdir())
+
+
+class _GridSampled(nn.Module):
+    """GridSample has no down-conversion below opset 16 (its version there): 16 and 17 work."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = torch.zeros(x.shape[0], 4, 4, 2)
+        return self.linear(F.grid_sample(x, grid, align_corners=False).flatten(1))
+
+
+def test_the_advised_opset_is_the_lowest_that_converts(tmp_path):
+    model = _GridSampled().eval()
+    with pytest.raises(ExportError, match=r"to opset 15 .* choose opset 16 or higher"):
+        export_onnx(model, torch.rand(2, 1, 4, 4), tmp_path / "m.onnx", opset=15)
+    result = export_onnx(model, torch.rand(2, 1, 4, 4), tmp_path / "m.onnx", opset=16)
+    assert result.opset == 16 and result.parity is not None  # the advice works
 
 
 def test_graph_onnxruntime_cannot_load_is_an_export_error(tmp_path, monkeypatch):

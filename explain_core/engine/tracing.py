@@ -332,11 +332,18 @@ class _Tracer(ModuleListener):
                 return None  # a user's full backward hook wraps tensors in an identity
             if function is not None:
                 path, type_name = self.where()
+                advice = (
+                    f"Give module {path!r} a rule in the composite (its type {type_name} or "
+                    "its name mapped to a Rule, e.g. the pass-through rule of an activation)"
+                    if self._is_leaf(path)
+                    else "Put it in a module of its own and give that module a rule in the "
+                    "composite"
+                )
                 return (
                     f"the custom autograd Function {function.__qualname__} called in module "
                     f"{path!r} ({type_name}) has no relevance rule: the engine cannot see "
-                    "through its forward and will not fall back to its backward. Put it in a "
-                    "module of its own and give that module a rule in the composite"
+                    f"through its forward and will not fall back to its backward. {advice}, or "
+                    "write it with torch operations"
                 )
             return self.no_grad_problem(name)
         if name in self.handled:

@@ -18,7 +18,7 @@ from explain_onnx.adapters import exportable
 from explain_onnx.explained import available_explainers, explained_module, get_explainer
 from explain_onnx.export import ExportResult, export_onnx
 from explain_onnx.parity import ParityReport, check_graph, check_parity
-from explain_onnx.runtime import OnnxSession, choose_providers, cuda_usable
+from explain_onnx.runtime import OnnxSession, choose_providers, cuda_status, cuda_usable
 
 __all__ = [
     "ExportResult",
@@ -28,6 +28,7 @@ __all__ = [
     "check_graph",
     "check_parity",
     "choose_providers",
+    "cuda_status",
     "cuda_usable",
     "explained_module",
     "export_onnx",

@@ -188,10 +188,11 @@ def export_onnx(
     opset_used = _default_opset(onnx_program)
     if opset is not None and opset_used != opset:
         # torch.onnx keeps its own opset when it cannot convert the graph, and only logs that.
+        lowest = _lowest_convertible(program, input_names, output_names, opset + 1, opset_used)
         raise ExportError(
             f"torch.onnx could not convert {type(model).__name__} to opset {opset} (some "
             f"operator has no conversion) and wrote opset {opset_used} instead; choose opset "
-            f"{opset_used} or higher, or leave the opset unset"
+            f"{lowest} or higher (the lowest it converts to), or leave the opset unset"
         )
 
     report = None
@@ -362,6 +363,16 @@ def convert(
             )
     except Exception as error:
         raise _conversion_error(error, program, opset) from error
+
+
+def _lowest_convertible(
+    program: Any, input_names: list[str], output_names: list[str], start: int, built: int
+) -> int:
+    """The lowest opset from ``start`` that torch.onnx converts ``program`` to (else ``built``)."""
+    for opset in range(start, built):
+        if _default_opset(convert(program, input_names, output_names, opset)) == opset:
+            return opset
+    return built
 
 
 _OP_PATTERNS = (

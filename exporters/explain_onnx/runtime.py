@@ -9,8 +9,15 @@ reports the providers the session actually uses (``session.get_providers()``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import cache
+from importlib.metadata import PackageNotFoundError, metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,43 +59,137 @@ def identity_probe(opset: int) -> bytes:
     return helper.make_model(graph, opset_imports=opsets, ir_version=8).SerializeToString()
 
 
+@dataclass(frozen=True)
+class CudaStatus:
+    """Whether onnxruntime runs on CUDA here and, if not, why.
+
+    Attributes:
+        usable: A CUDA session really runs here.
+        listed: ``get_available_providers()`` lists CUDA (onnxruntime-gpu is installed).
+        reason: Why CUDA cannot start, from onnxruntime's own log (``""`` if usable or unlisted).
+    """
+
+    usable: bool
+    listed: bool
+    reason: str = ""
+
+
 @cache
-def cuda_usable() -> bool:
-    """Whether a CUDA session really runs here (cached): listed as available *and* used."""
+def cuda_status() -> CudaStatus:
+    """Probe CUDA once (cached), with onnxruntime's log lines captured instead of printed.
+
+    onnxruntime-gpu without its CUDA libraries writes error lines from native code to the
+    process's standard error and falls back to the CPU; they are read back to say why.
+    """
     ort = require("onnxruntime")
     if CUDA not in ort.get_available_providers():
-        return False
-    try:
-        probe = ort.InferenceSession(
-            identity_probe(13),
-            sess_options=session_options(severity=SILENT),
-            providers=[CUDA, CPU],
-        )
-    except Exception:
-        return False
-    return probe.get_providers()[0] == CUDA
+        return CudaStatus(usable=False, listed=False)
+    used, raised = CPU, ""
+    with _native_stderr() as log:
+        try:
+            probe = ort.InferenceSession(
+                identity_probe(13),
+                sess_options=session_options(severity=SILENT),
+                providers=[CUDA, CPU],
+            )
+            used = probe.get_providers()[0]
+        except Exception as error:  # onnxruntime raises its own Fail types
+            raised = str(error)
+    if used == CUDA:
+        return CudaStatus(usable=True, listed=True)
+    return CudaStatus(usable=False, listed=True, reason=_failure_reason([*log, raised]))
+
+
+def cuda_usable() -> bool:
+    """Whether a CUDA session really runs here: listed as available *and* used (cached)."""
+    return cuda_status().usable
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _failure_reason(log: list[str]) -> str:
+    """The library that failed to load and the versions onnxruntime asks for, from its log."""
+    text = _ANSI.sub("", "\n".join(log))
+    parts = []
+    missing = re.search(r"with error: ([^\n]+)", text)
+    if missing:
+        parts.append(missing.group(1).strip())
+    needs = re.search(r"Require ([^.]*\.\*[^.]*\.\*)", text)
+    if needs:
+        parts.append(f"it requires {needs.group(1).strip()}")
+    if not parts:
+        first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+        parts.append(first or "the probe session fell back to the CPU without saying why")
+    return "; ".join(parts)
+
+
+@contextmanager
+def _native_stderr() -> Iterator[list[str]]:
+    """Capture what native code writes to file descriptor 2; the lines fill in on exit."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            lines.extend(sink.read().decode(errors="replace").splitlines())
 
 
 def choose_providers(device: Device = "auto") -> list[str]:
     """Execution providers for ``device``: CUDA first only where :func:`cuda_usable`.
 
     Raises:
-        InvalidInputError: For ``device="cuda"`` where CUDA cannot run, or an unknown device.
+        InvalidInputError: For ``device="cuda"`` where CUDA cannot run (saying whether
+            onnxruntime-gpu is missing or its CUDA libraries are), or an unknown device.
     """
     if device not in ("auto", "cpu", "cuda"):
         raise InvalidInputError(f"device must be 'auto', 'cpu' or 'cuda'; got {device!r}")
     if device == "cpu":
         return [CPU]
-    if cuda_usable():
+    status = cuda_status()
+    if status.usable:
         return [CUDA, CPU]
     if device == "cuda":
-        ort = require("onnxruntime")
-        raise InvalidInputError(
-            "device='cuda' was requested but onnxruntime cannot run on CUDA here (available "
-            f"providers: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu "
-            "(extra 'gpu', instead of 'onnx') on a machine with an NVIDIA GPU, or use device='cpu'"
-        )
+        raise InvalidInputError(_no_cuda_message(status))
     return [CPU]
+
+
+def _no_cuda_message(status: CudaStatus) -> str:
+    ort = require("onnxruntime")
+    if not status.listed:
+        return (
+            "device='cuda' was requested but the installed onnxruntime has no CUDA provider "
+            f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu "
+            "(extra 'gpu', instead of 'onnx') on a machine with an NVIDIA GPU, or use "
+            "device='cpu'"
+        )
+    try:
+        extras = set(metadata("onnxruntime-gpu").get_all("Provides-Extra") or [])
+    except PackageNotFoundError:  # a CUDA build from elsewhere (conda, a source build)
+        extras = set()
+    fix = (
+        "pip install 'onnxruntime-gpu[cuda,cudnn]' and call onnxruntime.preload_dlls() first, "
+        "or put them on the library path"
+        if {"cuda", "cudnn"} <= extras
+        else "put them on the library path"
+    )
+    return (
+        f"device='cuda' was requested and onnxruntime {ort.__version__} lists its CUDA "
+        f"provider, but it cannot start here: {status.reason}. It needs an NVIDIA GPU and the "
+        f"CUDA and cuDNN libraries it was built for: {fix} ({_REQUIREMENTS}); or use "
+        "device='cpu'"
+    )
+
+
+_REQUIREMENTS = (
+    "https://onnxruntime.ai/docs/execution-providers/CUDA-ExecutionProvider.html#requirements"
+)
 
 
 class OnnxSession:

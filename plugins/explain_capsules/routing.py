@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from explain_core.errors import InvalidInputError
 from explain_core.interfaces.routing import CouplingTransform
 
 __all__ = ["CouplingTransform", "capsule_length", "dynamic_routing", "squash"]
@@ -84,8 +85,10 @@ def dynamic_routing(
         ``(batch, n_in, n_out)`` that produced them (after ``coupling_transform``).
 
     Raises:
-        ValueError: On a wrong ``votes`` rank, ``iterations < 1``, a transform changing the
-            shape, or NaN couplings.
+        ValueError: On a wrong ``votes`` rank, ``iterations < 1`` or a transform changing the
+            shape.
+        InvalidInputError: For couplings that became NaN (votes that overflowed); also a
+            ``ValueError``.
     """
     _check_iterations(iterations)
     where = f" in {layer_name}" if layer_name else ""
@@ -102,9 +105,11 @@ def dynamic_routing(
         couplings = torch.softmax(logits, dim=2)
         if last:
             if torch.isnan(couplings).any():
-                raise ValueError(
-                    f"dynamic_routing{where}: couplings became NaN (expected finite routing "
-                    "logits; got NaN/Inf votes or agreements); check the inputs and weights"
+                raise InvalidInputError(
+                    f"dynamic_routing{where}: the couplings became NaN because the votes or "
+                    f"their agreements overflowed ({_overflow(votes)}); scale the "
+                    "inputs like the training data (e.g. to [0, 1]) and check the weights for "
+                    "NaN or infinite values"
                 )
             if coupling_transform is not None:
                 transformed = coupling_transform(couplings)
@@ -123,3 +128,11 @@ def dynamic_routing(
             # Agreement û_{j|i} · v_j raises the logit of parents that agree with the child.
             logits = logits + torch.einsum("bijd,bjd->bij", u_hat, v)
     return v, couplings
+
+
+def _overflow(votes: torch.Tensor) -> str:
+    """How large the votes got, for the overflow message."""
+    finite = torch.isfinite(votes)
+    if not bool(finite.all()):
+        return f"{int((~finite).sum())} of {votes.numel()} votes are NaN or infinite"
+    return f"the largest |vote| is {float(votes.detach().abs().max()):.3g}"

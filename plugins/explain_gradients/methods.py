@@ -14,6 +14,7 @@ from explain_core.interfaces.relevance import ModifiedGradient
 from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
+from explain_core.validation import check_scores
 
 Composite = str | ModifiedGradient | None
 
@@ -90,7 +91,8 @@ def _passes(samples: int, rows_per_pass: int) -> tuple[int, list[slice]]:
 def _outputs(model: nn.Module, inputs: torch.Tensor, rows_per_pass: int) -> torch.Tensor:
     """The model's outputs without gradients, ``rows_per_pass`` samples per pass."""
     with torch.no_grad():
-        return torch.cat([model(part) for part in inputs.split(rows_per_pass)])
+        parts = [check_scores(model(part)) for part in inputs.split(rows_per_pass)]
+    return torch.cat(parts)
 
 
 @dataclass
