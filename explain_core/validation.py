@@ -270,7 +270,7 @@ def clear_model_errors(model: nn.Module, inputs: torch.Tensor) -> Iterator[None]
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """Whether ``error`` is an allocation failure: torch's on an accelerator or the CPU, Python's."""
+    """Whether ``error`` is an allocation failure (torch on an accelerator or the CPU, Python)."""
     if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
         return True
     # the CPU allocator raises a plain RuntimeError

@@ -1,4 +1,4 @@
-"""Memory: ``internal_batch_size`` bounds every pass, and running out of memory is one clear error."""
+"""Memory: internal_batch_size bounds every pass; running out of memory is one clear error."""
 
 import pytest
 import torch

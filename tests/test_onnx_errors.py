@@ -176,7 +176,7 @@ def test_cuda_request_with_the_cpu_build_says_to_install_the_gpu_build():
 
     if runtime.cuda_status().listed:
         pytest.skip("onnxruntime-gpu is installed here")
-    with pytest.raises(InvalidInputError, match="has no CUDA provider.*install onnxruntime-gpu"):
+    with pytest.raises(InvalidInputError, match=r"has no CUDA provider.*install onnxruntime-gpu"):
         choose_providers("cuda")
     assert choose_providers("auto") == ["CPUExecutionProvider"]
 
