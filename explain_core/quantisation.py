@@ -46,10 +46,11 @@ def check_levels(levels: Any, *, optional: bool = False) -> None:
 
 
 @lru_cache(maxsize=64)
-def _edges(levels: int) -> Tensor:
+def _edges(levels: int) -> tuple[float, ...]:
     half = 0.5 / (levels - 1)
-    # float64 edges computed by numpy's linspace, as REM's code builds them
-    return torch.from_numpy(np.linspace(-half, 1 + half, levels + 1))
+    # float64 edges computed by numpy's linspace, as REM's code builds them. Numbers are cached,
+    # not a tensor: one made while torch.export traces would be a fake tensor, kept for later.
+    return tuple(np.linspace(-half, 1 + half, levels + 1).tolist())
 
 
 def quantise_to_levels(couplings: Tensor, levels: int, *, validate: bool = True) -> Tensor:
@@ -77,7 +78,7 @@ def quantise_to_levels(couplings: Tensor, levels: int, *, validate: bool = True)
     values = couplings.to(torch.float64)
     if validate and bool(torch.isnan(values).any()):
         raise InvalidInputError("couplings contain NaN; cannot quantise")
-    edges = _edges(levels).to(values.device)
+    edges = torch.tensor(_edges(levels), dtype=torch.float64, device=values.device)
     below = values.clamp(0.0, 1.0).unsqueeze(-1) >= edges
     return (below.sum(-1) - 1).to(level_index_dtype(levels))
 

@@ -13,7 +13,7 @@ for _module in ("onnx", "onnxscript", "onnxruntime"):
 import onnx  # noqa: E402
 
 from explain_coda import CoDANet, coda_contributions, encode_input  # noqa: E402
-from explain_core import explain  # noqa: E402
+from explain_core import InvalidInputError, explain  # noqa: E402
 from explain_core.data import load_digits  # noqa: E402
 from explain_onnx import OnnxSession, export_onnx  # noqa: E402
 from explain_onnx.parity import relative_difference  # noqa: E402
@@ -74,8 +74,9 @@ def test_plain_coda_parity_dynamic_batch_and_full_checker(coda, tmp_path):
     onnx.checker.check_model(str(result.path), full_check=True)
     graph = onnx.load(str(result.path)).graph
     assert [i.name for i in graph.input] == ["input"]
-    assert graph.input[0].type.tensor_type.shape.dim[0].dim_param  # symbolic batch axis
+    assert graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"  # named, dynamic
     assert [o.name for o in graph.output] == ["logits"]
+    assert graph.output[0].type.tensor_type.shape.dim[0].dim_param == "batch"
 
     session = OnnxSession(result.path, device="cpu")
     (logits,) = session.run(held_back)  # 7 samples: neither traced nor parity-checked size
@@ -116,6 +117,37 @@ def test_explained_coda_with_target_input(coda, tmp_path):
     reference = coda_contributions(model, held_back, target)
     assert_close_logits(logits, reference.output)
     assert relative_difference(contributions, reference.contributions.numpy()) <= 1e-3
+
+
+@pytest.mark.parametrize("method", ["input_x_gradient", "lrp.epsilon_plus"])
+def test_invalid_targets_give_nan_maps_and_the_session_refuses_them(cnn, tmp_path, method):
+    import onnxruntime
+
+    model, example, held_back = cnn
+    result = export_onnx(model, example, tmp_path / "t.onnx", explain=method, target_input=True)
+    graph = onnx.load(str(result.path)).graph
+    shapes = {v.name: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+              for v in [*graph.input, *graph.output]}  # fmt: skip
+    assert shapes == {
+        "input": ["batch", 1, 8, 8], "target": ["batch"],
+        "logits": ["batch", 10], "explanation": ["batch", 1, 8, 8],
+    }  # fmt: skip
+    target = torch.tensor([3, -1, 10, 9, 0])
+    # The graph alone (any onnxruntime user): rows of invalid targets are NaN, the others exact.
+    raw = onnxruntime.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    logits, maps = raw.run(None, {"input": held_back.numpy(), "target": target.numpy()})
+    assert torch.isnan(torch.as_tensor(maps[[1, 2]])).all()
+    valid = [0, 3, 4]
+    reference = explain(model, held_back[valid], method, target[valid])
+    assert relative_difference(maps[valid], reference.attribution.numpy()) <= 1e-3
+    with torch.no_grad():
+        assert_close_logits(logits, model(held_back))
+    # The runtime wrapper refuses them before running, naming the samples.
+    session = OnnxSession(result.path)
+    with pytest.raises(InvalidInputError, match=r"in \[0, 9\].*sample 1: -1, sample 2: 10"):
+        session.run(held_back, target)
+    with pytest.raises(InvalidInputError, match="integer class indices"):
+        session.run(held_back, target.float())
 
 
 def test_plain_cnn_with_opset(cnn, tmp_path):

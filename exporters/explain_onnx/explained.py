@@ -13,8 +13,9 @@ Built in:
 - ``coda.contributions``: CoDA-Net contributions ``W_{0→L}(x)_t ⊙ x`` (shape of the encoded
   input), with the backward pass written out: every DAU layer's ``W_l(x)`` is computed once, used
   for the forward pass and transposed for the backward pass (a transposed unfold is ``Col2Im``).
-- ``capsules.saliency``: REM saliency maps ``(batch, H, W)`` of a DR-CapsNet (Eq. 16), option
-  ``levels`` (``K``-level quantised couplings), routing unrolled.
+- ``capsules.saliency``: REM saliency maps of a DR-CapsNet (Eq. 16) in ``explain()``'s shape
+  ``(batch, C, H, W)`` (the map spread evenly over the channels), option ``levels`` (``K``-level
+  quantised couplings), routing unrolled.
 - ``input_x_gradient``: Input×Gradient for plain CNNs and other models of standard layers, the
   gradient function traced first (:mod:`explain_onnx.gradtrace`).
 - The modified-backprop plugin's one-composite methods — ``lrp.epsilon_plus`` (ε+z⁺),
@@ -50,6 +51,7 @@ from explain_core.quantisation import quantise_couplings
 
 __all__ = [
     "BUILTIN_FORMS",
+    "InvalidTargetsAsNaN",
     "available_explainers",
     "explained_module",
     "get_explainer",
@@ -101,6 +103,26 @@ def explained_module(
             the model.
     """
     return get_explainer(method).build(model, example, target_input, **options)
+
+
+class InvalidTargetsAsNaN(nn.Module):
+    """An explained module whose maps are NaN for targets outside ``[0, classes)``.
+
+    A graph cannot raise, and a one-hot of an out-of-range class is all zeros, which reads as
+    "nothing is relevant"; NaN rows cannot be mistaken for an explanation.
+    :class:`~explain_onnx.runtime.OnnxSession` refuses such targets before running the graph.
+    """
+
+    def __init__(self, explained: nn.Module) -> None:
+        super().__init__()
+        self.explained = explained
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, explanation)``, the explanation NaN in rows of invalid targets."""
+        logits, explanation = self.explained(x, target)
+        valid = (target >= 0) & (target < logits.shape[1])
+        scale = torch.where(valid, 1.0, float("nan")).to(explanation.dtype)
+        return logits, explanation * scale.reshape((-1,) + (1,) * (explanation.dim() - 1))
 
 
 # --- CoDA contributions --------------------------------------------------------------------
@@ -198,7 +220,7 @@ class CapsuleSaliencyGraph(nn.Module):
     def forward(
         self, x: torch.Tensor, target: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(lengths (batch, classes), saliency (batch, H, W))``."""
+        """``(lengths (batch, classes), saliency (batch, C, H, W))``, as ``explain()`` returns."""
         from explain_capsules.routing import capsule_length
 
         model = self.capsule_graph.model
@@ -217,7 +239,8 @@ class CapsuleSaliencyGraph(nn.Module):
         maps = F.interpolate(
             grid.unsqueeze(1), size=tuple(x.shape[2:]), mode="bilinear", align_corners=False
         )
-        return lengths, maps.squeeze(1)
+        # explain()'s shape: the map spread evenly over the input channels (their sum is it)
+        return lengths, (maps / x.shape[1]).expand_as(x)
 
 
 def _build_saliency(
@@ -240,10 +263,10 @@ def _build_saliency(
 def _reference_saliency(
     model: nn.Module, x: torch.Tensor, target: torch.Tensor | None, **options: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    from explain_capsules import capsule_saliency
+    from explain_core.api import explain
 
-    maps, output, _ = capsule_saliency(model, x, target, levels=options.get("levels"))
-    return output, maps
+    result = explain(model, x, "capsules.saliency", target, levels=options.get("levels"))
+    return result.output, result.attribution
 
 
 # --- Input×Gradient ------------------------------------------------------------------------

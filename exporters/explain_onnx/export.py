@@ -39,7 +39,8 @@ from explain_core.files import check_output_path, temporary_beside
 from explain_core.validation import check_inputs, run_once
 from explain_onnx._deps import require
 from explain_onnx.adapters import exportable
-from explain_onnx.explained import explained_module, get_explainer
+from explain_onnx.axes import name_batch_axis
+from explain_onnx.explained import InvalidTargetsAsNaN, explained_module, get_explainer
 from explain_onnx.foldable import cast_like_as_cast
 from explain_onnx.parity import BATCH_SIZES, ParityReport, check_graph, check_parity
 from explain_onnx.runtime import CPU, SILENT, OnnxSession, identity_probe, session_options
@@ -175,6 +176,8 @@ def export_onnx(
         module = explained_module(
             model, spec.name, tracing_example, target_input=target_input, **options
         )
+        if target_input:
+            module = InvalidTargetsAsNaN(module)
     else:
         module = exportable(model)
     input_names = ["input", "target"] if target_input else ["input"]
@@ -496,6 +499,7 @@ def _save(onnx_program: Any, path: Path, model: nn.Module) -> None:
     with _quiet():
         onnx_program.save(str(path), external_data=False)
     cast_like_as_cast(path)
+    name_batch_axis(path)
 
 
 @contextlib.contextmanager

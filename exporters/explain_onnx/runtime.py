@@ -29,6 +29,7 @@ from explain_onnx._deps import require
 Device = Literal["auto", "cpu", "cuda"]
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
+TARGET = "target"  # the class input of explained graphs exported with target_input=True
 QUIET = 3  # onnxruntime severities: 0 verbose, 1 info, 2 warning, 3 error, 4 fatal
 SILENT = 4
 
@@ -219,6 +220,13 @@ class OnnxSession:
         self.providers: list[str] = list(self.session.get_providers())
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
+        logits = self.session.get_outputs()[0].shape
+        # An explained graph with a target input: its first output's classes bound the targets.
+        self._classes = (
+            logits[1]
+            if TARGET in self.input_names and len(logits) == 2 and isinstance(logits[1], int)
+            else None
+        )
 
     @property
     def provider(self) -> str:
@@ -229,9 +237,13 @@ class OnnxSession:
         """Run the graph on inputs given in order or by name (tensors or arrays).
 
         Raises:
-            InvalidInputError: For a wrong number or unknown names of inputs.
+            InvalidInputError: For a wrong number or unknown names of inputs, or targets outside
+                ``[0, classes)`` for an explained graph with a target input (the graph itself
+                returns NaN maps for them).
         """
         feeds = self._feeds(inputs, named)
+        if self._classes is not None:
+            _check_targets(feeds[TARGET], self._classes)
         return self.session.run(None, feeds)
 
     def _feeds(self, inputs: Sequence[Any], named: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -255,6 +267,20 @@ class OnnxSession:
 
     def __repr__(self) -> str:
         return f"OnnxSession(providers={self.providers}, inputs={self.input_names})"
+
+
+def _check_targets(target: np.ndarray, classes: int) -> None:
+    if not np.issubdtype(target.dtype, np.integer):
+        raise InvalidInputError(
+            f"target must hold integer class indices (int64, one per sample); got {target.dtype}"
+        )
+    bad = np.flatnonzero((target < 0) | (target >= classes))
+    if bad.size:
+        shown = ", ".join(f"sample {i}: {int(target.flat[i])}" for i in bad[:5])
+        raise InvalidInputError(
+            f"target must lie in [0, {classes - 1}] for a graph with {classes} classes; got "
+            f"{shown}{' …' if bad.size > 5 else ''}"
+        )
 
 
 def _as_array(value: Any) -> np.ndarray:
