@@ -172,15 +172,18 @@ HELPER_SOURCE = textwrap.dedent(
 
 
     def failure(out):
+        """Rank 1 fails on its first chunk; returns the error and the chunks this rank finished."""
         from explain_core.distributed import evaluate
         from explain_core.errors import DistributedError
 
+        finished = []
         try:
             evaluate("attributions", tiny_cnn(), FailingData(), method="gradient",
-                     out_dir=Path(out) / "failing", shard_size=SHARD, batch_size=BATCH)
+                     out_dir=Path(out) / "failing", shard_size=SHARD, batch_size=BATCH,
+                     progress=lambda piece, reused: finished.append(piece))
         except DistributedError as error:
-            return str(error)
-        return None
+            return str(error), finished
+        return None, finished
 
 
     def worker(rank, world, init_file, out):
@@ -191,10 +194,10 @@ HELPER_SOURCE = textwrap.dedent(
         try:
             results = run_all(out)
             again, kept, after = resume(out)
-            message = failure(out)
+            message, finished = failure(out)
             record = {
                 "results": results, "again": again, "kept": kept, "after": after,
-                "failure": message, "unshared": unshared(out, rank),
+                "failure": message, "finished": finished, "unshared": unshared(out, rank),
             }
             torch.save(record, Path(out) / f"record-{rank}.pt")
         finally:
@@ -483,6 +486,47 @@ def test_a_failure_on_one_rank_reaches_every_rank(two_processes):
         assert record["failure"] is not None
         assert "rank 1" in record["failure"] and "cannot read samples" in record["failure"]
         assert "rank 0" not in record["failure"]
+    # Rank 0 stops after the round in which rank 1 failed: [6, 7) is never computed.
+    assert first["finished"] == [range(0, 3)] and second["finished"] == []
+
+
+def test_a_second_run_into_the_same_folder_is_refused_while_the_first_runs(helper, tmp_path):
+    module, _ = helper
+    options = dict(method="gradient", shard_size=3, batch_size=2, out_dir=tmp_path)
+    holder = subprocess.Popen(  # another run, holding the folder's lock
+        [sys.executable, "-c", (
+            "import sys, time; from pathlib import Path\n"
+            "from explain_core.distributed.lock import OutputLock\n"
+            "lock = OutputLock(Path(sys.argv[1])); lock.acquire()\n"
+            "print('held', flush=True); time.sleep(60)"
+        ), str(tmp_path)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(DistributedError, match=r"another run is writing into .*process \d+"):
+            evaluate("attributions", module.tiny_cnn(), module.digits(), **options)
+        assert not (tmp_path / "shards").exists()  # refused before computing anything
+    finally:
+        holder.kill()  # killed, as a crashed run is: the OS releases its lock
+        holder.wait()
+    result = evaluate("attributions", module.tiny_cnn(), module.digits(), **options)
+    assert len(result.computed) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["index.json", "shards"]  # no lock left
+
+
+def test_shards_the_index_no_longer_lists_are_removed(helper, tmp_path):
+    module, _ = helper
+    options = dict(method="gradient", batch_size=2, out_dir=tmp_path)
+    evaluate("attributions", module.tiny_cnn(), module.digits(), shard_size=2, **options)
+    (tmp_path / "shards" / "notes.txt").write_text("the user's own file")
+    evaluate("attributions", module.tiny_cnn(), module.digits(), shard_size=3, **options)
+    listed = {e["file"] for e in json.loads((tmp_path / "index.json").read_text())["shards"]}
+    on_disk = {p.relative_to(tmp_path).as_posix() for p in (tmp_path / "shards").iterdir()}
+    assert on_disk == listed | {"shards/notes.txt"}
+    assert len(listed) == 3  # [0,3) [3,6) [6,7); the four shards of size 2 are gone
+    stored = load_attributions(tmp_path)
+    assert stored.attribution.shape[0] == 7
 
 
 # --- API errors -------------------------------------------------------------------------------

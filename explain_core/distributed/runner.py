@@ -8,10 +8,11 @@ gathered with ``all_gather_object`` and merged exactly, and every rank returns t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from explain_core.distributed.context import DistributedContext, init_distribute
 from explain_core.distributed.data import as_evaluation_data
 from explain_core.distributed.gather import all_gather_objects, gather_chunk_results
 from explain_core.distributed.jobs import JobConfig, registered_jobs
+from explain_core.distributed.lock import OutputLock
 from explain_core.distributed.sharding import Mode, assign_chunks, chunk_ranges
 from explain_core.distributed.store import tensor_digest
 from explain_core.errors import DistributedError, InvalidInputError
@@ -190,34 +192,30 @@ def evaluate(
         config = replace(config, run_key=_run_key(model, config, first.name, n))
 
     chunks = chunk_ranges(n, shard_size)
-    local: list[tuple[range, Any]] = []
-    error: BaseException | None = None
-    try:
-        for piece in assign_chunks(chunks, context.rank, context.world_size, mode):
-            value = runner.compute_chunk(model, data, piece, config)
-            local.append((piece, value))
-            if progress is not None:
-                progress(piece, bool(value.get("reused")))
-    except Exception as problem:  # reported to every rank, so no rank waits forever
-        error = problem
-    parts = gather_chunk_results(local, n, context, error)
-    summary, per_sample, details = runner.merge(parts, config)
-    computed = tuple(piece for piece, value in parts if not value.get("reused"))
-    reused = tuple(piece for piece, value in parts if value.get("reused"))
-    files: tuple[Path, ...] = ()
-    failure: BaseException | None = None
-    if context.is_main and config.out_dir is not None:
-        try:
-            writers = {
-                piece.start: rank
-                for rank in range(context.world_size)
-                for piece in assign_chunks(chunks, rank, context.world_size, mode)
-            }
-            files = _write_outputs(job, config, n, context, summary, per_sample, details, writers)
-        except Exception as problem:  # tell the other ranks instead of leaving them waiting
-            failure = problem
-    # Doubles as the barrier: nobody returns before rank 0 has written (or failed to).
-    statuses = all_gather_objects(None if failure is None else _one_line(failure), context)
+    with contextlib.ExitStack() as held:
+        if config.out_dir is not None:
+            held.enter_context(_folder_lock(config.out_dir, context))
+        local, error = _compute_chunks(runner, model, data, chunks, config, context, mode, progress)
+        parts = gather_chunk_results(local, n, context, error)
+        summary, per_sample, details = runner.merge(parts, config)
+        computed = tuple(piece for piece, value in parts if not value.get("reused"))
+        reused = tuple(piece for piece, value in parts if value.get("reused"))
+        files: tuple[Path, ...] = ()
+        failure: BaseException | None = None
+        if context.is_main and config.out_dir is not None:
+            try:
+                writers = {
+                    piece.start: rank
+                    for rank in range(context.world_size)
+                    for piece in assign_chunks(chunks, rank, context.world_size, mode)
+                }
+                files = _write_outputs(
+                    job, config, n, context, summary, per_sample, details, writers
+                )
+            except Exception as problem:  # tell the other ranks instead of leaving them waiting
+                failure = problem
+        # Doubles as the barrier: nobody returns before rank 0 has written (or failed to).
+        statuses = all_gather_objects(None if failure is None else _one_line(failure), context)
     if failure is not None:
         raise failure
     if statuses[0] is not None:
@@ -236,6 +234,67 @@ def evaluate(
         computed=computed,
         reused=reused,
     )
+
+
+def _compute_chunks(
+    runner: Any,
+    model: nn.Module,
+    data: Any,
+    chunks: list[range],
+    config: JobConfig,
+    context: DistributedContext,
+    mode: Mode,
+    progress: Callable[[range, bool], None] | None,
+) -> tuple[list[tuple[range, Any]], BaseException | None]:
+    """This rank's chunks and the error that stopped it, if any.
+
+    The ranks go through their chunks in rounds, one chunk each, and tell each other after every
+    round whether one failed: a failure on any rank stops every rank within one chunk, instead of
+    the others computing the rest of their share first.
+    """
+    mine = assign_chunks(chunks, context.rank, context.world_size, mode)
+    rounds = max(
+        len(assign_chunks(chunks, rank, context.world_size, mode))
+        for rank in range(context.world_size)
+    )
+    local: list[tuple[range, Any]] = []
+    error: BaseException | None = None
+    for step in range(rounds):
+        if step < len(mine):
+            piece = mine[step]
+            try:
+                value = runner.compute_chunk(model, data, piece, config)
+            except Exception as problem:  # reported to every rank, so no rank waits forever
+                error = problem
+            else:
+                local.append((piece, value))
+                if progress is not None:
+                    progress(piece, bool(value.get("reused")))
+        if context.distributed:
+            if any(all_gather_objects(error is not None, context)):
+                break
+        elif error is not None:
+            break
+    return local, error
+
+
+@contextlib.contextmanager
+def _folder_lock(out_dir: Path, context: DistributedContext) -> Iterator[None]:
+    """Rank 0 holds the output folder's lock for the run; every rank learns if it is taken."""
+    lock = OutputLock(out_dir)
+    problem = None
+    if context.is_main:
+        try:
+            lock.acquire()
+        except DistributedError as error:
+            problem = str(error)
+    statuses = all_gather_objects(problem, context)
+    if statuses[0] is not None:
+        raise DistributedError(statuses[0])
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _one_line(error: BaseException) -> str:
@@ -294,7 +353,13 @@ def _write_outputs(
     details: Any,
     writers: dict[int, int],
 ) -> tuple[Path, ...]:
-    from explain_core.distributed.store import FORMAT, VERSION, check_listed_shards, write_index
+    from explain_core.distributed.store import (
+        FORMAT,
+        VERSION,
+        check_listed_shards,
+        remove_unlisted_shards,
+        write_index,
+    )
     from explain_core.files import write_atomically
 
     assert config.out_dir is not None
@@ -321,7 +386,9 @@ def _write_outputs(
             "sample_shape": list(config.sample_shape or ()),
             "shards": details,
         }
-        return (write_index(out_dir, index),)
+        written = write_index(out_dir, index)
+        remove_unlisted_shards(out_dir, details)  # an earlier run's: nothing vouches for them
+        return (written,)
     from safetensors.torch import save
 
     document = {**header, "summary": _json_safe(summary)}

@@ -39,6 +39,7 @@ __all__ = [
     "load_attributions",
     "read_index",
     "read_valid_shard",
+    "remove_unlisted_shards",
     "shard_path",
     "tensor_digest",
     "write_index",
@@ -216,6 +217,21 @@ def _file_sha256(path: Path) -> str:
         for block in iter(lambda: handle.read(1 << 20), b""):
             hasher.update(block)
     return hasher.hexdigest()
+
+
+def remove_unlisted_shards(out_dir: str | Path, entries: Iterable[Mapping[str, Any]]) -> list[Path]:
+    """Delete the shard files in ``out_dir`` that the index does not list; return them.
+
+    They are an earlier run's (another shard size, another model or method): left in place they
+    would look like results. Only files named like shards are touched.
+    """
+    listed = {Path(out_dir) / entry["file"] for entry in entries}
+    removed = []
+    for path in sorted((Path(out_dir) / SHARD_FOLDER).glob("shard-*-*.safetensors")):
+        if path not in listed:
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
 
 
 def write_index(out_dir: str | Path, index: Mapping[str, Any]) -> Path:
