@@ -22,6 +22,7 @@ import re
 import shutil
 import tempfile
 import time
+import traceback
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -84,6 +85,8 @@ class DemoSection:
             ``test_accuracy`` counts too).
         unavailable: Why the step could not provide its sections here (e.g. a missing optional
             dependency); its ``provides`` keys are then listed as not available.
+        failed: The one-line error of a step that raised (its plugin named); the report shows
+            the section as failed and the run's exit status is non-zero.
     """
 
     title: str
@@ -92,6 +95,7 @@ class DemoSection:
     summary: dict[str, Any] = field(default_factory=dict)
     accuracies: dict[str, float] = field(default_factory=dict)
     unavailable: str | None = None
+    failed: str | None = None
 
 
 @dataclass
@@ -245,6 +249,11 @@ class DemoResult:
     missing: list[str]
     seconds: float
 
+    @property
+    def failed(self) -> list[DemoSection]:
+        """The sections whose step raised."""
+        return [section for section in self.sections if section.failed is not None]
+
 
 def run_demo(
     out_dir: Path,
@@ -254,8 +263,13 @@ def run_demo(
     seed: int = 0,
     cache_dir: Path | None = None,
     log: Any = print,
+    debug: bool = False,
 ) -> DemoResult:
     """Run ``steps`` and move the finished folder to ``out_dir``.
+
+    A step that raises (a third-party section, say) does not end the run: its section is kept
+    as failed, with the error in one line (``debug`` logs the traceback too), and the other
+    sections are written; :attr:`DemoResult.failed` lists it. ``KeyboardInterrupt`` ends the run.
 
     Raises:
         InvalidInputError: If ``out_dir`` exists and is not an earlier demo output, or cannot be
@@ -280,11 +294,14 @@ def run_demo(
             log(f"[{index}/{len(steps)}] {step.title} ({step.plugin or 'core'})")
             begun = time.perf_counter()
             torch.manual_seed(seed)
-            section = step.run(context)
+            section = _run_step(step, context, debug)
             section.summary.setdefault("seconds", round(time.perf_counter() - begun, 2))
-            log(f"    done in {time.perf_counter() - begun:.1f} s")
+            if section.failed is None:
+                log(f"    done in {time.perf_counter() - begun:.1f} s")
+            else:
+                log(f"    FAILED: {section.failed}")
             sections.append(section)
-            if section.unavailable is None:
+            if section.unavailable is None and section.failed is None:
                 provided.update(step.provides)
         missing = [text for key, text in PLANNED_SECTIONS.items() if key not in provided]
         seconds = time.perf_counter() - start
@@ -296,6 +313,22 @@ def run_demo(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return DemoResult(out_dir, sections, missing, seconds)
+
+
+def _run_step(step: DemoStep, context: DemoContext, debug: bool) -> DemoSection:
+    """The step's section, or a failed section holding its error in one line."""
+    try:
+        return step.run(context)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as error:  # SystemExit from a plugin must not end the report either
+        if debug:
+            context.log("".join(traceback.format_exception(error)).rstrip())
+        first = (str(error).strip().splitlines() or [""])[0]
+        origin = f"plugin {step.plugin!r}" if step.plugin else "the core"
+        return DemoSection(
+            step.title, failed=f"{type(error).__name__}: {first} (a step of {origin})"
+        )
 
 
 def _check_replaceable(out_dir: Path) -> None:
@@ -343,6 +376,8 @@ def _write_report(
         lines += [f"## {section.title}", "", *section.lines, ""]
         if section.unavailable:
             lines += [f"Not available here: {section.unavailable}", ""]
+        if section.failed:
+            lines += [f"**Failed**: {section.failed}", ""]
         lines += [_markdown_figure(f) for f in section.figures] + [""]
     if missing:
         lines += ["## Not yet available", "", *[f"- {text}" for text in missing], ""]
@@ -357,6 +392,7 @@ def _write_report(
         "accuracies": {f"{t}: {n}": v for t, n, v in accuracies},
         "sections": {s.title: s.summary for s in sections},
         "unavailable": {s.title: s.unavailable for s in sections if s.unavailable},
+        "failed": {s.title: s.failed for s in sections if s.failed},
         "not_yet_available": missing,
     }
     (folder / REPORT_MARKER).write_text(json.dumps(summary, indent=2), encoding="utf-8")
@@ -380,6 +416,7 @@ pre { background: #f6f8fa; padding: .8em; overflow-x: auto; font-size: .85em; }
 code { background: #f6f8fa; padding: 0 .2em; }
 nav ol { columns: 2; }
 .unavailable { background: #fff4e5; border-left: 4px solid #f0a030; padding: .5em 1em; }
+.failed { background: #fdecea; border-left: 4px solid #d93025; padding: .5em 1em; }
 """
 
 
@@ -500,6 +537,8 @@ def _html_report(
         if section.unavailable:
             text = _inline(section.unavailable)
             parts.append(f'<p class="unavailable">Not available here: {text}</p>')
+        if section.failed:
+            parts.append(f'<p class="failed"><b>Failed</b>: {_inline(section.failed)}</p>')
         parts += [_figure(f) for f in section.figures]
         parts.append("</section>")
         blocks.append("\n".join(parts))

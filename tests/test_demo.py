@@ -283,3 +283,59 @@ def test_parse_tree_step_without_dot_gives_text_trees(
     text = "\n".join(section.lines)
     assert "```" in text and "L1:" in text  # the trees as text
     assert list((tmp_path / "parse_trees").glob("*.gv"))  # and the sources
+
+
+# --- a broken section does not take the report with it -----------------------------------------
+
+
+class _WorkingStep:
+    title, order, provides, plugin = "A working section", 1, (), "good_plugin"
+
+    def run(self, context: DemoContext):
+        from explain_core.demo import DemoSection
+
+        return DemoSection(self.title, lines=["It ran."], summary={"answer": 42})
+
+
+class _BrokenStep:
+    title, order, provides, plugin = "A broken section", 2, ("onnx",), "bad_plugin"
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def run(self, context: DemoContext):
+        raise self.error
+
+
+@pytest.mark.parametrize(
+    ("error", "shown"),
+    [
+        (RuntimeError("the weights went missing\nsecond line"), "RuntimeError: the weights went"),
+        (SystemExit(0), "SystemExit: 0"),  # a plugin calling sys.exit(0) is a failure too
+    ],
+)
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_failing_section_is_reported_and_the_others_kept(
+    error, shown, debug, tmp_path: Path, capsys, monkeypatch, _restore_warnings
+) -> None:
+    import explain_core.cli.demo as demo_command
+
+    steps = [_BrokenStep(error), _WorkingStep()]
+    monkeypatch.setattr(demo_command, "collect_steps", lambda: steps)
+    out = tmp_path / "out"
+    code = main(["demo", "--quick", "--no-cache", "--out", str(out), *(["--debug"] * debug)])
+    stdout, stderr = capsys.readouterr()
+    assert code == 1  # non-zero, though the report was written
+    failed_line = f"section 'A broken section' failed: {shown}"
+    (error_line,) = [line for line in stderr.splitlines() if line.startswith("explain: error")]
+    assert error_line.startswith(f"explain: error: {failed_line}")
+    assert error_line.endswith("(a step of plugin 'bad_plugin')")
+    assert ("Traceback" in stdout + stderr) is debug  # the traceback only with --debug
+    report = (out / "report.md").read_text(encoding="utf-8")
+    assert f"**Failed**: {shown}" in report and "It ran." in report
+    html = (out / "report.html").read_text(encoding="utf-8")
+    assert '<p class="failed"><b>Failed</b>: ' in html and "It ran." in html
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    assert summary["failed"]["A broken section"].startswith(shown)
+    assert summary["sections"]["A working section"]["answer"] == 42
+    assert PLANNED_SECTIONS["onnx"] in summary["not_yet_available"]  # a failed step provides none

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,10 @@ NAME = "demo"
 HELP = "run every available section on bundled data and write a report folder"
 DESCRIPTION = (
     "Run the demo on bundled digits: each installed plugin contributes sections. The folder "
-    "(report.html with its pictures, report.md, summary.json) is written only when everything "
-    "succeeded; sections not available are listed in the report. Trained models are cached, so "
-    "a second run is fast."
+    "(report.html with its pictures, report.md, summary.json) replaces the previous one when "
+    "the run ends; sections not available are listed in the report, and a section that fails "
+    "is shown as failed with its error (the exit status is then 1; --debug prints the "
+    "traceback). Trained models are cached, so a second run is fast."
 )
 
 
@@ -55,7 +57,7 @@ def collect_steps() -> list[Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo and print where the report went."""
+    """Run the demo and print where the report went; 1 if a section failed (it is reported)."""
     import torch
 
     from explain_core.demo import default_cache_dir, run_demo
@@ -69,7 +71,14 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     try:
         steps = collect_steps()
-        result = run_demo(args.out, steps, quick=args.quick, seed=args.seed, cache_dir=cache)
+        result = run_demo(
+            args.out,
+            steps,
+            quick=args.quick,
+            seed=args.seed,
+            cache_dir=cache,
+            debug=getattr(args, "debug", False),
+        )
     finally:  # main() may run inside another program (tests): leave it as it was
         torch.set_num_threads(previous)
     print(
@@ -78,4 +87,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if result.missing:
         print("not yet available: " + "; ".join(result.missing))
-    return 0
+    for section in result.failed:
+        message = f"section {section.title!r} failed: {section.failed}"
+        print(f"explain: error: {message}", file=sys.stderr)
+    return 1 if result.failed else 0
