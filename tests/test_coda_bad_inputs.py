@@ -220,11 +220,11 @@ def test_integer_tensor_units_count_as_ints_and_floats_are_refused(data):
     single = coda_contributions(model, x, layer=1, unit=torch.tensor(3))
     with torch.no_grad():
         expected = model.layers[:2](x)[:, 3].sum(dim=(1, 2))
-    assert single.contributions.shape == (3, 2, 8, 8)
+    assert single.contributions.shape == (3, 1, 2, 8, 8)
     torch.testing.assert_close(single.contributions.flatten(1).sum(1), expected)
     several = coda_contributions(model, x, layer=1, unit=torch.tensor([3, 0]))
     assert several.contributions.shape == (3, 2, 2, 8, 8)
-    torch.testing.assert_close(several.contributions[:, 0], single.contributions)
+    torch.testing.assert_close(several.contributions[:, :1], single.contributions)
     position = coda_contributions(model, x, layer=1, unit=(np.int64(3), 1, torch.tensor(2)))
     with torch.no_grad():
         torch.testing.assert_close(position.output[:, 0], model.layers[:2](x)[:, 3, 1, 2])

@@ -92,14 +92,21 @@ def test_intermediate_layer_contributions_sum_to_the_unit():
     x = encode_input(torch.rand(2, 1, 7, 9, dtype=torch.float64))
     hidden = model.layers[:2](x)
     at = coda_contributions(model, x, layer=1, unit=(3, 1, 2))
-    torch.testing.assert_close(at.contributions.flatten(1).sum(1), hidden[:, 3, 1, 2])
+    # one unit keeps its unit axis, as the output (the unit's values) does
+    assert at.contributions.shape == (2, 1, *x.shape[1:]) and at.output.shape == (2, 1)
+    assert at.targets.shape == (2, 1)
+    torch.testing.assert_close(at.contributions.flatten(2).sum(2), at.output)
+    torch.testing.assert_close(at.output[:, 0], hidden[:, 3, 1, 2])
     channel = coda_contributions(model, x, layer=1, unit=5)
-    torch.testing.assert_close(channel.contributions.flatten(1).sum(1), hidden[:, 5].sum((1, 2)))
+    torch.testing.assert_close(
+        channel.contributions.flatten(2).sum(2)[:, 0], hidden[:, 5].sum((1, 2))
+    )
     both = coda_contributions(model, x, layer=-2, unit=[5, (3, 1, 2)])
-    torch.testing.assert_close(both.contributions[:, 0], channel.contributions)
-    torch.testing.assert_close(both.contributions[:, 1], at.contributions)
+    torch.testing.assert_close(both.contributions[:, :1], channel.contributions)
+    torch.testing.assert_close(both.contributions[:, 1:], at.contributions)
+    torch.testing.assert_close(both.contributions.flatten(2).sum(2), both.output)
     # the receptive field: a unit at the first layer sees only its 3×3 patch (both channels)
-    first = coda_contributions(model, x, layer=0, unit=(0, 3, 4)).contributions
+    first = coda_contributions(model, x, layer=0, unit=(0, 3, 4)).contributions[:, 0]
     outside = first.clone()
     outside[:, :, 2:5, 3:6] = 0
     assert outside.abs().max() == 0 and first.abs().max() > 0
@@ -113,6 +120,9 @@ def test_registered_method_reports_completeness_delta():
     assert torch.equal(result.target, model(x).argmax(1))
     unit = explain(model, x, "coda.contributions", layer=0, unit=2)
     assert unit.delta.abs().max() < 1e-12
+    assert unit.attribution.shape == x.shape  # explain() keeps the inputs' shape
+    with pytest.raises(InvalidInputError, match=r"option 'unit'.* a tuple of 3 integers or None"):
+        explain(model, x, "coda.contributions", layer=0, unit=[2, 1])
 
 
 def test_regulariser_is_mean_absolute_entry_of_true_and_wrong_rows():

@@ -87,7 +87,9 @@ def coda_contributions(
             batched call; the result gains a class axis after the batch axis.
         layer: Index into ``model.layers`` for contributions to an intermediate layer's output.
         unit: With ``layer``: a channel (summed over positions), a ``(channel, row, col)``
-            tuple, or a list of them (the result gains a unit axis).
+            tuple, or a list of them. The result has a unit axis after the batch axis, also
+            for one unit: contributions ``(batch, n_units, *input)``, output (the units'
+            values) and targets ``(batch, n_units)``.
 
     Returns:
         Contributions, output (logits, or the selected unit values for a layer) and targets.
@@ -252,7 +254,7 @@ def _layer_contributions(
         )
     if unit is None:
         raise InvalidInputError("layer=... needs unit=channel or unit=(channel, row, col)")
-    units, several = _unit_list(unit)
+    units = _unit_list(unit)
     prefix = layers[: (index % len(layers)) + 1]
     with torch.no_grad(), explanation_mode(model):
         shape = prefix(inputs[:1]).shape[1:]
@@ -270,21 +272,19 @@ def _layer_contributions(
     targets = torch.arange(len(units), device=inputs.device).expand(len(inputs), -1)
     with explanation_mode(model):
         rows, values = dynamic_linear_rows(unit_values, inputs, targets)
-    contributions = (rows * inputs.detach()[:, None]).detach()
-    if not several:
-        return Contributions(contributions[:, 0], values.detach(), targets[:, 0])
-    return Contributions(contributions, values.detach(), targets)
+    # A unit axis always, also for one unit: it matches the output's (batch, n_units) values.
+    return Contributions((rows * inputs.detach()[:, None]).detach(), values.detach(), targets)
 
 
-def _unit_list(unit: object) -> tuple[list[int | tuple[int, int, int]], bool]:
-    """The units as plain ints and ``(channel, row, col)`` tuples, and whether it was a list.
+def _unit_list(unit: object) -> list[int | tuple[int, int, int]]:
+    """The units as plain ints and ``(channel, row, col)`` tuples.
 
     Integer tensors and NumPy integers count as ints; anything else is refused here, before it
     could fail deep inside indexing.
     """
     single = _as_unit(unit)
     if single is not None:
-        return [single], False
+        return [single]
     items = None
     if isinstance(unit, (list, tuple, np.ndarray)) or (
         isinstance(unit, torch.Tensor) and unit.dim() == 1
@@ -295,7 +295,7 @@ def _unit_list(unit: object) -> tuple[list[int | tuple[int, int, int]], bool]:
             "unit must be a channel (int), a (channel, row, col) tuple of ints, or a list of "
             f"them; got {unit!r} ({type(unit).__name__})"
         )
-    return items, True  # type: ignore[return-value]
+    return items  # type: ignore[return-value]
 
 
 def _as_unit(unit: object) -> int | tuple[int, int, int] | None:
@@ -339,8 +339,9 @@ class CoDAContributions(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         if self.layer is not None:
             result = coda_contributions(model, inputs, layer=self.layer, unit=self.unit)
-            delta = result.output[:, 0] - result.contributions.flatten(1).sum(1)
-            return MethodResult(result.contributions, result.output, result.targets, delta)
+            contributions = result.contributions[:, 0]  # one unit: the option's type
+            delta = result.output[:, 0] - contributions.flatten(1).sum(1)
+            return MethodResult(contributions, result.output, result.targets[:, 0], delta)
         require_dau_model(model)
         if isinstance(model, CoDANet):
             model.check_input(inputs)
