@@ -316,12 +316,21 @@ def run_demo(
 
 
 def _run_step(step: DemoStep, context: DemoContext, debug: bool) -> DemoSection:
-    """The step's section, or a failed section holding its error in one line."""
+    """The step's section, or a failed section holding its error in one line.
+
+    The files a failed step wrote are removed: the report shows none of them.
+    """
+    before = set(context.out_dir.rglob("*"))
     try:
         return step.run(context)
     except KeyboardInterrupt:
         raise
     except BaseException as error:  # SystemExit from a plugin must not end the report either
+        for path in sorted(set(context.out_dir.rglob("*")) - before, reverse=True):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
         if debug:
             context.log("".join(traceback.format_exception(error)).rstrip())
         first = (str(error).strip().splitlines() or [""])[0]

@@ -221,6 +221,17 @@ def refuse_inference_mode(caller: str) -> None:
         )
 
 
+# Activation checkpointing recomputes parts of forward during backward (torch.utils.checkpoint):
+# the reentrant kind refuses input gradients, and modified-gradient rules change what the
+# recomputation saves. An explanation of a model in eval mode needs no checkpointing.
+CHECKPOINT_ADVICE = (
+    "activation checkpointing (torch.utils.checkpoint), which recomputes forward during "
+    "backward and cannot be explained: turn it off while explaining (a Hugging Face model: "
+    "model.gradient_checkpointing_disable(); your own code: call the module directly when "
+    "not training)"
+)
+
+
 def diagnose_failure(
     model: nn.Module, inputs: torch.Tensor, error: RuntimeError | ValueError
 ) -> ModelRunError | None:
@@ -235,6 +246,8 @@ def diagnose_failure(
     """
     if is_out_of_memory(error):  # a batch too large, not a mismatch
         return None
+    if "torch.utils.checkpoint" in str(error):
+        return ModelRunError(f"the model uses {CHECKPOINT_ADVICE}")
     probe = inputs[:1].clone()
     try:
         with torch.no_grad():

@@ -594,7 +594,7 @@ class _FakeManager:
         return [_FailingStep()]
 
 
-def test_demo_failure_leaves_previous_output_and_no_staging(
+def test_a_failing_demo_step_is_reported_and_leaves_no_staging(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import explain_core.data.showcase as showcase
@@ -610,15 +610,13 @@ def test_demo_failure_leaves_previous_output_and_no_staging(
     code, _, err = run_cli(["demo", "--quick", "--out", str(out_dir)], capsys)
     assert code == 1
     line = assert_one_line_error(err)
-    assert "the failing step failed" in line
-    assert sorted(p.name for p in out_dir.iterdir()) == ["report.md", "summary.json"]
-    assert (out_dir / "report.md").read_text() == "earlier report"
-    assert _hidden_staging(tmp_path) == []
-    # And into a fresh folder: nothing is created at all.
-    fresh = tmp_path / "fresh"
-    code, _, err = run_cli(["demo", "--quick", "--out", str(fresh)], capsys)
-    assert code == 1
-    assert not fresh.exists()
+    assert "section 'Failing step' failed: InvalidInputError: the failing step failed" in line
+    # The new report, with the step shown as failed; the file it wrote before failing is gone.
+    assert sorted(p.name for p in out_dir.iterdir()) == ["report.html", "report.md", "summary.json"]
+    assert (
+        "**Failed**: InvalidInputError: the failing step failed"
+        in (out_dir / "report.md").read_text()
+    )
     assert _hidden_staging(tmp_path) == []
 
 

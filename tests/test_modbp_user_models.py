@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import Gradient, UnsupportedModelError, explain
+from explain_core import Gradient, InvalidInputError, UnsupportedModelError, explain
 from explain_core.engine.plan_cache import clear_plan_cache
 from explain_modbp import Epsilon, composites
 
@@ -551,3 +551,44 @@ def test_a_custom_autograd_function_is_named_with_advice_that_works():
     nested = nn.Sequential(_FunctionInside(), nn.Linear(4, 3)).eval()
     with pytest.raises(UnsupportedModelError, match=r"in module '0' .*module of its own"):
         explain(nested, torch.randn(2, 4), "lrp.epsilon", 1)
+
+
+class _Checkpointed(nn.Module):
+    """Activation checkpointing as training code writes it (torch.utils.checkpoint)."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 5), nn.ReLU())
+        self.head = nn.Linear(5, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.head(self.block(x))
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch: "none of the inputs have requires_grad"
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_is_named_with_the_way_out(reentrant):
+    torch.manual_seed(0)
+    model = _Checkpointed(reentrant).eval()
+    x = torch.randn(3, 4)
+    for method in ("lrp.epsilon", "deeplift.rescale", "guided_bp"):
+        # the non-reentrant kind would fail in some rules and silently run in others: refused
+        with pytest.raises(UnsupportedModelError, match=r"module 'block' .*activation checkpoint"):
+            explain(model, x, method, 1)
+    plain = _Checkpointed(None).eval()
+    plain.load_state_dict(model.state_dict())
+    if reentrant:  # torch refuses input gradients through it
+        with pytest.raises(InvalidInputError, match=r"gradient_checkpointing_disable\(\)"):
+            explain(model, x, "gradient", 1)
+    else:  # plain autograd through the recomputation is exact
+        torch.testing.assert_close(
+            explain(model, x, "gradient", 1).attribution,
+            explain(plain, x, "gradient", 1).attribution,
+        )
+    plain_map = explain(plain, x, "lrp.epsilon", 1).attribution  # the way out: no checkpointing
+    assert plain_map.abs().sum() > 0

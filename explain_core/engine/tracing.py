@@ -8,6 +8,7 @@ canonizers (which fold BatchNorms into layers), resolves a rule for every affine
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -40,6 +41,7 @@ from explain_core.engine.ops import (
 from explain_core.errors import UnsupportedModelError
 from explain_core.interfaces.relevance import AffineRule, Gradient, InputLayer, Rule
 from explain_core.scoped import ModuleListener, listening
+from explain_core.validation import CHECKPOINT_ADVICE
 
 if TYPE_CHECKING:
     from explain_core.engine.composite import Composite
@@ -173,10 +175,10 @@ class _TraceMode(TorchFunctionMode):
         return result
 
 
-def _autograd_function() -> type | None:
-    """The ``torch.autograd.Function`` whose ``apply`` is running on the Python stack, if any."""
+def _autograd_function(depth: int = 16) -> type | None:
+    """The ``torch.autograd.Function`` whose ``apply`` runs within ``depth`` frames, if any."""
     frame = sys._getframe(2)
-    for _ in range(16):
+    for _ in range(depth):
         if frame is None:
             return None
         if frame.f_code.co_name == "apply":
@@ -185,6 +187,21 @@ def _autograd_function() -> type | None:
                 return cls
         frame = frame.f_back
     return None
+
+
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+
+
+def _in_checkpoint(depth: int = 64) -> bool:
+    """Whether ``torch.utils.checkpoint`` is on the Python stack (activation checkpointing)."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _user_hook_codes(model: nn.Module) -> dict[Any, str]:
@@ -331,20 +348,7 @@ class _Tracer(ModuleListener):
             if function is BackwardHookFunction:
                 return None  # a user's full backward hook wraps tensors in an identity
             if function is not None:
-                path, type_name = self.where()
-                advice = (
-                    f"Give module {path!r} a rule in the composite (its type {type_name} or "
-                    "its name mapped to a Rule, e.g. the pass-through rule of an activation)"
-                    if self._is_leaf(path)
-                    else "Put it in a module of its own and give that module a rule in the "
-                    "composite"
-                )
-                return (
-                    f"the custom autograd Function {function.__qualname__} called in module "
-                    f"{path!r} ({type_name}) has no relevance rule: the engine cannot see "
-                    f"through its forward and will not fall back to its backward. {advice}, or "
-                    "write it with torch operations"
-                )
+                return self.function_problem(function)
             return self.no_grad_problem(name)
         if name in self.handled:
             return None
@@ -390,8 +394,30 @@ class _Tracer(ModuleListener):
             f"to the gradient. {op_hint(name, type_name, leaf=self._is_leaf(path))}"
         )
 
+    def function_problem(self, function: type) -> str:
+        """The error for a custom autograd Function, whose forward the engine cannot see into."""
+        path, type_name = self.where()
+        if function.__module__ == "torch.utils.checkpoint":
+            return f"module {path!r} ({type_name}) runs inside {CHECKPOINT_ADVICE}"
+        advice = (
+            f"Give module {path!r} a rule in the composite (its type {type_name} or "
+            "its name mapped to a Rule, e.g. the pass-through rule of an activation)"
+            if self._is_leaf(path)
+            else "Put it in a module of its own and give that module a rule in the composite"
+        )
+        return (
+            f"the custom autograd Function {function.__qualname__} called in module "
+            f"{path!r} ({type_name}) has no relevance rule: the engine cannot see "
+            f"through its forward and will not fall back to its backward. {advice}, or "
+            "write it with torch operations"
+        )
+
     def no_grad_problem(self, op: str | None = None) -> str:
         """The error for operation ``op`` (or the current module) run under ``torch.no_grad()``."""
+        # A custom autograd Function runs its forward without gradients: name it instead
+        function = _autograd_function(depth=64)
+        if function is not None and function is not BackwardHookFunction:
+            return self.function_problem(function)
         subject = self.place()
         if op is not None:
             subject = f"operation {op!r} in {subject}"
@@ -420,6 +446,12 @@ class _Tracer(ModuleListener):
         name = self.names.get(id(module))
         if name is None or self.opaque_depth:
             return  # a module outside the model (made or held by forward), or inside an opaque one
+        if _in_checkpoint():
+            # Recomputed during backward, under whatever rules (or none) that thread runs: the
+            # reentrant kind is seen as no_grad, the other kind fails or silently works.
+            raise UnsupportedModelError(
+                f"module {name!r} ({type(module).__name__}) runs inside {CHECKPOINT_ADVICE}"
+            )
         self.stack.append(name)
         if name not in self.opaque:
             return
