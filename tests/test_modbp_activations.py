@@ -24,6 +24,9 @@ ACTIVATIONS = {
     "softplus": nn.Softplus,
     "mish": nn.Mish,
     "hardtanh": nn.Hardtanh,
+    "hardswish": nn.Hardswish,  # MobileNetV3
+    "hardsigmoid": nn.Hardsigmoid,
+    "prelu": lambda: nn.PReLU(init=0.3),  # a learned slope (a parameter of the module)
 }
 
 
@@ -79,7 +82,7 @@ def test_lrp_epsilon_passes_relevance_through_the_activation(name):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", ["tanh", "gelu", "silu", "elu", "softplus"])
+@pytest.mark.parametrize("name", ["tanh", "gelu", "silu", "elu", "softplus", "hardswish", "prelu"])
 def test_lrp_zero_conserves_relevance_on_bias_free_nets(name):
     # the gradient (f'(z) instead of f(z)/z) would not conserve it for these activations
     model = mlp(ACTIVATIONS[name](), bias=False)
@@ -156,9 +159,16 @@ def test_an_activation_input_of_exactly_zero_uses_the_slope():
 @pytest.mark.parametrize(
     "method", ["guided_bp", "deconv", "rectgrad", "excitation_bp", "excitation_bp.contrastive"]
 )
-def test_methods_defined_on_relus_refuse_other_activations(method):
-    model = mlp(nn.Tanh())
-    match = r"'tanh' in module '1' \(Tanh\) is an activation"
+@pytest.mark.parametrize(
+    ("activation", "op"),
+    [(nn.Tanh(), "tanh"), (nn.Hardswish(), "hardswish"), (nn.PReLU(), "prelu")],
+)
+def test_methods_defined_on_relus_refuse_other_activations(method, activation, op):
+    # Guided BP, Deconv and RectGrad change ReLU's backward and Excitation BP assumes
+    # non-negative activations: none of them defines another activation's backward
+    model = mlp(activation)
+    kind = type(activation).__name__
+    match = rf"'{op}' in module '1' \({kind}\) is an activation"
     with pytest.raises(UnsupportedModelError, match=match):
         explain(model, torch.randn(2, 5, dtype=torch.float64), method, 0)
 

@@ -170,9 +170,29 @@ def test_the_uniform_rule_splits_a_product_of_two_activations_in_half():
     torch.testing.assert_close(result.delta, torch.zeros(4, dtype=torch.float64))
 
 
-def test_without_a_rule_a_product_of_two_activations_is_refused():
-    with pytest.raises(InvalidInputError, match="multiplies or divides two input-dependent"):
-        explain(Gated().double().eval(), X, "lrp.z", 0)
+def test_the_presets_gate_rule_is_signal_take_all_and_refuses_products_without_a_gate():
+    model = Gated().double().eval()
+    k = 1
+    result = explain(model, X, "lrp.z", k)  # the presets hold a sigmoid gate constant
+    with torch.no_grad():
+        gate = torch.sigmoid(model.v(model.w1(X)))
+    torch.testing.assert_close(
+        result.attribution, X * ((gate * model.w2.weight[k]) @ model.w1.weight)
+    )
+
+    class Squared(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 4), nn.Linear(4, 2)
+
+        def forward(self, x):
+            h = self.a(x)
+            return self.b(h * h)  # no activation made either factor: no gate to hold
+
+    with pytest.raises(InvalidInputError, match=r"neither \(or both\) returned by an activation"):
+        explain(Squared().double().eval(), X, "lrp.z", 0)
+    with pytest.raises(InvalidInputError, match=r"'sigmoid' .* is an activation this pass has"):
+        explain(model, X, "excitation_bp", 0)  # Excitation BP refuses activations and gates
 
 
 def test_tensors_a_rule_keeps_are_checked_for_in_place_changes():

@@ -17,7 +17,8 @@ from torch import nn
 
 from explain_core import Composite, Op, explain
 from explain_core.errors import UnsupportedModelError
-from explain_modbp.transformer import NormScale, Uniform
+from explain_modbp.norms import NormScale
+from explain_modbp.products import Uniform
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -193,9 +193,7 @@ def _apply_op_rule(
     positions = [
         i
         for i, value in enumerate(flat)
-        if isinstance(value, torch.Tensor)
-        and value.requires_grad
-        and not isinstance(value, nn.Parameter)
+        if isinstance(value, torch.Tensor) and value.requires_grad and not _from_weights(value)
     ]
     if len(positions) < max(rule.min_inputs, 1):  # e.g. no input-dependent tensor at all
         return func(*args, **kwargs)
@@ -227,6 +225,34 @@ def _apply_op_rule(
         branch_free=attached.plan.branch_free,
     )
     return attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
+
+
+def _from_weights(tensor: torch.Tensor, budget: int = 16) -> bool:
+    """Whether ``tensor`` is a parameter or computed from parameters only (``w.view(1, -1, 1)``).
+
+    Its autograd graph is walked back for at most ``budget`` nodes: one that ends in parameters
+    only within them is the model's weights, reshaped or scaled; anything longer counts as
+    input-dependent (a product rule then refuses it rather than treat it as a weight).
+    """
+    if isinstance(tensor, nn.Parameter):
+        return True
+    if tensor.grad_fn is None:
+        return False  # a leaf that is no parameter: the pass's input
+    pending = [tensor.grad_fn]
+    while pending:
+        node = pending.pop()
+        budget -= 1
+        if node is None:
+            continue
+        if budget < 0:
+            return False
+        variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
+        if variable is not None:
+            if not isinstance(variable, nn.Parameter):
+                return False  # the pass's input
+            continue
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return True
 
 
 def _linear_layer(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AffineLayer | None:

@@ -124,6 +124,8 @@ LINEAR_OPS = (
         [
             *("add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad"),
             *("setitem", "where"),
+            # resampling (nearest, linear, bilinear, bicubic, …): a fixed linear map
+            *("interpolate", "upsample", "upsample_nearest", "upsample_bilinear"),
         ]
     )
 )
@@ -151,6 +153,11 @@ ACTIVATION_OPS = frozenset(
         "tanh_",
         "sigmoid",
         "sigmoid_",
+        "hardswish",
+        "hardswish_",
+        "hardsigmoid",
+        "hardsigmoid_",
+        "prelu",
     ]
 )
 MAXPOOL_OPS = frozenset(

@@ -7,6 +7,9 @@ DenseNets) is a per-channel affine map ``a·x + b`` of its own and gets LRP-ε (
 where it has one; LRP-0 in ``lrp.z`` and ``lrp.cmp``): the relevance its input explains, not its
 shift. Excitation BP has no such rule and refuses it.
 ``InputLayer()`` entries rule the layer reading the model input, ``OutputLayer()`` the output layer.
+Every LRP preset also passes relevance through element-wise activations (:data:`ACTIVATIONS`),
+holds the scale of LayerNorm/GroupNorm/InstanceNorm constant (:data:`NORMS`) and the gate of
+squeeze-excitation blocks (:data:`GATES`); Excitation BP refuses all three.
 
 =========================  =============================================================
 preset                     rules
@@ -36,6 +39,8 @@ from explain_core.engine.ops import ACTIVATION_OPS
 from explain_core.interfaces.relevance import Gradient, InputLayer, Op, OutputLayer, Rule
 from explain_modbp import rules
 from explain_modbp.activations import PassRelevance
+from explain_modbp.norms import NORM_OPS, NormScale
+from explain_modbp.products import HoldGate
 
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 DENSE_TYPES = (nn.Linear,)
@@ -43,6 +48,13 @@ DENSE_TYPES = (nn.Linear,)
 
 ACTIVATIONS = (Op(*ACTIVATION_OPS), PassRelevance())
 """LRP's pass rule for every element-wise activation other than ReLU (an operation rule)."""
+
+NORMS = (Op(*NORM_OPS), NormScale())
+"""LayerNorm, GroupNorm, InstanceNorm and RMSNorm with the normalising scale held constant."""
+
+GATES = (Op("mul", "mul_"), HoldGate())
+"""Squeeze-excitation and other gates: the activated gate held constant, all relevance to the
+signal; a product of two input-dependent tensors without such a gate is refused."""
 
 
 def uniform(
@@ -56,10 +68,12 @@ def uniform(
     """The same rule for every Linear/Conv layer.
 
     ``first`` goes on the input layer, ``batchnorm`` on BatchNorms that cannot be merged;
-    ``activations`` maps LRP's pass rule to the element-wise activations (else they are refused).
+    ``activations`` maps LRP's pass rule to the element-wise activations, the normalisations'
+    rule and the gate rule (else they are refused).
     """
     mapping = _with_batchnorm([(LINEAR_TYPES, rule)], batchnorm)
-    return Composite(_first(first) + mapping + [ACTIVATIONS] * activations, name=name)
+    layers = [ACTIVATIONS, NORMS, GATES] if activations else []
+    return Composite(_first(first) + mapping + layers, name=name)
 
 
 def conv_dense(
@@ -70,9 +84,9 @@ def conv_dense(
     first: Rule | None = None,
     batchnorm: Rule | None = None,
 ) -> Composite:
-    """One rule for convolutions and another for dense layers (and LRP's activation rule)."""
+    """One rule for convolutions, another for dense layers; activation, norm and gate rules."""
     mapping = _with_batchnorm([(CONV_TYPES, conv), (DENSE_TYPES, dense)], batchnorm)
-    return Composite([*_first(first), *mapping, ACTIVATIONS], name=name)
+    return Composite([*_first(first), *mapping, ACTIVATIONS, NORMS, GATES], name=name)
 
 
 def _first(rule: Rule | None) -> list:

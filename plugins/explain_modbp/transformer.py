@@ -30,31 +30,27 @@ softmax rule does not conserve (the papers' own measurement), and its gap is the
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from explain_core.affine import LINEAR_TYPES
 from explain_core.engine import Composite
-from explain_core.engine.ops import ACTIVATION_OPS
 from explain_core.interfaces.relevance import Gradient, Matcher, Op, Rule, RuleCall
 from explain_core.registry import MethodSpec
 from explain_modbp import rules
 from explain_modbp.activations import PassRelevance
 from explain_modbp.composites import ACTIVATIONS
 from explain_modbp.methods import CompositeMethod
+from explain_modbp.norms import NORM_OPS, NormScale
+from explain_modbp.products import HoldGate, Uniform
 
 __all__ = [
     "LRPCP",
     "Constant",
-    "HoldGate",
     "LRPAttn",
-    "NormScale",
-    "Uniform",
     "elementwise_module",
     "lrp_attn",
     "lrp_cp",
@@ -62,87 +58,6 @@ __all__ = [
 
 PRODUCTS = ("matmul", "bmm", "mul")
 """Operation kinds that multiply two activations in attention models (``QKᵀ``, ``A·V``, gates)."""
-
-
-class Uniform(Rule):
-    """The uniform rule: each of the ``n`` input-dependent factors gets ``1/n`` of the relevance.
-
-    For a product of two activations ``y = a ⊙ b`` (or ``a @ b``) ``R_a = R_b = R_y / 2``: in
-    Gradient×Input form, the gradient to each factor halved. A product with one input-dependent
-    factor (a scaling by a weight) is linear and passes the gradient.
-    """
-
-    min_inputs = 2
-    output_in_backward = False
-
-    def backward(  # noqa: D102
-        self, call: RuleCall, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        grads = product_gradients(call, grad_output)
-        share = len(call.inputs)
-        return tuple(None if g is None else g / share for g in grads)
-
-
-def product_gradients(
-    call: RuleCall, grad_output: torch.Tensor, needed: tuple[bool, ...] | None = None
-) -> tuple[torch.Tensor | None, ...]:
-    """The gradient to each factor of a product (``None`` where not ``needed``).
-
-    Written out for ``a * b`` and ``a @ b`` of matrices (the products attention models make),
-    so that backward does not compute the product again; other calls go through autograd.
-    """
-    needed = needed or (True,) * len(call.inputs)
-    if len(call.inputs) == 2 and not call.kwargs:
-        a, b = call.inputs
-        if call.name in ("mul", "mul_"):
-            return (
-                (grad_output * b).sum_to_size(a.shape) if needed[0] else None,
-                (grad_output * a).sum_to_size(b.shape) if needed[1] else None,
-            )
-        if call.name in ("matmul", "bmm") and a.dim() >= 2 and b.dim() >= 2:
-            return (
-                (grad_output @ b.mT).sum_to_size(a.shape) if needed[0] else None,
-                (a.mT @ grad_output).sum_to_size(b.shape) if needed[1] else None,
-            )
-    assert call.function is not None
-    inputs = tuple(
-        t.detach().requires_grad_(wanted) for t, wanted in zip(call.inputs, needed, strict=True)
-    )
-    with torch.enable_grad():
-        output = call.function(*inputs)
-    wanted = [t for t in inputs if t.requires_grad]
-    grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
-    return tuple(next(grads) if t.requires_grad else None for t in inputs)
-
-
-def _activated(source: RuleCall | None) -> bool:
-    """Whether ``source`` (the call that made a factor) is an element-wise activation."""
-    if source is None:
-        return False
-    if source.module is None:
-        return source.name in ACTIVATION_OPS
-    kind = type(source.module)
-    return kind.__module__ in ("transformers.activations", "torch.nn.modules.activation")
-
-
-class HoldGate(Rule):
-    """A gated product ``act(g) ⊙ u`` with the activated gate held constant: all relevance to u.
-
-    CP-LRP's rule for gated MLPs (SwiGLU, GeGLU), as its reference package writes it; the gate is
-    the factor an element-wise activation returned (``call.sources``). A product without
-    exactly one such factor takes the uniform rule.
-    """
-
-    min_inputs = 2
-    output_in_backward = False
-
-    def backward(  # noqa: D102
-        self, call: RuleCall, grad_output: torch.Tensor
-    ) -> tuple[torch.Tensor | None, ...]:
-        gates = [_activated(source) for source in call.sources]
-        if len(gates) != 2 or sum(gates) != 1:
-            return Uniform().backward(call, grad_output)
-        return product_gradients(call, grad_output, tuple(not gate for gate in gates))
 
 
 class Constant(Rule):
@@ -154,47 +69,6 @@ class Constant(Rule):
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         return tuple(None for _ in call.inputs)
-
-
-_LAYER_NORM = inspect.signature(F.layer_norm)
-_RMS_NORM = inspect.signature(F.rms_norm)
-
-
-class NormScale(Rule):
-    """LayerNorm and RMSNorm with the normalising scale held constant (AttnLRP's and CP-LRP's).
-
-    ``layer_norm``: ``y = γ ⊙ (x − μ)/σ + β`` with σ constant is linear in ``x`` (the mean
-    subtraction stays): ``s_x = C(γ ⊙ s_y / σ)``, ``C`` the centering over the normalised
-    dimensions; β absorbs relevance. ``rms_norm``: ``y = γ ⊙ x / rms(x)`` with ``rms`` constant:
-    ``s_x = γ ⊙ s_y / rms``, so ``R_x = R_y`` element-wise.
-    """
-
-    output_in_backward = False
-
-    def forward(self, call: RuleCall) -> tuple[torch.Tensor | None, torch.Tensor, tuple, bool]:  # noqa: D102
-        centred = call.name == "layer_norm"
-        signature = _LAYER_NORM if centred else _RMS_NORM
-        bound = signature.bind(*call.args, **call.kwargs).arguments
-        x = call.inputs[0]
-        dims = tuple(range(-len(bound["normalized_shape"]), 0))
-        eps = bound.get("eps")
-        if eps is None:
-            eps = torch.finfo(x.dtype).eps
-        if centred:
-            scale = torch.sqrt(x.var(dims, unbiased=False, keepdim=True) + eps)
-        else:
-            scale = torch.sqrt(x.square().mean(dims, keepdim=True) + eps)
-        weight = bound.get("weight")
-        return (None if weight is None else weight.detach()), scale, dims, centred
-
-    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        weight, scale, dims, centred = call.state
-        signal = grad_output / scale
-        if weight is not None:
-            signal = signal * weight
-        if centred:
-            signal = signal - signal.mean(dims, keepdim=True)
-        return (signal,)
 
 
 def elementwise_module(name: str, module: nn.Module) -> bool:
@@ -223,7 +97,7 @@ def _shared(epsilon: float, gamma: float) -> list[tuple[Matcher, Rule]]:
         (LINEAR_TYPES, linear),
         (Op("linear", "addmm"), linear),
         (elementwise_module, PassRelevance()),
-        (Op("layer_norm", "rms_norm"), NormScale()),
+        (Op(*NORM_OPS), NormScale()),
         ACTIVATIONS,
     ]
 
@@ -245,7 +119,7 @@ def lrp_cp(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
     rules_ = [
         (Op("softmax"), Constant()),
         (Op("matmul", "bmm"), Gradient()),
-        (Op("mul"), HoldGate()),
+        (Op("mul"), HoldGate(otherwise=Uniform())),
     ]
     return Composite([*_shared(epsilon, gamma), *rules_], name="lrp.cp")
 

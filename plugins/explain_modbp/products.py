@@ -1,0 +1,122 @@
+"""Products of two input-dependent tensors: attention's ``QKᵀ`` and ``A·V``, gates.
+
+Two rules, in the engine's signal convention (relevance ``R = h ⊙ s``):
+
+- :class:`Uniform` (AttnLRP): each factor gets an equal share of the relevance.
+- :class:`HoldGate` (CP-LRP's gated MLPs; squeeze-excitation and gating in CNNs, LSTM gates in
+  Arras et al. 2017's "signal-take-all"): the factor an activation made (the gate) is held
+  constant, and all relevance goes to the other factor (the signal).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from explain_core.engine.ops import ACTIVATION_OPS
+from explain_core.errors import UnsupportedModelError
+from explain_core.interfaces.relevance import Rule, RuleCall
+
+__all__ = ["HoldGate", "Uniform", "product_gradients"]
+
+
+class Uniform(Rule):
+    """The uniform rule: each of the ``n`` input-dependent factors gets ``1/n`` of the relevance.
+
+    For a product of two activations ``y = a ⊙ b`` (or ``a @ b``) ``R_a = R_b = R_y / 2``: in
+    Gradient×Input form, the gradient to each factor halved. A product with one input-dependent
+    factor (a scaling by a weight) is linear and passes the gradient.
+    """
+
+    min_inputs = 2
+    output_in_backward = False
+
+    def backward(  # noqa: D102
+        self, call: RuleCall, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        grads = product_gradients(call, grad_output)
+        share = len(call.inputs)
+        return tuple(None if g is None else g / share for g in grads)
+
+
+def product_gradients(
+    call: RuleCall, grad_output: torch.Tensor, needed: tuple[bool, ...] | None = None
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradient to each factor of a product (``None`` where not ``needed``).
+
+    Written out for ``a * b`` and ``a @ b`` of matrices (the products attention models make),
+    so that backward does not compute the product again; other calls go through autograd.
+    """
+    needed = needed or (True,) * len(call.inputs)
+    if len(call.inputs) == 2 and not call.kwargs:
+        a, b = call.inputs
+        if call.name in ("mul", "mul_"):
+            return (
+                (grad_output * b).sum_to_size(a.shape) if needed[0] else None,
+                (grad_output * a).sum_to_size(b.shape) if needed[1] else None,
+            )
+        if call.name in ("matmul", "bmm") and a.dim() >= 2 and b.dim() >= 2:
+            return (
+                (grad_output @ b.mT).sum_to_size(a.shape) if needed[0] else None,
+                (a.mT @ grad_output).sum_to_size(b.shape) if needed[1] else None,
+            )
+    assert call.function is not None
+    inputs = tuple(
+        t.detach().requires_grad_(wanted) for t, wanted in zip(call.inputs, needed, strict=True)
+    )
+    with torch.enable_grad():
+        output = call.function(*inputs)
+    wanted = [t for t in inputs if t.requires_grad]
+    grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
+    return tuple(next(grads) if t.requires_grad else None for t in inputs)
+
+
+def _activated(source: RuleCall | None) -> bool:
+    """Whether ``source`` (the call that made a factor) is an element-wise activation."""
+    if source is None:
+        return False
+    if source.module is None:
+        return source.name in ACTIVATION_OPS
+    kind = type(source.module)
+    return kind.__module__ in ("transformers.activations", "torch.nn.modules.activation")
+
+
+class HoldGate(Rule):
+    """A gated product ``act(g) ⊙ u`` with the activated gate held constant: all relevance to u.
+
+    The gate is the factor an element-wise activation returned (``call.sources``: a sigmoid,
+    hard sigmoid, SiLU, … operation or activation module). CP-LRP's rule for gated MLPs (SwiGLU,
+    GeGLU), as its reference package writes it, and the squeeze-excitation rule of the CNN
+    presets: ``x ⊙ σ(SE(x))`` passes all relevance to ``x``. A product without exactly one such
+    factor takes ``otherwise`` (the uniform rule in CP-LRP), or is refused if it is ``None``.
+
+    Args:
+        otherwise: The rule for products without exactly one gate; ``None`` refuses them.
+    """
+
+    min_inputs = 2
+    output_in_backward = False
+
+    def __init__(self, otherwise: Rule | None = None) -> None:
+        self.otherwise = otherwise
+
+    def forward(self, call: RuleCall) -> bool:
+        """Whether the product is gated (refused in the forward pass if not, without a rule)."""
+        gates = [_activated(source) for source in call.sources]
+        gated = len(gates) == 2 and sum(gates) == 1
+        if not gated and self.otherwise is None:
+            raise UnsupportedModelError(
+                f"operation {call.name!r} multiplies two input-dependent tensors, neither (or "
+                "both) returned by an activation: the gate rule holds a sigmoid-like gate "
+                "constant, and there is none here. Map the operation to a rule of its own in a "
+                "composite, e.g. (Op('mul'), Uniform()), which splits the relevance equally"
+            )
+        return gated
+
+    def backward(  # noqa: D102
+        self, call: RuleCall, grad_output: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        if not call.state:
+            assert self.otherwise is not None
+            return self.otherwise.backward(call, grad_output)
+        gates = [_activated(source) for source in call.sources]
+        return product_gradients(call, grad_output, tuple(not gate for gate in gates))

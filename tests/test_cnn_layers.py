@@ -1,0 +1,276 @@
+"""Layers of today's CNNs in the LRP presets, each against an independent float64 reference.
+
+The references are the same models with the rule's assumption written into the code: the
+squeeze-excitation gate and the normalisations' scales are constants (computed from the same
+inputs beforehand, so that they are not input-dependent in the explained pass), and bilinear
+resampling is written out as weighted sums of shifted copies. The presets must give the same
+maps on the models as users write them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from explain_core import UnsupportedModelError, explain
+
+PRESETS = ["lrp.epsilon", "lrp.z", "lrp.epsilon_plus", "lrp.zplus", "lrp.gamma", "lrp.alpha2beta1"]
+
+
+class SqueezeExcitation(nn.Module):
+    """torchvision's block: ``x ⊙ gate(pool(x))`` (sigmoid or hard sigmoid gate)."""
+
+    def __init__(self, channels: int, gate: nn.Module) -> None:
+        super().__init__()
+        self.fc1 = nn.Conv2d(channels, 3, 1)
+        self.fc2 = nn.Conv2d(3, channels, 1)
+        self.gate = gate
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(x, 1)))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale(x)
+
+
+class ConstantGate(nn.Module):
+    """The reference: ``x ⊙ g`` with the gate values ``g`` a constant."""
+
+    def __init__(self, block: SqueezeExcitation) -> None:
+        super().__init__()
+        self.block = block
+        self.constant: torch.Tensor | None = None
+
+    def compute(self, h: torch.Tensor) -> None:
+        self.constant = self.block.scale(h).detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.constant[: len(x)]  # the engine traces on the batch's first samples
+
+
+class Body(nn.Module):
+    """conv → ReLU → the layer under test → conv → pooling → linear."""
+
+    def __init__(self, layer: nn.Module, bias: bool = True, channels: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, channels, 3, padding=1, bias=bias)
+        self.layer = layer
+        self.conv2 = nn.Conv2d(channels, 4, 3, padding=1, bias=bias)
+        self.head = nn.Linear(4, 3, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv2(self.layer(F.relu(self.conv1(x))))
+        return self.head(torch.flatten(F.adaptive_avg_pool2d(F.relu(h), 1), 1))
+
+
+def twins(layer: nn.Module, reference_layer: nn.Module, bias: bool = True) -> tuple[Body, Body]:
+    """The model and its reference, sharing every weight (the reference wraps ``layer``)."""
+    torch.manual_seed(0)
+    model = Body(layer, bias).double().eval()
+    reference = Body(reference_layer, bias).double().eval()
+    for name in ("conv1", "conv2", "head"):
+        getattr(reference, name).load_state_dict(getattr(model, name).state_dict())
+    return model, reference
+
+
+def images(batch: int = 3) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(batch, 2, 6, 6, dtype=torch.float64, generator=generator)
+
+
+def assert_same_maps(model: Body, reference: Body, method: str) -> None:
+    x = images()
+    if hasattr(reference.layer, "compute"):  # its constants, from the layer's real input
+        with torch.no_grad():
+            reference.layer.compute(F.relu(model.conv1(x)))
+    got = explain(model, x, method, 1).attribution
+    expected = explain(reference, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12)
+
+
+# --- squeeze-excitation: the gate held constant, all relevance to the signal ----------------
+
+
+@pytest.mark.parametrize("gate", [nn.Sigmoid, nn.Hardsigmoid])
+@pytest.mark.parametrize("method", PRESETS)
+def test_squeeze_excitation_holds_the_gate_constant(gate, method):
+    torch.manual_seed(2)
+    block = SqueezeExcitation(4, gate()).double()
+    model, reference = twins(block, ConstantGate(block))
+    assert_same_maps(model, reference, method)
+
+
+def test_squeeze_excitation_conserves_on_a_bias_free_signal_path():
+    # The gate's own convolutions keep their biases: the gate gets no relevance at all.
+    torch.manual_seed(0)
+    model = Body(SqueezeExcitation(4, nn.Sigmoid()), bias=False).double().eval()
+    result = explain(model, images(), "lrp.z", 2)
+    torch.testing.assert_close(
+        result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+
+
+class Square(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+
+def test_a_product_without_a_gate_is_refused_with_the_way_out():
+    torch.manual_seed(0)
+    model = Body(Square()).double().eval()
+    with pytest.raises(UnsupportedModelError, match=r"'mul' multiplies two input-dependent"):
+        explain(model, images(), "lrp.epsilon", 1)
+
+
+# --- normalisations: the scale held constant ---------------------------------------------------
+
+
+class ConstantScaleGroupNorm(nn.Module):
+    """``γ ⊙ (x − μ_g)/σ_g + β`` with σ_g a constant: the rule's assumption written out."""
+
+    def __init__(self, norm: nn.GroupNorm) -> None:
+        super().__init__()
+        self.norm = norm
+        self.sigma: torch.Tensor | None = None
+
+    def compute(self, h: torch.Tensor) -> None:
+        grouped = h.reshape(h.shape[0], self.norm.num_groups, -1)
+        self.sigma = torch.sqrt(grouped.var(2, unbiased=False, keepdim=True) + self.norm.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grouped = x.reshape(x.shape[0], self.norm.num_groups, -1)
+        centred = grouped - grouped.mean(2, keepdim=True)
+        normalised = (centred / self.sigma[: len(x)]).reshape(x.shape)
+        shape = (1, -1, 1, 1)
+        return normalised * self.norm.weight.reshape(shape) + self.norm.bias.reshape(shape)
+
+
+class ChannelsLastLayerNorm(nn.Module):
+    """ConvNeXt's LayerNorm over channels: permute, normalise the last axis, permute back."""
+
+    def __init__(self, norm: nn.LayerNorm) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+class ConstantScaleLayerNorm(ChannelsLastLayerNorm):
+    def compute(self, h: torch.Tensor) -> None:
+        h = h.permute(0, 2, 3, 1)
+        self.sigma = torch.sqrt(h.var(-1, unbiased=False, keepdim=True) + self.norm.eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.permute(0, 2, 3, 1)
+        sigma = self.sigma[: len(x)]
+        out = (h - h.mean(-1, keepdim=True)) / sigma * self.norm.weight + self.norm.bias
+        return out.permute(0, 3, 1, 2)
+
+
+def _affine(norm: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        norm.bias.uniform_(-0.2, 0.2)
+    return norm.double()
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])  # LayerNorm-like, grouped, InstanceNorm-like
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.epsilon_plus", "lrp.gamma"])
+def test_group_norm_holds_its_scale_constant(groups, method):
+    torch.manual_seed(3)
+    norm = _affine(nn.GroupNorm(groups, 4))
+    model, reference = twins(norm, ConstantScaleGroupNorm(norm))
+    assert_same_maps(model, reference, method)
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.zplus"])
+def test_layer_norm_over_channels_holds_its_scale_constant(method):
+    torch.manual_seed(3)
+    norm = _affine(nn.LayerNorm(4))
+    model, reference = twins(ChannelsLastLayerNorm(norm), ConstantScaleLayerNorm(norm))
+    assert_same_maps(model, reference, method)
+
+
+class RunningAffine(nn.Module):
+    """An eval-mode InstanceNorm with running statistics, as the affine map it is."""
+
+    def __init__(self, norm: nn.InstanceNorm2d) -> None:
+        super().__init__()
+        self.norm = norm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        norm, shape = self.norm, (1, -1, 1, 1)
+        scale = (norm.weight / torch.sqrt(norm.running_var + norm.eps)).reshape(shape)
+        return (x - norm.running_mean.reshape(shape)) * scale + norm.bias.reshape(shape)
+
+
+@pytest.mark.parametrize("running", [False, True])
+def test_instance_norm_per_sample_or_with_running_statistics(running):
+    torch.manual_seed(4)
+    norm = _affine(nn.InstanceNorm2d(4, affine=True, track_running_stats=running))
+    if running:
+        with torch.no_grad():
+            norm.running_mean.uniform_(-0.5, 0.5)
+            norm.running_var.uniform_(0.5, 2.0)
+    norm.eval()
+    per_channel = nn.GroupNorm(4, 4).double()  # one group per channel: InstanceNorm's statistics
+    per_channel.load_state_dict({"weight": norm.weight, "bias": norm.bias})
+    model, reference = twins(
+        norm, RunningAffine(norm) if running else ConstantScaleGroupNorm(per_channel)
+    )
+    assert_same_maps(model, reference, "lrp.epsilon")
+
+
+# --- resampling: a constant linear map ---------------------------------------------------------
+
+
+def _interleave(even: torch.Tensor, odd: torch.Tensor, dim: int) -> torch.Tensor:
+    stacked = torch.stack([even, odd], dim=dim + 1)
+    shape = list(even.shape)
+    shape[dim] *= 2
+    return stacked.reshape(shape)
+
+
+def _double(x: torch.Tensor, dim: int, mode: str) -> torch.Tensor:
+    """Upsampling by 2 along ``dim``, written out (align_corners=False)."""
+    if mode == "nearest":
+        return _interleave(x, x, dim)
+    n = x.shape[dim]
+    left = torch.cat([x.narrow(dim, 0, 1), x.narrow(dim, 0, n - 1)], dim)  # x[i-1], clamped
+    right = torch.cat([x.narrow(dim, 1, n - 1), x.narrow(dim, n - 1, 1)], dim)  # x[i+1]
+    return _interleave(0.25 * left + 0.75 * x, 0.75 * x + 0.25 * right, dim)
+
+
+class Resample(nn.Module):
+    def __init__(self, mode: str, written_out: bool = False) -> None:
+        super().__init__()
+        self.mode = mode
+        self.written_out = written_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.written_out:
+            return _double(_double(x, 2, self.mode), 3, self.mode)
+        options = {} if self.mode == "nearest" else {"align_corners": False}
+        return F.interpolate(x, scale_factor=2, mode=self.mode, **options)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "bilinear"])
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.zplus", "deeplift.rescale", "guided_bp"])
+def test_interpolation_is_a_constant_linear_map(mode, method):
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64)  # the reference is F.interpolate, written out
+    torch.testing.assert_close(Resample(mode, written_out=True)(x), Resample(mode)(x))
+    model, reference = twins(Resample(mode), Resample(mode, written_out=True))
+    assert_same_maps(model, reference, method)
+
+
+def test_upsample_module_and_conservation():
+    torch.manual_seed(0)
+    model = Body(nn.Upsample(scale_factor=2, mode="bilinear"), bias=False).double().eval()
+    result = explain(model, images(), "lrp.z", 0)
+    torch.testing.assert_close(
+        result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )
