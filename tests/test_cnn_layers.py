@@ -22,8 +22,9 @@ PRESETS = ["lrp.epsilon", "lrp.z", "lrp.epsilon_plus", "lrp.zplus", "lrp.gamma",
 class SqueezeExcitation(nn.Module):
     """torchvision's block: ``x ⊙ gate(pool(x))`` (sigmoid or hard sigmoid gate)."""
 
-    def __init__(self, channels: int, gate: nn.Module) -> None:
+    def __init__(self, channels: int, gate: nn.Module, signal: nn.Module | None = None) -> None:
         super().__init__()
+        self.signal = signal or nn.Identity()  # EfficientNet's SiLU, MobileNetV3's Hardswish
         self.fc1 = nn.Conv2d(channels, 3, 1)
         self.fc2 = nn.Conv2d(3, channels, 1)
         self.gate = gate
@@ -32,6 +33,7 @@ class SqueezeExcitation(nn.Module):
         return self.gate(self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(x, 1)))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.signal(x)
         return x * self.scale(x)
 
 
@@ -44,10 +46,11 @@ class ConstantGate(nn.Module):
         self.constant: torch.Tensor | None = None
 
     def compute(self, h: torch.Tensor) -> None:
-        self.constant = self.block.scale(h).detach()
+        self.constant = self.block.scale(self.block.signal(h)).detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * self.constant[: len(x)]  # the engine traces on the batch's first samples
+        # the engine traces on the batch's first samples
+        return self.block.signal(x) * self.constant[: len(x)]
 
 
 class Body(nn.Module):
@@ -94,11 +97,21 @@ def assert_same_maps(model: Body, reference: Body, method: str) -> None:
 # --- squeeze-excitation: the gate held constant, all relevance to the signal ----------------
 
 
-@pytest.mark.parametrize("gate", [nn.Sigmoid, nn.Hardsigmoid])
+@pytest.mark.parametrize(
+    ("gate", "signal"),
+    [
+        (nn.Sigmoid, None),
+        (nn.Hardsigmoid, None),
+        (nn.Sigmoid, nn.SiLU),
+        (nn.Hardsigmoid, nn.Hardswish),
+    ],
+    ids=["sigmoid", "hardsigmoid", "efficientnet", "mobilenet_v3"],
+)
 @pytest.mark.parametrize("method", PRESETS)
-def test_squeeze_excitation_holds_the_gate_constant(gate, method):
+def test_squeeze_excitation_holds_the_gate_constant(gate, signal, method):
+    # the signal may come from an activation too: the sigmoid-like factor is the gate
     torch.manual_seed(2)
-    block = SqueezeExcitation(4, gate()).double()
+    block = SqueezeExcitation(4, gate(), signal and signal()).double()
     model, reference = twins(block, ConstantGate(block))
     assert_same_maps(model, reference, method)
 

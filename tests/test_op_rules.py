@@ -189,7 +189,7 @@ def test_the_presets_gate_rule_is_signal_take_all_and_refuses_products_without_a
             h = self.a(x)
             return self.b(h * h)  # no activation made either factor: no gate to hold
 
-    with pytest.raises(InvalidInputError, match=r"neither \(or both\) returned by an activation"):
+    with pytest.raises(InvalidInputError, match=r"neither \(or both alike\) returned by an"):
         explain(Squared().double().eval(), X, "lrp.z", 0)
     with pytest.raises(InvalidInputError, match=r"'sigmoid' .* is an activation this pass has"):
         explain(model, X, "excitation_bp", 0)  # Excitation BP refuses activations and gates

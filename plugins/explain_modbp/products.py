@@ -70,21 +70,49 @@ def product_gradients(
     return tuple(next(grads) if t.requires_grad else None for t in inputs)
 
 
-def _activated(source: RuleCall | None) -> bool:
-    """Whether ``source`` (the call that made a factor) is an element-wise activation."""
+_SQUASHING = frozenset({"sigmoid", "sigmoid_", "hardsigmoid", "hardsigmoid_"})
+
+
+def _gate_level(source: RuleCall | None) -> int:
+    """How gate-like the factor ``source`` made is.
+
+    2: a sigmoid-like squashing into [0, 1] (squeeze-excitation); 1: another element-wise
+    activation (SwiGLU's SiLU); 0: none.
+    """
     if source is None:
-        return False
+        return 0
     if source.module is None:
-        return source.name in ACTIVATION_OPS
-    kind = type(source.module)
-    return kind.__module__ in ("transformers.activations", "torch.nn.modules.activation")
+        name = source.name
+    else:
+        kind = type(source.module)
+        if kind.__module__ not in ("transformers.activations", "torch.nn.modules.activation"):
+            return 0
+        name = kind.__name__.lower()
+    if name in _SQUASHING:
+        return 2
+    return 1 if source.module is not None or name in ACTIVATION_OPS else 0
+
+
+def _gate(sources: tuple[RuleCall | None, ...]) -> int | None:
+    """The position of the gate among two factors, if one is more gate-like than the other.
+
+    In squeeze-excitation the signal itself often comes from an activation (EfficientNet's
+    SiLU, MobileNetV3's Hardswish), so a sigmoid-like factor is the gate before any other.
+    """
+    if len(sources) != 2:
+        return None
+    levels = [_gate_level(source) for source in sources]
+    if levels[0] == levels[1]:
+        return None
+    return 0 if levels[0] > levels[1] else 1
 
 
 class HoldGate(Rule):
     """A gated product ``act(g) ⊙ u`` with the activated gate held constant: all relevance to u.
 
-    The gate is the factor an element-wise activation returned (``call.sources``: a sigmoid,
-    hard sigmoid, SiLU, … operation or activation module). CP-LRP's rule for gated MLPs (SwiGLU,
+    The gate is the factor an element-wise activation returned (``call.sources``), a
+    sigmoid-like one (sigmoid, hard sigmoid) before any other (SiLU, …): in squeeze-excitation
+    the signal often comes from an activation too. CP-LRP's rule for gated MLPs (SwiGLU,
     GeGLU), as its reference package writes it, and the squeeze-excitation rule of the CNN
     presets: ``x ⊙ σ(SE(x))`` passes all relevance to ``x``. A product without exactly one such
     factor takes ``otherwise`` (the uniform rule in CP-LRP), or is refused if it is ``None``.
@@ -99,24 +127,23 @@ class HoldGate(Rule):
     def __init__(self, otherwise: Rule | None = None) -> None:
         self.otherwise = otherwise
 
-    def forward(self, call: RuleCall) -> bool:
-        """Whether the product is gated (refused in the forward pass if not, without a rule)."""
-        gates = [_activated(source) for source in call.sources]
-        gated = len(gates) == 2 and sum(gates) == 1
-        if not gated and self.otherwise is None:
+    def forward(self, call: RuleCall) -> int | None:
+        """The gate's position (refused in the forward pass if none, without a fallback)."""
+        gate = _gate(call.sources)
+        if gate is None and self.otherwise is None:
             raise UnsupportedModelError(
                 f"operation {call.name!r} multiplies two input-dependent tensors, neither (or "
-                "both) returned by an activation: the gate rule holds a sigmoid-like gate "
+                "both alike) returned by an activation: the gate rule holds a sigmoid-like gate "
                 "constant, and there is none here. Map the operation to a rule of its own in a "
                 "composite, e.g. (Op('mul'), Uniform()), which splits the relevance equally"
             )
-        return gated
+        return gate
 
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        if not call.state:
+        if call.state is None:
             assert self.otherwise is not None
             return self.otherwise.backward(call, grad_output)
-        gates = [_activated(source) for source in call.sources]
-        return product_gradients(call, grad_output, tuple(not gate for gate in gates))
+        signal = 1 - call.state  # all relevance to the factor that is not the gate
+        return product_gradients(call, grad_output, tuple(i == signal for i in range(2)))
