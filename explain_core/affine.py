@@ -1,8 +1,9 @@
 """Affine layers as rules see them: ``z = W ∗ x + b`` with a forward and a transposed map.
 
-Linear, Conv1d/2d/3d, a Linear/Conv merged with the BatchNorm that follows it (by the
-:class:`~explain_core.canonizers.MergeBatchNorm` canonizer), and a BatchNorm on its own (a
-per-channel scale) all become an :class:`AffineLayer`, handed to rules as ``call.layer``. Rules
+Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, a Linear/Conv merged with the BatchNorm that
+follows it (by the :class:`~explain_core.canonizers.MergeBatchNorm` canonizer), and a BatchNorm
+on its own (a per-channel scale) all become an :class:`AffineLayer`, handed to rules as
+``call.layer``. Rules
 only call :meth:`AffineLayer.forward` (with modified weights) and :meth:`AffineLayer.transpose`
 (the vector-Jacobian product with modified weights: one transposed convolution), so no module is
 run again during the backward pass.
@@ -23,12 +24,14 @@ __all__ = [
     "AFFINE_TYPES",
     "BATCHNORM_TYPES",
     "LINEAR_TYPES",
+    "TRANSPOSED_CONV_TYPES",
     "AffineLayer",
     "batchnorm_affine",
     "is_affine",
 ]
 
-LINEAR_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+TRANSPOSED_CONV_TYPES = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+LINEAR_TYPES = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d, *TRANSPOSED_CONV_TYPES)
 BATCHNORM_TYPES = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
 AFFINE_TYPES = LINEAR_TYPES + BATCHNORM_TYPES
 
@@ -39,6 +42,7 @@ def is_affine(module: nn.Module) -> bool:
 
 
 _CONV_FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_TRANSPOSED_FORWARD = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,14 @@ class AffineLayer:
 
     Attributes:
         name: Qualified name of the module (of the Linear/Conv when merged with a BatchNorm).
-        kind: ``"linear"``, ``"conv"`` or ``"scale"`` (per-channel ``x·w + b``, a lone BatchNorm).
+        kind: ``"linear"``, ``"conv"``, ``"conv_transpose"`` (a transposed convolution, its weight
+            ``(in, out / groups, *kernel)``) or ``"scale"`` (per-channel ``x·w + b``, a lone
+            BatchNorm).
         weight: Weight tensor (for ``"scale"``: one value per channel).
         bias: Bias or ``None``.
         dims: Spatial dimensions of a convolution (1, 2, 3).
         stride, padding, dilation, groups: Convolution settings (integers per dimension).
+        output_padding: A transposed convolution's extra output size per dimension.
         merged: Name of the BatchNorm folded into this layer, if any.
         input_sign: What is known of the input's sign: ``"nonnegative"`` (by construction: it
             comes from a ReLU), ``"signed"`` (rules must take forms exact for either sign
@@ -60,7 +67,7 @@ class AffineLayer:
     """
 
     name: str
-    kind: Literal["linear", "conv", "scale"]
+    kind: Literal["linear", "conv", "conv_transpose", "scale"]
     weight: torch.Tensor
     bias: torch.Tensor | None
     dims: int = 0
@@ -70,6 +77,7 @@ class AffineLayer:
     groups: int = 1
     merged: str | None = None
     input_sign: Literal["nonnegative", "signed", "unknown"] = "unknown"
+    output_padding: tuple[int, ...] = ()
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module) -> AffineLayer:
@@ -93,9 +101,10 @@ class AffineLayer:
         padding = module.padding
         if isinstance(padding, str):
             padding = _string_padding(name, module, padding)
+        transposed = isinstance(module, TRANSPOSED_CONV_TYPES)
         return cls(
             name,
-            "conv",
+            "conv_transpose" if transposed else "conv",
             weight,
             bias,
             dims,
@@ -103,13 +112,20 @@ class AffineLayer:
             tuple(padding),
             tuple(module.dilation),
             module.groups,
+            output_padding=tuple(module.output_padding) if transposed else (),
         )
 
     def merge_batchnorm(self, bn_name: str, bn: nn.Module) -> AffineLayer:
         """This layer followed by an eval-mode BatchNorm, as one affine layer."""
         scale, shift = batchnorm_affine(bn_name, bn)
-        shape = (-1,) + (1,) * (self.weight.dim() - 1)
-        weight = self.weight * scale.reshape(shape)
+        if self.kind == "conv_transpose":  # output channels on axis 1, per group
+            groups, inputs, per_group = self.groups, self.weight.shape[0], self.weight.shape[1]
+            kernel = self.weight.shape[2:]
+            grouped = self.weight.reshape(groups, inputs // groups, per_group, *kernel)
+            factor = scale.reshape(groups, 1, per_group, *(1,) * len(kernel))
+            weight = (grouped * factor).reshape(self.weight.shape)
+        else:
+            weight = self.weight * scale.reshape((-1,) + (1,) * (self.weight.dim() - 1))
         bias = shift if self.bias is None else self.bias * scale + shift
         return replace(self, weight=weight, bias=bias, merged=bn_name)
 
@@ -127,6 +143,11 @@ class AffineLayer:
             shape = (1, -1) + (1,) * (x.dim() - 2)
             out = x * weight.reshape(shape)
             return out if bias is None else out + bias.reshape(shape)
+        if self.kind == "conv_transpose":
+            return _TRANSPOSED_FORWARD[self.dims](
+                x, weight, bias, self.stride, self.padding, self.output_padding, self.groups,
+                self.dilation,
+            )  # fmt: skip
         return _CONV_FORWARD[self.dims](
             x, weight, bias, self.stride, self.padding, self.dilation, self.groups
         )
@@ -167,7 +188,7 @@ class AffineLayer:
         input channels, where the layer is ungrouped: half the passes over the output of two
         (an image's first layer, with its 3 input channels, costs about as much as either).
         """
-        if self.kind == "scale" or self.groups != 1:
+        if self.kind in ("scale", "conv_transpose") or self.groups != 1:
             return self.forward(positive_x, for_positive, bias) + self.forward(
                 negative_x, for_negative
             )
@@ -187,7 +208,7 @@ class AffineLayer:
         Where the layer is ungrouped the two weights are stacked along the input channels, so
         the signal is read once (see :meth:`forward_split`).
         """
-        if self.kind == "scale" or self.groups != 1:
+        if self.kind in ("scale", "conv_transpose") or self.groups != 1:
             return self.transpose(signal, like, first), self.transpose(signal, like, second)
         stacked = torch.cat([first, second], dim=1)
         if self.kind == "linear":
@@ -223,8 +244,8 @@ class AffineLayer:
             self.stride,
             self.padding,
             self.dilation,
-            False,
-            [0] * self.dims,
+            self.kind == "conv_transpose",
+            list(self.output_padding) or [0] * self.dims,
             self.groups,
             (wrt_input, not wrt_input, False),
         )

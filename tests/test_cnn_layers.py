@@ -287,3 +287,94 @@ def test_upsample_module_and_conservation():
     torch.testing.assert_close(
         result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
     )
+
+
+# --- transposed convolutions: a convolution of the input with zeros inserted ------------------
+
+
+class ZeroInsertedConv(nn.Module):
+    """``ConvTranspose(x)`` as a convolution: zeros between the inputs, padding, flipped kernel.
+
+    Zeros contribute nothing to any rule's sums, so the rules of the convolution here must give
+    the transposed convolution's relevance.
+    """
+
+    def __init__(self, transposed: nn.Module) -> None:
+        super().__init__()
+        self.t = transposed
+        dims = transposed.weight.dim() - 2
+        groups, (inputs, per_group) = transposed.groups, transposed.weight.shape[:2]
+        kernel = transposed.weight.shape[2:]
+        # (in, out/g, k) → (out, in/g, k) per group, the kernel flipped
+        weight = transposed.weight.reshape(groups, inputs // groups, per_group, *kernel)
+        weight = weight.transpose(1, 2).reshape(groups * per_group, inputs // groups, *kernel)
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        self.conv = conv(
+            inputs, groups * per_group, tuple(kernel), groups=groups, dilation=transposed.dilation
+        ).double()
+        with torch.no_grad():
+            self.conv.weight.copy_(weight.flip(tuple(range(2, 2 + dims))))
+            self.conv.bias.copy_(transposed.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t, dims = self.t, x.dim() - 2
+        sizes = [(n - 1) * s + 1 for n, s in zip(x.shape[2:], t.stride, strict=True)]
+        spread = x.new_zeros(*x.shape[:2], *sizes)
+        spread[(slice(None), slice(None), *(slice(None, None, s) for s in t.stride))] = x
+        pad = []
+        for d in reversed(range(dims)):  # F.pad: last dimension first
+            edge = t.dilation[d] * (t.kernel_size[d] - 1) - t.padding[d]
+            pad += [edge, edge + t.output_padding[d]]
+        return self.conv(F.pad(spread, pad))
+
+
+class TransposedBody(nn.Module):
+    def __init__(self, up: nn.Module, dims: int, batchnorm: bool) -> None:
+        super().__init__()
+        conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dims]
+        norm = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d, 3: nn.BatchNorm3d}[dims]
+        self.conv1 = conv(2, 4, 3, padding=1)
+        self.up = up
+        self.norm = norm(6) if batchnorm else nn.Identity()
+        self.conv2 = conv(6, 3, 3, padding=1)
+        self.head = nn.Linear(3, 3)
+        self.dims = dims
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.norm(self.up(F.relu(self.conv1(x)))))
+        h = F.relu(self.conv2(h)).flatten(2).mean(2)
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    ("dims", "options", "batchnorm"),
+    [
+        (2, {"stride": 2, "padding": 1, "output_padding": 1, "groups": 2}, True),  # U-Net's up
+        (1, {"stride": 3, "padding": 0}, False),
+        (3, {"stride": 2, "padding": 1, "dilation": 2}, False),
+    ],
+    ids=["2d-grouped-batchnorm", "1d", "3d-dilated"],
+)
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.zplus", "lrp.gamma", "lrp.alpha2beta1"])
+def test_transposed_convolutions_are_convolutions_of_spread_inputs(
+    dims, options, batchnorm, method
+):
+    torch.manual_seed(5)
+    convt = {1: nn.ConvTranspose1d, 2: nn.ConvTranspose2d, 3: nn.ConvTranspose3d}[dims]
+    up = convt(4, 6, 3, **options).double()
+    model = TransposedBody(up, dims, batchnorm).double()
+    if batchnorm:
+        with torch.no_grad():
+            model.norm.running_mean.uniform_(-0.5, 0.5)
+            model.norm.running_var.uniform_(0.5, 2.0)
+            model.norm.weight.uniform_(0.5, 1.5)
+    model.eval()
+    reference = TransposedBody(ZeroInsertedConv(up), dims, batchnorm).double().eval()
+    for name in ("conv1", "norm", "conv2", "head"):
+        getattr(reference, name).load_state_dict(getattr(model, name).state_dict())
+    x = torch.randn(2, 2, *(5,) * dims, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(reference(x), model(x))  # the reference computes the same
+    got = explain(model, x, method, 1).attribution
+    expected = explain(reference, x, method, 1).attribution
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)

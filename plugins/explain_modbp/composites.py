@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES
+from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES, TRANSPOSED_CONV_TYPES
 from explain_core.engine import Composite
 from explain_core.engine.ops import ACTIVATION_OPS
 from explain_core.interfaces.relevance import Gradient, InputLayer, Op, OutputLayer, Rule
@@ -42,7 +42,7 @@ from explain_modbp.activations import PassRelevance
 from explain_modbp.norms import NORM_OPS, NormScale
 from explain_modbp.products import HoldGate
 
-CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *TRANSPOSED_CONV_TYPES)
 DENSE_TYPES = (nn.Linear,)
 
 

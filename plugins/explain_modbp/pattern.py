@@ -19,6 +19,7 @@ architecture, so patterns of a different model are refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -68,10 +69,7 @@ class _Moments:
 
     def add(self, layer: AffineLayer, x: torch.Tensor, y: torch.Tensor) -> None:
         x, y = x.double(), y.double()
-        double = AffineLayer(
-            layer.name, layer.kind, self.weight, None, layer.dims, layer.stride, layer.padding,
-            layer.dilation, layer.groups,
-        )  # fmt: skip
+        double = dataclasses.replace(layer, weight=self.weight, bias=None)
         positive = (y > 0).double()
         ones = torch.ones_like(y)
         self.xy += double.correlate(x, y)
