@@ -378,3 +378,61 @@ def test_transposed_convolutions_are_convolutions_of_spread_inputs(
     got = explain(model, x, method, 1).attribution
     expected = explain(reference, x, method, 1).attribution
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+
+
+# --- structure: layer scale, stochastic depth, dropout, shuffles, permutes, adaptive max pool ---
+
+
+class StochasticDepth(nn.Module):
+    """torchvision's residual-branch dropout: the identity in eval mode."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        keep = torch.empty(x.shape[0], 1, 1, 1, device=x.device).bernoulli_(1 - self.p)
+        return x * keep / (1 - self.p)
+
+
+class ConvNeXtLikeBlock(nn.Module):
+    """Depthwise conv, permutes, a channels-last Linear, layer scale, stochastic depth, shuffle."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.depthwise = nn.Conv2d(channels, channels, 3, padding=1, groups=channels, bias=False)
+        self.pointwise = nn.Linear(channels, channels, bias=False)
+        self.layer_scale = nn.Parameter(torch.rand(channels, 1, 1) + 0.5)
+        self.drop = StochasticDepth(0.3)
+        self.dropout = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.depthwise(x).permute(0, 2, 3, 1)
+        h = F.relu(self.pointwise(self.dropout(h))).permute(0, 3, 1, 2)
+        h = x + self.drop(self.layer_scale * h)
+        b, c, height, width = h.shape  # ShuffleNet's channel shuffle
+        return h.view(b, 2, c // 2, height, width).transpose(1, 2).reshape(b, c, height, width)
+
+
+def test_structural_layers_conserve_on_a_bias_free_net():
+    torch.manual_seed(6)
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1, bias=False),
+        nn.ReLU(),
+        ConvNeXtLikeBlock(4),
+        nn.AdaptiveMaxPool2d(3),
+        nn.Flatten(),
+        nn.Linear(36, 3, bias=False),
+    ).double()
+    model.eval()
+    result = explain(model, images(), "lrp.z", 1)
+    assert result.attribution.abs().sum() > 0
+    torch.testing.assert_close(
+        result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+    # and LRP-0 is Input×Gradient on such a piecewise-linear net
+    torch.testing.assert_close(
+        result.attribution, explain(model, images(), "input_x_gradient", 1).attribution
+    )
