@@ -225,11 +225,11 @@ def test_custom_rule_registered_for_an_unsupported_layer_is_used():
 @pytest.mark.parametrize(
     "forward, message",
     [
-        (lambda self, x: F.linear(x, self.fc.weight), r"'linear' in module '<root>' \(Net\)"),
+        (lambda self, x: x @ self.fc.weight.T, r"'matmul' in module '<root>' \(Net\)"),
         (lambda self, x: self.fc(x) * self.fc2(x), r"'mul'.*multiplies"),
         (lambda self, x: self.fc(F.logsigmoid(x)), r"'log_sigmoid' in module '<root>'"),
     ],
-    ids=["functional_linear", "product", "log_sigmoid"],
+    ids=["matmul", "product", "log_sigmoid"],
 )
 def test_operations_the_engine_cannot_see_are_errors(forward, message):
     class Net(nn.Module):
@@ -242,6 +242,28 @@ def test_operations_the_engine_cannot_see_are_errors(forward, message):
     model = Net().double().eval()
     with pytest.raises(UnsupportedModelError, match=message):
         explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
+
+
+@pytest.mark.parametrize(
+    "method", ["lrp.epsilon", "lrp.zplus", "lrp.epsilon_plus", "deeplift.rescale"]
+)
+def test_f_linear_in_forward_gets_the_dense_layers_rule(method):
+    class Functional(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc, self.out = nn.Linear(4, 6), nn.Linear(6, 2)
+
+        def forward(self, x):
+            return F.linear(torch.relu(F.linear(x, self.fc.weight, self.fc.bias)), self.out.weight)
+
+    model = Functional().double().eval()
+    modules = nn.Sequential(model.fc, nn.ReLU(), nn.Linear(6, 2, bias=False)).double().eval()
+    modules[2].weight = model.out.weight
+    x = torch.randn(3, 4).double()
+    torch.testing.assert_close(
+        explain(model, x, method, 1).attribution, explain(modules, x, method, 1).attribution
+    )
 
 
 def test_batchnorm_that_cannot_be_merged_and_unmapped_layers_are_errors():

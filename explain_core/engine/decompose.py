@@ -1,5 +1,8 @@
 """Fused attention written out in its math form, so that rules see its operations.
 
+(Fused recurrent layers, ``torch.lstm`` and ``torch.gru``, are written out in
+:mod:`~explain_core.engine.recurrent` and registered here too.)
+
 ``F.scaled_dot_product_attention`` (every backend) and ``F.multi_head_attention_forward`` (what
 ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call) reach the engine as single
 operations. Inside the engine's pass they are computed instead as the operations they stand
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from explain_core.engine import recurrent
 from explain_core.engine.ops import op_name
 from explain_core.errors import UnsupportedModelError
 
@@ -187,6 +191,8 @@ def _additive_mask(
 DECOMPOSED: dict[str, Callable[..., Any]] = {
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "multi_head_attention_forward": multi_head_attention,
+    "lstm": recurrent.lstm,
+    "gru": recurrent.gru,
 }
 """Operation kind → its math form."""
 

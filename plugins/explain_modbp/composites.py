@@ -42,6 +42,8 @@ from explain_modbp.activations import PassRelevance
 from explain_modbp.norms import NORM_OPS, NormScale
 from explain_modbp.products import HoldGate
 
+LINEAR_OPS = Op("linear", "addmm")
+"""``F.linear`` and ``torch.addmm`` called in forward (an LSTM's gates, written out): dense."""
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *TRANSPOSED_CONV_TYPES)
 DENSE_TYPES = (nn.Linear,)
 
@@ -71,7 +73,7 @@ def uniform(
     ``activations`` maps LRP's pass rule to the element-wise activations, the normalisations'
     rule and the gate rule (else they are refused).
     """
-    mapping = _with_batchnorm([(LINEAR_TYPES, rule)], batchnorm)
+    mapping = _with_batchnorm([(LINEAR_TYPES, rule), (LINEAR_OPS, rule)], batchnorm)
     layers = [ACTIVATIONS, NORMS, GATES] if activations else []
     return Composite(_first(first) + mapping + layers, name=name)
 
@@ -85,7 +87,8 @@ def conv_dense(
     batchnorm: Rule | None = None,
 ) -> Composite:
     """One rule for convolutions, another for dense layers; activation, norm and gate rules."""
-    mapping = _with_batchnorm([(CONV_TYPES, conv), (DENSE_TYPES, dense)], batchnorm)
+    mapping = [(CONV_TYPES, conv), (DENSE_TYPES, dense), (LINEAR_OPS, dense)]
+    mapping = _with_batchnorm(mapping, batchnorm)
     return Composite([*_first(first), *mapping, ACTIVATIONS, NORMS, GATES], name=name)
 
 
@@ -107,7 +110,9 @@ def gradient_composite(name: str = "gradient") -> Composite:
 
     Guided BP, Deconv, RectGrad and DeepLIFT Rescale change only the activations.
     """
-    return Composite([(LINEAR_TYPES + BATCHNORM_TYPES, Gradient())], name=name)
+    return Composite(
+        [(LINEAR_TYPES + BATCHNORM_TYPES, Gradient()), (LINEAR_OPS, Gradient())], name=name
+    )
 
 
 def lrp_z() -> Composite:

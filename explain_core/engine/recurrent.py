@@ -1,0 +1,154 @@
+"""LSTM and GRU layers written out step by step, so that rules see their gates and products.
+
+``nn.LSTM`` and ``nn.GRU`` reach the engine as single fused operations (``torch.lstm``,
+``torch.gru``). Inside the engine's pass they are computed instead as the operations they stand
+for, per layer, direction and time step, with the layer's own weights:
+
+- LSTM: ``z = W [x_t; h_{t−1}] + b`` (one linear map, as Arras et al. 2017 write it), the gates
+  ``i, f, o = σ(z_i), σ(z_f), σ(z_o)``, the candidate ``g = tanh(z_g)``,
+  ``c_t = f ⊙ c_{t−1} + i ⊙ g`` and ``h_t = o ⊙ tanh(c_t)`` (times ``W_hr`` with projections).
+- GRU: ``r, z = σ(W_r x + b_r + U_r h), σ(…)``, ``n = tanh(W_n x + b_n + r ⊙ (U_n h + b_hn))``
+  and ``h_t = n + z ⊙ (h_{t−1} − n)``, which is ``(1 − z) ⊙ n + z ⊙ h_{t−1}`` written so that the
+  gate ``z`` multiplies one tensor.
+
+The composite's rules then apply to them as to a cell written by hand: LRP's presets hold the
+sigmoid gates constant (all relevance to the signal: "signal-take-all"), pass relevance through
+the tanh of the candidate and of the cell, and take their dense rule at the linear maps. The
+values equal the fused kernels' up to float rounding; the model and ``torch`` are not changed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from explain_core.errors import UnsupportedModelError
+
+__all__ = ["gru", "lstm"]
+
+
+def _check(kind: str, packed: bool, dropout: float, train: bool) -> None:
+    if packed:
+        raise UnsupportedModelError(
+            f"the {kind} runs on a PackedSequence, which the relevance engine does not unpack; "
+            "pad the sequences instead (torch.nn.utils.rnn.pad_packed_sequence, or pass the "
+            "padded batch), and mask the padded steps in the explained output"
+        )
+    if dropout and train:
+        raise UnsupportedModelError(
+            f"the {kind} runs with dropout={dropout} between layers in training mode: explain "
+            "the model in eval mode (model.eval())"
+        )
+
+
+def _layer_weights(
+    params: Sequence[torch.Tensor], has_biases: bool, cells: int
+) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer and direction: ``(w_ih, w_hh, b_ih, b_hh, w_hr)`` (``None`` where absent)."""
+    per = len(params) // cells
+    projected = per == (5 if has_biases else 3)
+    weights = []
+    for cell in range(cells):
+        own = list(params[cell * per : (cell + 1) * per])
+        w_hr = own.pop() if projected else None
+        b_ih, b_hh = (own[2], own[3]) if has_biases else (None, None)
+        weights.append((own[0], own[1], b_ih, b_hh, w_hr))
+    return weights
+
+
+def _sequence_first(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
+    return x.transpose(0, 1) if batch_first else x
+
+
+def lstm(
+    input: torch.Tensor,
+    hx: Sequence[torch.Tensor] | torch.Tensor,
+    params: Sequence[torch.Tensor],
+    has_biases: bool = True,
+    num_layers: int = 1,
+    dropout: float = 0.0,
+    train: bool = False,
+    bidirectional: bool = False,
+    batch_first: bool = False,
+    *rest: object,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.lstm`` as its cell equations: ``(output, h_n, c_n)``.
+
+    Raises:
+        UnsupportedModelError: For packed sequences or dropout in training mode.
+    """
+    _check("LSTM", isinstance(hx, torch.Tensor), dropout, train)
+    h0, c0 = hx
+    directions = 2 if bidirectional else 1
+    weights = _layer_weights(params, has_biases, num_layers * directions)
+    x = _sequence_first(input, batch_first)
+    h_last, c_last = [], []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w_ih, w_hh, b_ih, b_hh, w_hr = weights[index]
+            # one linear map over [x_t; h_{t-1}]: the gates' pre-activations as Arras et al. write
+            weight = torch.cat([w_ih, w_hh], dim=1)
+            bias = None if b_ih is None else b_ih + b_hh
+            h, c = h0[index], c0[index]
+            steps = range(x.shape[0]) if direction == 0 else reversed(range(x.shape[0]))
+            sequence: list[torch.Tensor] = [x[0]] * x.shape[0]
+            for t in steps:
+                z = F.linear(torch.cat([x[t], h], dim=-1), weight, bias)
+                i, f, g, o = z.chunk(4, dim=-1)
+                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+                h = torch.sigmoid(o) * torch.tanh(c)
+                if w_hr is not None:
+                    h = F.linear(h, w_hr)
+                sequence[t] = h
+            outputs.append(torch.stack(sequence))
+            h_last.append(h)
+            c_last.append(c)
+        x = torch.cat(outputs, dim=-1) if directions == 2 else outputs[0]
+    return _sequence_first(x, batch_first), torch.stack(h_last), torch.stack(c_last)
+
+
+def gru(
+    input: torch.Tensor,
+    hx: torch.Tensor,
+    params: Sequence[torch.Tensor] | torch.Tensor,
+    has_biases: bool = True,
+    num_layers: int = 1,
+    dropout: float = 0.0,
+    train: bool = False,
+    bidirectional: bool = False,
+    batch_first: bool = False,
+    *rest: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.gru`` as its cell equations: ``(output, h_n)``.
+
+    Raises:
+        UnsupportedModelError: For packed sequences or dropout in training mode.
+    """
+    _check("GRU", isinstance(params, torch.Tensor), dropout, train)
+    directions = 2 if bidirectional else 1
+    weights = _layer_weights(params, has_biases, num_layers * directions)  # type: ignore[arg-type]
+    x = _sequence_first(input, batch_first)
+    h_last = []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w_ih, w_hh, b_ih, b_hh, _ = weights[index]
+            h = hx[index]
+            steps = range(x.shape[0]) if direction == 0 else reversed(range(x.shape[0]))
+            sequence: list[torch.Tensor] = [x[0]] * x.shape[0]
+            for t in steps:
+                x_r, x_z, x_n = F.linear(x[t], w_ih, b_ih).chunk(3, dim=-1)
+                h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)
+                r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+                n = torch.tanh(x_n + r * h_n)
+                h = n + z * (h - n)
+                sequence[t] = h
+            outputs.append(torch.stack(sequence))
+            h_last.append(h)
+        x = torch.cat(outputs, dim=-1) if directions == 2 else outputs[0]
+    return _sequence_first(x, batch_first), torch.stack(h_last)

@@ -1,0 +1,200 @@
+"""LSTM and GRU layers in the relevance engine: the written-out cells, LRP-LSTM and refusals.
+
+References: the fused kernels (the written-out cells compute the same), LRP for LSTMs by hand
+after Arras et al. 2017 (ε on the linear maps, signal-take-all at the gate products, the tanh of
+the candidate and of the cell passed through), and conservation on bias-free models.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from explain_core import UnsupportedModelError, explain
+from explain_core.engine.recurrent import gru, lstm
+
+
+class Classifier(nn.Module):
+    """A recurrent layer read at the last step by a linear head (the text-like classifiers)."""
+
+    def __init__(self, rnn: nn.Module, bias: bool = True, initial: bool = False) -> None:
+        super().__init__()
+        self.rnn = rnn
+        directions = 2 if rnn.bidirectional else 1
+        width = (getattr(rnn, "proj_size", 0) or rnn.hidden_size) * directions
+        self.head = nn.Linear(width, 3, bias=bias)
+        self.initial = initial  # start from given states (constants: they absorb relevance)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rnn.batch_first:  # explain() takes the batch first: (batch, steps, features)
+            x = x.transpose(0, 1)
+        if not self.initial:
+            out, _ = self.rnn(x)
+        else:
+            cells = self.rnn.num_layers * (2 if self.rnn.bidirectional else 1)
+            width = getattr(self.rnn, "proj_size", 0) or self.rnn.hidden_size
+            batch = x.shape[0 if self.rnn.batch_first else 1]
+            h0 = torch.full((cells, batch, width), 0.3, dtype=x.dtype)
+            if isinstance(self.rnn, nn.LSTM):
+                c0 = torch.full((cells, batch, self.rnn.hidden_size), -0.2, dtype=x.dtype)
+                out, _ = self.rnn(x, (h0, c0))
+            else:
+                out, _ = self.rnn(x, h0)
+        last = out[:, -1] if self.rnn.batch_first else out[-1]
+        return self.head(last)
+
+
+def sequences(batch_first: bool = True, batch: int = 3, steps: int = 5) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(7)
+    shape = (batch, steps, 4) if batch_first else (steps, batch, 4)
+    return torch.randn(shape, dtype=torch.float64, generator=generator)
+
+
+CELL_OPTIONS = {
+    "batch-first": {"batch_first": True},
+    "2-layers-bidirectional": {"num_layers": 2, "bidirectional": True},
+    "projections": {"proj_size": 2, "num_layers": 2, "batch_first": True},
+    "bias-free": {"bias": False, "batch_first": True},
+}
+CASES = [
+    pytest.param(kind, options, id=f"{kind}-{name}")
+    for kind in ("lstm", "gru")
+    for name, options in CELL_OPTIONS.items()
+    if kind == "lstm" or "proj_size" not in options  # GRUs have no projections
+]
+
+
+@pytest.mark.parametrize(("kind", "options"), CASES)
+def test_the_written_out_cells_compute_what_the_fused_kernels_do(kind, options):
+    torch.manual_seed(0)
+    layer = (nn.LSTM if kind == "lstm" else nn.GRU)(4, 5, **options).double()
+    x = sequences(options.get("batch_first", False))
+    cells = layer.num_layers * (2 if layer.bidirectional else 1)
+    width = getattr(layer, "proj_size", 0) or layer.hidden_size
+    h0 = torch.randn(cells, 3, width, dtype=torch.float64)
+    common = (layer.bias, layer.num_layers, 0.0, False, layer.bidirectional, layer.batch_first)
+    with torch.no_grad():
+        if kind == "lstm":
+            c0 = torch.randn(cells, 3, 5, dtype=torch.float64)
+            fused, (h_n, c_n) = layer(x, (h0, c0))
+            written = lstm(x, (h0, c0), layer._flat_weights, *common)
+            expected = (fused, h_n, c_n)
+        else:
+            fused, h_n = layer(x, h0)
+            written = gru(x, h0, layer._flat_weights, *common)
+            expected = (fused, h_n)
+    for got, want in zip(written, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def _stabilised(z: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.where(z >= 0, z + eps, z - eps)
+
+
+def lrp_lstm_by_hand(model: Classifier, x: torch.Tensor, target: int, eps: float) -> torch.Tensor:
+    """Arras et al.'s LRP for a one-layer, batch-first LSTM read at its last step."""
+    rnn, head = model.rnn, model.head
+    hidden = rnn.hidden_size
+    w = torch.cat([rnn.weight_ih_l0, rnn.weight_hh_l0], dim=1)
+    b = rnn.bias_ih_l0 + rnn.bias_hh_l0
+    batch, steps, _ = x.shape
+    h = x.new_zeros(batch, hidden)
+    c = x.new_zeros(batch, hidden)
+    saved = []
+    for t in range(steps):  # the forward pass, keeping what the relevance pass reads
+        inputs = torch.cat([x[:, t], h], dim=1)
+        z = inputs @ w.T + b
+        i, f, g, o = z.chunk(4, dim=1)
+        c_prev = c
+        c = torch.sigmoid(f) * c_prev + torch.sigmoid(i) * torch.tanh(g)
+        h = torch.sigmoid(o) * torch.tanh(c)
+        saved.append((inputs, z, torch.sigmoid(f) * c_prev, torch.sigmoid(i) * torch.tanh(g), c))
+    y = h @ head.weight.T + head.bias
+    relevance_y = torch.zeros_like(y)
+    relevance_y[:, target] = y[:, target]
+    relevance_h = h * ((relevance_y / _stabilised(y, eps)) @ head.weight)  # ε at the head
+    relevance_c = torch.zeros_like(c)
+    relevance_x = torch.zeros_like(x)
+    for t in reversed(range(steps)):
+        inputs, z, kept, new, c = saved[t]
+        relevance_c = relevance_c + relevance_h  # h = o ⊙ tanh(c): o constant, tanh passes
+        share = relevance_c / c  # c = f⊙c_prev + i⊙g, both gates constant: in proportion
+        relevance_g = new * share  # i constant: all of i⊙g's share to g, passed through tanh
+        relevance_c = kept * share  # to c_prev
+        z_g = z[:, 2 * hidden : 3 * hidden]
+        w_g = w[2 * hidden : 3 * hidden]
+        relevance_in = inputs * ((relevance_g / _stabilised(z_g, eps)) @ w_g)  # ε at W[x;h]+b
+        relevance_x[:, t] = relevance_in[:, : x.shape[2]]
+        relevance_h = relevance_in[:, x.shape[2] :]
+    return relevance_x
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.epsilon_plus"])
+def test_lrp_for_lstms_is_arras_et_al(method):
+    torch.manual_seed(1)
+    model = Classifier(nn.LSTM(4, 5, batch_first=True)).double().eval()
+    x = sequences()
+    eps = 0.01
+    got = explain(model, x, method, 2, epsilon=eps).attribution
+    torch.testing.assert_close(got, lrp_lstm_by_hand(model, x, 2, eps), rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize(("kind", "options"), [c for c in CASES if "bias" not in c.values[1]])
+def test_lrp_zero_conserves_on_bias_free_recurrent_nets(kind, options):
+    torch.manual_seed(2)
+    layer = (nn.LSTM if kind == "lstm" else nn.GRU)(4, 5, bias=False, **options)
+    model = Classifier(layer, bias=False).double().eval()
+    result = explain(model, sequences(), "lrp.z", 0)  # the model transposes if it must
+    assert result.attribution.abs().sum() > 0
+    torch.testing.assert_close(
+        result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+def test_given_initial_states_absorb_relevance_like_biases(kind):
+    torch.manual_seed(3)
+    model = Classifier(kind(4, 5, bias=False, batch_first=True), bias=False, initial=True)
+    model = model.double().eval()
+    x = sequences()
+    result = explain(model, x, "lrp.z", 1)
+    assert result.delta.abs().max() > 1e-6  # the states' share, not the inputs'
+    # from zero states the same weights conserve
+    model.initial = False
+    torch.testing.assert_close(
+        explain(model, x, "lrp.z", 1).delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+
+
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+def test_gradient_methods_run_and_the_rest_refuse_clearly(kind):
+    torch.manual_seed(4)
+    model = Classifier(kind(4, 5, batch_first=True)).double().eval()
+    x = sequences()
+    ig = explain(model, x, "integrated_gradients", 0, steps=64)
+    assert ig.delta.abs().max() < 1e-3
+    for method, match in [
+        ("deeplift.rescale", r"'mul' in module 'rnn' \(\w+\) multiplies"),  # no gate rule
+        ("guided_bp", r"'sigmoid' in module 'rnn' \(\w+\) is an activation"),  # ReLUs only
+    ]:
+        with pytest.raises(UnsupportedModelError, match=match):
+            explain(model, x, method, 0)
+
+
+def test_packed_sequences_are_refused_with_the_way_out():
+    torch.manual_seed(5)
+    rnn = nn.LSTM(4, 5, batch_first=True).double().eval()
+
+    class Packed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = rnn, nn.Linear(5, 3).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            packed = nn.utils.rnn.pack_padded_sequence(x, [5] * len(x), batch_first=True)
+            _, (h, _) = self.rnn(packed)
+            return self.head(h[-1])
+
+    with pytest.raises(UnsupportedModelError, match=r"PackedSequence.*pad the sequences"):
+        explain(Packed().eval(), sequences(), "lrp.epsilon", 0)
