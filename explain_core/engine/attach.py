@@ -193,7 +193,9 @@ def _apply_op_rule(
     positions = [
         i
         for i, value in enumerate(flat)
-        if isinstance(value, torch.Tensor) and value.requires_grad and not _from_weights(value)
+        if isinstance(value, torch.Tensor)
+        and value.requires_grad
+        and not _from_weights(value, attached.input)
     ]
     if len(positions) < max(rule.min_inputs, 1):  # e.g. no input-dependent tensor at all
         return func(*args, **kwargs)
@@ -227,17 +229,20 @@ def _apply_op_rule(
     return attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
 
 
-def _from_weights(tensor: torch.Tensor, budget: int = 16) -> bool:
-    """Whether ``tensor`` is a parameter or computed from parameters only (``w.view(1, -1, 1)``).
+def _from_weights(tensor: torch.Tensor, inputs: torch.Tensor | None, budget: int = 16) -> bool:
+    """Whether ``tensor`` is a weight or computed from weights only (``w.view(1, -1, 1)``).
 
-    Its autograd graph is walked back for at most ``budget`` nodes: one that ends in parameters
+    Weights are parameters, and leaves other than the pass's input ``inputs`` where it is known.
+    The autograd graph is walked back for at most ``budget`` nodes: one that ends in weights
     only within them is the model's weights, reshaped or scaled; anything longer counts as
     input-dependent (a product rule then refuses it rather than treat it as a weight).
     """
-    if isinstance(tensor, nn.Parameter):
-        return True
+
+    def is_weight(leaf: torch.Tensor) -> bool:
+        return isinstance(leaf, nn.Parameter) or (inputs is not None and leaf is not inputs)
+
     if tensor.grad_fn is None:
-        return False  # a leaf that is no parameter: the pass's input
+        return is_weight(tensor)
     pending = [tensor.grad_fn]
     while pending:
         node = pending.pop()
@@ -248,7 +253,7 @@ def _from_weights(tensor: torch.Tensor, budget: int = 16) -> bool:
             return False
         variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf
         if variable is not None:
-            if not isinstance(variable, nn.Parameter):
+            if not is_weight(variable):
                 return False  # the pass's input
             continue
         pending.extend(next_node for next_node, _ in node.next_functions)
@@ -286,7 +291,7 @@ class OperationMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.attached.internal:
+        if self.attached.internal or self.attached.affine_depth:
             return func(*args, **kwargs)
         name = op_name(func)
         if name in DECOMPOSED:  # fused attention: its operations, for the rules to apply to
@@ -333,6 +338,12 @@ class RulePass(ModuleListener):
         # would make a cycle through the autograd graph (tensor → its node → call) that
         # Python's collector cannot see
         self.producers: dict[int, tuple[weakref.ref[torch.Tensor], RuleCall]] = {}
+        # the pass's input, once it is set: any other leaf that requires grad is a weight (an
+        # exported graph's weights are plain tensors, not parameters)
+        self.input: torch.Tensor | None = None
+        # inside an affine module with a rule: its own operations (F.linear, F.conv2d) are left
+        # alone, the module's rule replaces their backward as a whole
+        self.affine_depth = 0
         self._plan_modules()
 
     @contextlib.contextmanager
@@ -371,6 +382,8 @@ class RulePass(ModuleListener):
         name = self.counted.get(key)
         if name is not None:
             self.calls[name] = self.calls.get(name, 0) + 1
+        if key in self.ruled:
+            self.affine_depth += 1
         name = self.custom.get(key)
         if name is None:
             return None
@@ -434,6 +447,7 @@ class RulePass(ModuleListener):
         ruled = self.ruled.get(key)
         if ruled is None:
             return None
+        self.affine_depth -= 1
         return self._apply_rule(ruled[0], ruled[1], module, args, output)
 
     def _apply_custom(self, name: str, module: nn.Module, output: Any) -> torch.Tensor:

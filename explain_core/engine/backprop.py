@@ -209,6 +209,7 @@ class ModifiedBackprop:
                 if self.handler is not None:
                     x = self.handler.start(x, attached.records)
                 x = x.requires_grad_(grad)
+                attached.input = x
                 with torch.set_grad_enabled(grad):
                     handled = self.handler is not None and self.handler.ops
                     if self.composite.op_kinds or handled or plan.decomposed:

@@ -102,6 +102,7 @@ def lrp_graph(
     def explained(state: dict[str, torch.Tensor], x: torch.Tensor, *target: torch.Tensor) -> Any:
         x = x.detach().requires_grad_(True)
         attached = RulePass(model, plan, record=False)
+        attached.input = x
         with contextlib.ExitStack() as stack:
             stack.enter_context(listening(attached))
             stack.enter_context(torch.enable_grad())

@@ -31,7 +31,7 @@ from torch import nn
 
 from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
 from explain_core.engine import Composite, ForwardPass, ModifiedBackprop
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import AffineRule, RuleCall, safe_divide
 from explain_core.model_guard import require_eval_mode
 from explain_core.registry import Method, MethodResult, MethodSpec
@@ -214,6 +214,13 @@ def fit_patterns(
         for name, record in forward.records.items():
             layer = record.call.layer
             assert layer is not None
+            if layer.kind == "conv_transpose":
+                raise UnsupportedModelError(
+                    f"module {name!r} ({type(model.get_submodule(name)).__name__}) is a "
+                    "transposed convolution, for which PatternNet's patterns are not defined "
+                    "(Kindermans et al. estimate them for dense and convolutional layers); "
+                    "explain this model with an LRP preset or a gradient method"
+                )
             if name not in moments:
                 moments[name] = _Moments.zeros(layer)
             moments[name].add(layer, record.call.inputs[0], record.call.output)
