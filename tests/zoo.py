@@ -9,11 +9,15 @@ test suite (the real models, at 224×224, are checked by ``benchmarks/check_torc
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from explain_core import explain
+from explain_core.errors import ExplainError
 
 
 def _w(channels: int, width: float) -> int:
@@ -520,6 +524,76 @@ class ExplainedRegion(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)[:, :, self.rows, self.cols].sum((2, 3))
+
+
+# --- what each method does on a model ---
+
+# Exact properties: conservation on the bias-free twin, or DeepLIFT's summation to delta.
+CONSERVING = ("lrp.z", "lrp.cp")
+SUMMING = ("deeplift.rescale", "deeplift.reveal_cancel")
+
+
+def _options(method: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
+    if method == "lrp.zb":
+        return {"low": 0.0, "high": 1.0}
+    if method == "lrp.custom":
+        from explain_modbp.composites import lrp_epsilon_plus
+
+        return {"composite": lrp_epsilon_plus()}
+    if method in ("patternnet", "pattern_attribution"):
+        from explain_modbp.pattern import fit_patterns
+
+        return {"patterns": fit_patterns(model, torch.rand(8, *x.shape[1:]))}
+    return {}
+
+
+_WHERE = re.compile(r"(?:operation '(\w+)' in module '[^']*' \((\w+)\))|module '[^']*' \((\w+)\)")
+
+
+def _refusal(error: ExplainError) -> str:
+    """The error in a table cell: what was refused (the operation and the module's type)."""
+    message = str(error)
+    assert "\n" not in message.strip(), message  # one clear line
+    match = _WHERE.search(message)
+    if match and match.group(1):
+        return f"refuses `{match.group(1)}` ({match.group(2)})"
+    if match:
+        return f"refuses {match.group(3)}"
+    if "CoDA" in message or "DAU" in message:
+        return "needs a CoDA-Net"
+    if "capsule" in message.lower():
+        return "needs a capsule net"
+    return "refuses: " + message[:40]
+
+
+def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) -> str:
+    """What ``method`` does on the model ``make()`` builds, as a cell of the zoo's table.
+
+    Raises:
+        AssertionError: For a map that is not finite or breaks its method's exact property.
+    """
+    torch.manual_seed(0)
+    model = randomise_batchnorm(make()).eval()
+    name = type(model).__name__
+    try:
+        options = _options(method, model, x)
+        result = explain(model, x, method, 1, **options)
+    except ExplainError as error:
+        return _refusal(error)
+    assert torch.isfinite(result.attribution).all(), (method, name)
+    if method in SUMMING:  # on the model itself: Σ maps = f(x) − f(0), biases and all
+        gain = result.output[:, 1] - model(torch.zeros_like(x))[:, 1].detach()
+        total = result.attribution.sum((1, 2, 3))
+        assert torch.allclose(total, gain, rtol=1e-3, atol=1e-5), (method, name)
+        return "✓ sums to f(x) − f(0)"
+    if method in CONSERVING:
+        torch.manual_seed(0)
+        twin = bias_free(randomise_batchnorm(make())).double().eval()
+        checked = explain(twin, x.double(), method, 1)
+        scale = checked.output[:, 1].abs().max()
+        assert checked.delta.abs().max() <= 1e-9 * scale + 1e-15, (method, name, checked.delta)
+        return "✓ conserves"
+    return "runs" if result.attribution.abs().sum() > 0 else "runs (all zero)"
 
 
 # --- the zoo --------------------------------------------------------------------------------

@@ -1,0 +1,109 @@
+"""Every registered method on the real torchvision models at 224×224 (random weights, eval mode).
+
+torchvision cannot be a dependency of the project (it replaces torch with a CUDA build), so this
+runs in a throw-away environment (REFERENCE §4):
+
+    python -m venv /tmp/tv-env
+    /tmp/tv-env/bin/pip install torch==2.14.1 torchvision==0.29.1 numpy pluggy tqdm safetensors
+    PYTHONPATH=.:plugins:exporters:tests /tmp/tv-env/bin/python benchmarks/check_torchvision_zoo.py
+
+Each cell is what ``tests/zoo.py``'s ``method_outcome`` reports, with the same exact checks as
+the test suite's table of the re-creations (``docs/zoo.md``): LRP-0 and CP-LRP conserve on the
+bias-free twin, DeepLIFT sums to ``f(x) − f(0)``, every map is finite, refusals are one line
+naming the operation and module. It writes ``benchmarks/results/torchvision_zoo.md`` and says
+where the real models' outcomes differ from the re-creations' table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results" / "torchvision_zoo.md"
+DOCS = Path(__file__).parents[1] / "docs" / "zoo.md"
+MODELS = (
+    "resnet50",
+    "vgg16_bn",
+    "densenet121",
+    "mobilenet_v3_large",
+    "efficientnet_b0",
+    "convnext_tiny",
+    "regnet_y_400mf",
+    "squeezenet1_1",
+)
+
+
+def _documented() -> dict[tuple[str, str], str]:
+    """The re-creations' table in docs/zoo.md, by (method, model)."""
+    lines = [line for line in DOCS.read_text(encoding="utf-8").splitlines() if line.startswith("|")]
+    names = [cell.strip() for cell in lines[0].strip("|").split("|")][1:]
+    table = {}
+    for line in lines[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        method = cells[0].strip("`")
+        table.update({(method, name): cell for name, cell in zip(names, cells[1:], strict=True)})
+    return table
+
+
+def main() -> None:
+    """Run the methods on the real models and write the table."""
+    import torchvision
+    from zoo import method_outcome
+
+    from explain_core.plugin_manager import get_registry
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--methods", nargs="*", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    methods = args.methods or sorted(get_registry())
+    image = torch.rand(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
+    documented = _documented()
+    rows = ["| method | " + " | ".join(args.models) + " |", "|" + " --- |" * (len(args.models) + 1)]
+    differences = []
+    started = time.perf_counter()
+    for method in methods:
+        cells = []
+        for name in args.models:
+
+            def make(name: str = name) -> torch.nn.Module:
+                return getattr(torchvision.models, name)(weights=None)
+
+            cell = method_outcome(method, make, image)
+            cells.append(cell)
+            expected = documented.get((method, name))
+            if expected is not None and expected != cell:
+                differences.append(
+                    f"- `{method}` on {name}: real {cell!r}, re-creation {expected!r}"
+                )
+            print(f"{method:28s} {name:20s} {cell}", flush=True)
+        rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    seconds = time.perf_counter() - started
+    text = [
+        "# Every method on the real torchvision models (224×224, random weights, eval mode)",
+        "",
+        f"Run with torch {torch.__version__}, torchvision {torchvision.__version__} on "
+        f"{platform.machine()} with 2 threads in {seconds:.0f} s; reproduce with the command in "
+        "`benchmarks/check_torchvision_zoo.py`.",
+        "",
+        *rows,
+        "",
+        "Where the real models differ from the re-creations' table in `docs/zoo.md`:",
+        "",
+        *(differences or ["- nowhere"]),
+        "",
+    ]
+    RESULTS.write_text("\n".join(text), encoding="utf-8")
+    print("\n".join(text))
+    if any("refuses: " in row for row in rows):
+        sys.exit("a refusal the table does not recognise: see the cells marked 'refuses: '")
+
+
+if __name__ == "__main__":
+    main()
