@@ -134,8 +134,9 @@ class Square(nn.Module):
 def test_a_product_without_a_gate_is_refused_with_the_way_out():
     torch.manual_seed(0)
     model = Body(Square()).double().eval()
-    with pytest.raises(UnsupportedModelError, match=r"'mul' multiplies two input-dependent"):
+    with pytest.raises(UnsupportedModelError, match=r"'mul' multiplies two input-dependent") as e:
         explain(model, images(), "lrp.epsilon", 1)
+    assert str(e.value).endswith("(in module 'layer' (Square))")  # where, as every refusal says
 
 
 # --- normalisations: the scale held constant ---------------------------------------------------

@@ -196,3 +196,30 @@ def test_custom_composite_with_a_lone_batchnorm_exports(tmp_path):
     assert_maps_close(relevance, reference)
     preset = explain(model, held_back, "lrp.epsilon_plus").attribution  # ε = 1e-6 on the BN
     assert relative_difference(relevance, preset.numpy()) > 1e-3
+
+
+class _LSTMClassifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn = nn.LSTM(4, 8, batch_first=True, num_layers=2)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+def test_an_lstm_classifier_exports_its_lrp_and_runs_in_a_plain_session(tmp_path):
+    import onnxruntime
+
+    model = _LSTMClassifier().eval()
+    x = torch.rand(4, 6, 4, generator=torch.Generator().manual_seed(1))
+    result = export_onnx(model, x, tmp_path / "lstm.onnx", explain="lrp.epsilon_plus")
+    assert result.parity.passed
+    session = onnxruntime.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
+    held_back = torch.rand(3, 6, 4, generator=torch.Generator().manual_seed(2))
+    logits, maps = session.run(None, {"input": held_back.numpy()})
+    expected = explain(model, held_back, "lrp.epsilon_plus")
+    np.testing.assert_allclose(logits, expected.output.numpy(), atol=1e-5)
+    assert relative_difference(maps, expected.attribution.numpy()) <= 1e-3

@@ -9,6 +9,7 @@ computed from tensors saved in the forward pass; an operation handler runs as a
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -23,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from explain_core.affine import AFFINE_TYPES, AffineLayer
 from explain_core.engine.decompose import DECOMPOSED
 from explain_core.engine.ops import OpHandler, op_name
-from explain_core.engine.tracing import Plan
+from explain_core.engine.tracing import Plan, user_hook_codes
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import Gradient, Rule, RuleCall
 from explain_core.scoped import ModuleListener, unheard
@@ -211,6 +212,27 @@ def _apply_op_rule(
         return apply(*(value.clone() for value in values))
 
     inputs = tuple(flat[i] for i in positions)
+    try:
+        return _rule_call(rule, kind, func, args, kwargs, attached, apply, out_of_place, inputs)
+    except UnsupportedModelError as error:  # a rule refused the call: say where it was made
+        if getattr(error, "placed", False):
+            raise
+        placed = UnsupportedModelError(f"{error} (in {attached.place()})")
+        placed.placed = True  # type: ignore[attr-defined]
+        raise placed from error
+
+
+def _rule_call(
+    rule: Rule,
+    kind: str,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    attached: RulePass,
+    apply: Any,
+    out_of_place: Any,
+    inputs: tuple[torch.Tensor, ...],
+) -> Any:
     # An in-place call (relu_, F.elu(x, inplace=True), F.elu(x, 1.0, True)) overwrites its
     # inputs: rules see copies of them
     in_place = kind.endswith("_") or kwargs.get("inplace") is True or any(a is True for a in args)
@@ -344,6 +366,7 @@ class RulePass(ModuleListener):
         # inside an affine module with a rule: its own operations (F.linear, F.conv2d) are left
         # alone, the module's rule replaces their backward as a whole
         self.affine_depth = 0
+        self.stack: list[nn.Module] = []  # the modules running now, for messages
         self._plan_modules()
 
     @contextlib.contextmanager
@@ -379,6 +402,7 @@ class RulePass(ModuleListener):
     def before(self, module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         """Count the call (validating a cached plan); wrap a custom-ruled module's inputs."""
         key = id(module)
+        self.stack.append(module)
         name = self.counted.get(key)
         if name is not None:
             self.calls[name] = self.calls.get(name, 0) + 1
@@ -409,6 +433,21 @@ class RulePass(ModuleListener):
         given = iter(t.clone() if in_place else t for t in detached)
         return tuple(next(given) if isinstance(a, torch.Tensor) else a for a in args)
 
+    def place(self) -> str:
+        """Where the running operation is: a user's hook on a module, or the module."""
+        codes = user_hook_codes(self.model)
+        frame = sys._getframe(1)
+        while frame is not None and codes:
+            hook = codes.get(frame.f_code)
+            if hook is not None:
+                return hook
+            frame = frame.f_back
+        names = {id(module): name for name, module in self.model.named_modules()}
+        for module in reversed(self.stack):
+            if id(module) in names:
+                return f"module {names[id(module)] or '<root>'!r} ({type(module).__name__})"
+        return "the model's forward"
+
     def produced(self, output: Any, call: RuleCall) -> Any:
         """Note that ruled ``call`` returned ``output`` (for the sources of later calls)."""
         if isinstance(output, torch.Tensor):
@@ -436,6 +475,8 @@ class RulePass(ModuleListener):
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         """Stash a merged layer's input, or return a ruled module's output with its rule."""
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
         key = id(module)
         name = self.custom.get(key)
         if name is not None:

@@ -204,7 +204,7 @@ def _in_checkpoint(depth: int = 64) -> bool:
     return False
 
 
-def _user_hook_codes(model: nn.Module) -> dict[Any, str]:
+def user_hook_codes(model: nn.Module) -> dict[Any, str]:
     """Code object of each forward (pre-)hook on the model → how messages name it."""
     codes = {}
     for name, module in model.named_modules():
@@ -277,7 +277,7 @@ class _Tracer(ModuleListener):
         self.decomposed = False
         self.reads: dict[str, str] = {}
         self.opaque_args: tuple[Any, ...] = ()
-        self.hook_codes = _user_hook_codes(model)
+        self.hook_codes = user_hook_codes(model)
 
     def _find_opaque(self, module: nn.Module, path: str) -> None:
         # The outermost module with a rule (or an affine type) is opaque: the trace does not look
