@@ -8,12 +8,19 @@ this in a separate environment with zennit installed without its dependencies:
     pip install torch==2.13.0 && pip install -e ".[dev]" && pip install --no-deps zennit
     python benchmarks/crosscheck_zennit.py
 
+or, for the torchvision ResNet-18 rows too, in the torchvision environment of
+``benchmarks/check_torchvision_zoo.py`` with zennit installed there:
+
+    PYTHONPATH=.:plugins:exporters /tmp/tv-env/bin/python benchmarks/crosscheck_zennit.py
+
 ``zennit/__init__`` imports its torchvision canonizers, which import two torchvision classes;
 when torchvision is missing this script registers an empty stand-in module for that import only
 (nothing of it is used).
 
-Compared, in float64 on a VGG-style CNN with BatchNorm and a small ResNet (identity blocks
-written as ``branch(x) + x``), per seed: the input relevance of one logit (start: one-hot × logit)
+Compared, in float64 on a VGG-style CNN with BatchNorm, a small ResNet (identity blocks
+written as ``branch(x) + x``) and, where torchvision is installed, the real torchvision ResNet-18
+with zennit's own ResNet canonizer (its block canonizers and BatchNorm merge), per seed: the
+input relevance of one logit (start: one-hot × logit)
 for each preset composite and zennit's equivalent. Our z⁺/αβ run with ``bias=True`` (zennit counts
 the biases in their denominators; the paper's Eq. 5, our default, does not); two more rows show
 what our default and the non-generalised γ rule give against zennit. Two zennit settings:
@@ -227,23 +234,53 @@ def _zennit_relevance(model: nn.Module, x: torch.Tensor, composite: Any) -> torc
     return relevance
 
 
+def torchvision_resnet18() -> nn.Module:
+    """The real torchvision ResNet-18 (random weights, trained-looking BatchNorms)."""
+    import torchvision
+
+    model = torchvision.models.resnet18(weights=None)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            _trained_looking(module)
+    return model
+
+
+def _networks() -> dict[str, tuple[Callable[[], nn.Module], Callable[[], list[Any]], int]]:
+    """Name → (model, zennit's canonizers for it, input side)."""
+    networks = {
+        "VGG-style + BatchNorm": (vgg_bn, lambda: [_ExactMergeBatchNorm()], 32),
+        "ResNet blocks": (resnet, lambda: [_ExactMergeBatchNorm(), _BlockSum()], 32),
+    }
+    if importlib.util.find_spec("torchvision") is not None:  # zennit's own ResNet canonizer
+        from zennit.torchvision import ResNetBasicBlockCanonizer, ResNetBottleneckCanonizer
+
+        networks["torchvision ResNet-18, zennit's ResNetCanonizer"] = (
+            torchvision_resnet18,
+            lambda: [
+                _ExactMergeBatchNorm(),
+                ResNetBottleneckCanonizer(),
+                ResNetBasicBlockCanonizer(),
+            ],
+            64,
+        )
+    return networks
+
+
 def main() -> None:
     torch.set_default_dtype(torch.float64)
-    networks = {"VGG-style + BatchNorm": vgg_bn, "ResNet blocks": resnet}
+    networks = _networks()
     settings: dict[str, Any] = {"zennit": 1e-6, "exact division": _exact}
     rows = []
     for name, (ours, zennit_composite) in _cases().items():
-        for network, build in networks.items():
+        for network, (build, canonizers_for, side) in networks.items():
             worst = dict.fromkeys(settings, 0.0)
             for seed in SEEDS:
                 torch.manual_seed(seed)
                 model = build().eval()
-                x = torch.rand(2, 3, 32, 32) * (HIGH - LOW) + LOW
+                x = torch.rand(2, 3, side, side) * (HIGH - LOW) + LOW
                 expected = run_composite(ours, model, x, TARGETS).attribution
                 for setting, stabiliser in settings.items():
-                    canonizers = [_ExactMergeBatchNorm()] + (
-                        [_BlockSum()] if build is resnet else []
-                    )
+                    canonizers = canonizers_for()
                     got = _zennit_relevance(model, x, zennit_composite(stabiliser, canonizers))
                     relative = float((expected - got).abs().max() / got.abs().max())
                     worst[setting] = max(worst[setting], relative)
