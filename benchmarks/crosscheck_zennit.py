@@ -215,10 +215,8 @@ def _cases() -> dict[str, tuple[Any, ZennitFactory]]:
                 epsilon=eps, stabilizer=st, canonizers=canon
             ),
         ),
-        "z^B + γ + ε ~ EpsilonGammaBox": (
-            composites.conv_dense(
-                rules.Gamma(0.25), rules.Epsilon(eps), "egb", first=rules.ZBox(LOW, HIGH)
-            ),
+        "lrp.epsilon_gamma_box ~ EpsilonGammaBox": (
+            composites.lrp_epsilon_gamma_box(LOW, HIGH, gamma=0.25, epsilon=eps),
             lambda st, canon: zcomp.EpsilonGammaBox(
                 low=LOW, high=HIGH, epsilon=eps, gamma=0.25, stabilizer=st, canonizers=canon
             ),

@@ -534,7 +534,7 @@ SUMMING = ("deeplift.rescale", "deeplift.reveal_cancel")
 
 
 def _options(method: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
-    if method == "lrp.zb":
+    if method in ("lrp.zb", "lrp.epsilon_gamma_box"):
         return {"low": 0.0, "high": 1.0}
     if method == "lrp.custom":
         from explain_modbp.composites import lrp_epsilon_plus

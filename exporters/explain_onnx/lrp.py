@@ -50,7 +50,10 @@ from torch import nn
 from explain_core.errors import InvalidInputError
 
 # Methods of one composite whose rules branch on tensor values in the forward pass.
-UNSUPPORTED = {"lrp.zb": "the z^B rule checks its input bounds with a branch on tensor values"}
+UNSUPPORTED = {
+    name: "the z^B rule checks its input bounds with a branch on tensor values"
+    for name in ("lrp.zb", "lrp.epsilon_gamma_box")
+}
 
 
 def composite_methods() -> dict[str, Any]:

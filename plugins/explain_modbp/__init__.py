@@ -61,6 +61,11 @@ def method_specs() -> list[MethodSpec]:
         spec("lrp.w2", methods.LRPW2, "Deep Taylor: w² on the input layer, z⁺ elsewhere"),
         spec("lrp.zb", methods.LRPZB, "Deep Taylor: z^B (bounds low/high) on input, z⁺ elsewhere"),
         spec("lrp.flat", methods.LRPFlat, "Flat on the input layer, z⁺ on conv, ε on dense"),
+        spec(
+            "lrp.epsilon_gamma_box",
+            methods.LRPEpsilonGammaBox,
+            "z^B (bounds low/high) on input, γ on conv, ε on dense: residual CNNs",
+        ),
         spec("lrp.epsilon_plus", methods.LRPEpsilonPlus, "ε+z⁺: z⁺ on conv, ε on dense layers"),
         spec("lrp.cmp", methods.LRPCMP, "LRP-CMP: αβ on conv (alpha=1 or 2), LRP-0 on dense"),
         spec("lrp.custom", methods.LRPCustom, "LRP with your own composite (option composite=)"),

@@ -22,6 +22,9 @@ preset                     rules
 ``lrp.w2``                 w² on the input layer, z⁺ elsewhere (Deep Taylor, real inputs)
 ``lrp.zb``                 z^B on the input layer (needs bounds), z⁺ elsewhere (Deep Taylor)
 ``lrp.flat``               flat on the input layer, z⁺ on convolutions, ε on dense layers
+                           (zennit's EpsilonPlusFlat)
+``lrp.epsilon_gamma_box``  z^B on the input layer (needs bounds), γ on convolutions, ε on
+                           dense layers (zennit's EpsilonGammaBox; residual CNNs)
 ``lrp.epsilon_plus``       z⁺ on convolutions, ε on dense layers
 ``lrp.cmp``                αβ (α = 1 or 2) on convolutions, LRP-0 on dense layers
 ``excitation_bp``          W⁺ rule everywhere (marginal winning probability)
@@ -151,6 +154,25 @@ def lrp_zb(low: object = None, high: object = None, bias: bool = False) -> Compo
     """Deep Taylor for bounded inputs: z^B on the input layer, z⁺ elsewhere."""
     first = rules.ZBox(low, high)  # type: ignore[arg-type]
     return uniform(rules.ZPlus(bias), "lrp.zb", first=first, batchnorm=_lone_batchnorm())
+
+
+def lrp_epsilon_gamma_box(
+    low: object = None, high: object = None, gamma: float = 0.25, epsilon: float = 1e-6
+) -> Composite:
+    """z^B on the input layer, γ on convolutions, ε on dense layers (zennit's EpsilonGammaBox).
+
+    The preset for residual CNNs (ResNet, RegNet) that the literature tunes: γ keeps the
+    convolutions' maps positive-leaning and sharp, ε keeps the dense head faithful to the logit,
+    z^B explains the bounded input. Residual additions split relevance in proportion to the
+    summands; BatchNorms are merged into the convolution before them.
+    """
+    return conv_dense(
+        rules.Gamma(gamma, epsilon=epsilon),
+        rules.Epsilon(epsilon),
+        "lrp.epsilon_gamma_box",
+        first=rules.ZBox(low, high),  # type: ignore[arg-type]
+        batchnorm=_lone_batchnorm(epsilon),
+    )
 
 
 def lrp_flat(epsilon: float = 1e-6, bias: bool = False) -> Composite:

@@ -33,6 +33,7 @@ __all__ = [
     "LRPAlphaBeta",
     "LRPCustom",
     "LRPEpsilon",
+    "LRPEpsilonGammaBox",
     "LRPEpsilonPlus",
     "LRPFlat",
     "LRPGamma",
@@ -217,6 +218,24 @@ class LRPZB(CompositeMethod):
     low: float | torch.Tensor | None = None
     high: float | torch.Tensor | None = None
     bias: bool = False
+
+
+@dataclass
+class LRPEpsilonGammaBox(CompositeMethod):
+    """z^B on the input layer, γ on convolutions, ε on dense layers (residual CNNs).
+
+    Attributes:
+        low: Lower input bound (number or tensor shaped like the inputs or one sample).
+        high: Upper input bound.
+        gamma: The convolutions' γ.
+        epsilon: Stabiliser of the dense layers' (and γ's) denominators.
+    """
+
+    preset = staticmethod(composites.lrp_epsilon_gamma_box)
+    low: float | torch.Tensor | None = None
+    high: float | torch.Tensor | None = None
+    gamma: float = 0.25
+    epsilon: float = 1e-6
 
 
 @dataclass
