@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from harness import interleaved_medians, write_results
+from harness import PeakResidentSet, interleaved_medians, write_results
 from torch import nn
 
 METHODS = ("input_x_gradient", "lrp.attn", "lrp.cp")
@@ -86,34 +83,6 @@ def candidates(model: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], Any]
     for method in METHODS:
         runs[method] = lambda method=method: explain(model, x, method, target)
     return runs
-
-
-class PeakResidentSet:
-    """The largest resident set seen by a thread sampling ``/proc/self/statm`` every 1 ms."""
-
-    def __init__(self) -> None:
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.peak = self.now()
-        self.running = True
-        self.thread = threading.Thread(target=self._sample, daemon=True)
-
-    def now(self) -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * self.page
-
-    def _sample(self) -> None:
-        while self.running:
-            self.peak = max(self.peak, self.now())
-            time.sleep(0.001)
-
-    def __enter__(self) -> PeakResidentSet:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.running = False
-        self.thread.join()
-        self.peak = max(self.peak, self.now())
 
 
 def memory_worker(name: str, candidate: str, quick: bool) -> None:

@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -159,3 +160,31 @@ def render_results(folder: Path) -> str:
             "",
         ]
     return "\n".join(parts).rstrip() + "\n"
+
+
+class PeakResidentSet:
+    """The largest resident set seen by a thread sampling ``/proc/self/statm`` every 1 ms."""
+
+    def __init__(self) -> None:
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.peak = self.now()
+        self.running = True
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def now(self) -> int:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * self.page
+
+    def _sample(self) -> None:
+        while self.running:
+            self.peak = max(self.peak, self.now())
+            time.sleep(0.001)
+
+    def __enter__(self) -> PeakResidentSet:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.running = False
+        self.thread.join()
+        self.peak = max(self.peak, self.now())

@@ -1,0 +1,159 @@
+"""LRP composites on ResNet-50 at 224×224, batch 16: time and peak memory against one gradient.
+
+The model is the test suite's re-creation of torchvision's resnet50 (``tests/zoo.py``: the same
+module structure, full width and depth; random weights, trained-looking BatchNorms, eval mode).
+Within one run the script times, interleaved round by round:
+
+- one plain gradient of the target logits w.r.t. the input;
+- ``explain(model, x, "lrp.epsilon_plus", target)`` (z⁺ on convolutions, ε on the dense layer);
+- ``explain(model, x, "lrp.epsilon_gamma_box", target, low=0, high=1)`` (γ on convolutions);
+- the lower bound of any z⁺ implementation on torch's kernels: one gradient plus the convolutions
+  ``W⁺∗a`` that z⁺ adds (as ``bench_modbp_speed.py`` measures on the VGG-style net);
+- Captum's LRP with its default rules (ε on every layer), for scale, where it runs.
+
+Peak memory: each candidate in a fresh process, the largest resident set above the built model
+(sampled every millisecond). Zennit needs torchvision and runs in another environment
+(``benchmarks/crosscheck_zennit.py``); it is not timed here. Goals (issue 21): time ≤ 1.05× the
+lower bound, peak memory ≤ 2× the gradient's.
+
+    PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py  # ~10 min, 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from harness import PeakResidentSet, interleaved_medians, write_results
+from torch import nn
+from zoo import ResNet, randomise_batchnorm
+
+from explain_core import explain
+
+
+def build(batch: int, side: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = randomise_batchnorm(ResNet(depths=(3, 4, 6, 3), width=1.0, classes=1000)).eval()
+    x = torch.rand(batch, 3, side, side, generator=torch.Generator().manual_seed(1))
+    target = torch.arange(batch) * 7 % 1000
+    return model, x, target
+
+
+def plain_gradient(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(x).gather(1, target[:, None]).sum(), x)
+    return grad
+
+
+def gradient_plus_z_plus_convolutions(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """One plain gradient, with ``W⁺∗a`` computed for every convolution's input on the way."""
+
+    def z_plus(conv: nn.Module, args: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
+        with torch.no_grad():
+            F.conv2d(args[0], conv.weight.clamp(min=0), None, conv.stride, conv.padding)
+
+    convs = [module for module in model.modules() if isinstance(module, nn.Conv2d)]
+    handles = [conv.register_forward_hook(z_plus) for conv in convs]
+    try:
+        return plain_gradient(model, x, target)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def candidates(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, Callable]:
+    runs: dict[str, Callable] = {
+        "gradient": lambda: plain_gradient(model, x, target),
+        "gradient + z⁺ convolutions (lower bound)": lambda: gradient_plus_z_plus_convolutions(
+            model, x, target
+        ),
+        "lrp.epsilon_plus": lambda: explain(model, x, "lrp.epsilon_plus", target),
+        "lrp.epsilon_gamma_box": lambda: explain(
+            model, x, "lrp.epsilon_gamma_box", target, low=0.0, high=1.0
+        ),
+    }
+    try:
+        from captum.attr import LRP
+
+        def captum_lrp() -> torch.Tensor:
+            return LRP(model).attribute(x, target=target)
+
+        captum_lrp()
+        runs["captum LRP"] = captum_lrp
+    except Exception as error:  # Captum missing or refusing a layer: said, not timed
+        print(f"captum LRP does not run: {type(error).__name__}: {error}", file=sys.stderr)
+    return runs
+
+
+def memory_worker(candidate: str, batch: int, side: int) -> None:
+    """Print the peak resident set above the built model of one candidate, in this process."""
+    torch.set_num_threads(2)
+    model, x, target = build(batch, side)
+    run = candidates(model, x, target)[candidate]
+    before = PeakResidentSet().now()
+    with PeakResidentSet() as peak:
+        run()
+    print(json.dumps({"extra_bytes": peak.peak - before}))
+
+
+def peak_memory(candidate: str, batch: int, side: int) -> int:
+    command = [sys.executable, __file__, "--memory-worker", candidate]
+    command += ["--batch", str(batch), "--side", str(side)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--side", type=int, default=224)
+    parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.memory_worker:
+        memory_worker(args.memory_worker, args.batch, args.side)
+        return
+    torch.set_num_threads(2)
+    model, x, target = build(args.batch, args.side)
+    runs = candidates(model, x, target)
+    seconds = interleaved_medians(runs, args.rounds)
+    memory = {candidate: peak_memory(candidate, args.batch, args.side) for candidate in runs}
+    bound = seconds["gradient + z⁺ convolutions (lower bound)"]
+    rows = [
+        {
+            "candidate": candidate,
+            "median s": seconds[candidate],
+            "× gradient time": seconds[candidate] / seconds["gradient"],
+            "× lower bound": seconds[candidate] / bound,
+            "peak MiB above model": memory[candidate] / 2**20,
+            "× gradient memory": memory[candidate] / memory["gradient"],
+        }
+        for candidate in runs
+    ]
+    for row in rows:
+        print(row, flush=True)
+    write_results(
+        "resnet50_lrp",
+        title=f"LRP composites on ResNet-50 ({args.side}×{args.side}, batch {args.batch}) "
+        "against one gradient",
+        command="PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py",
+        notes=(
+            f"The re-creation of torchvision's resnet50 (tests/zoo.py), random weights, 2 threads, "
+            f"medians of {args.rounds} interleaved rounds; peak memory: the largest resident set "
+            "above the built model, one fresh process per candidate. Goals: ≤ 1.05× the lower "
+            "bound (one gradient plus the W⁺∗a convolutions z⁺ needs), ≤ 2× the gradient's "
+            "memory. Zennit needs torchvision: not in this environment."
+        ),
+        rows=rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
