@@ -34,7 +34,12 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from harness import interleaved_medians, write_results
+from harness import (
+    gradient_plus_z_plus_convolutions,
+    interleaved_medians,
+    plain_gradient,
+    write_results,
+)
 from torch import nn
 
 from explain_core import explain
@@ -63,30 +68,6 @@ class VGGStyle(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x).flatten(1))
-
-
-def plain_gradient(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    x = x.detach().requires_grad_(True)
-    (grad,) = torch.autograd.grad(model(x).gather(1, target[:, None]).sum(), x)
-    return grad
-
-
-def gradient_plus_z_plus_convolutions(
-    model: nn.Module, x: torch.Tensor, target: torch.Tensor
-) -> torch.Tensor:
-    """One plain gradient, with ``W⁺∗a`` computed for every convolution's input on the way."""
-
-    def z_plus(conv: nn.Module, args: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
-        with torch.no_grad():
-            F.conv2d(args[0], conv.weight.clamp(min=0), None, conv.stride, conv.padding)
-
-    convs = [module for module in model.modules() if isinstance(module, nn.Conv2d)]
-    handles = [conv.register_forward_hook(z_plus) for conv in convs]
-    try:
-        return plain_gradient(model, x, target)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:

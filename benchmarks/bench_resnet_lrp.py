@@ -28,8 +28,13 @@ import sys
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
-from harness import PeakResidentSet, interleaved_medians, write_results
+from harness import (
+    PeakResidentSet,
+    gradient_plus_z_plus_convolutions,
+    interleaved_medians,
+    plain_gradient,
+    write_results,
+)
 from torch import nn
 from zoo import ResNet, randomise_batchnorm
 
@@ -42,30 +47,6 @@ def build(batch: int, side: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]
     x = torch.rand(batch, 3, side, side, generator=torch.Generator().manual_seed(1))
     target = torch.arange(batch) * 7 % 1000
     return model, x, target
-
-
-def plain_gradient(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    x = x.detach().requires_grad_(True)
-    (grad,) = torch.autograd.grad(model(x).gather(1, target[:, None]).sum(), x)
-    return grad
-
-
-def gradient_plus_z_plus_convolutions(
-    model: nn.Module, x: torch.Tensor, target: torch.Tensor
-) -> torch.Tensor:
-    """One plain gradient, with ``W⁺∗a`` computed for every convolution's input on the way."""
-
-    def z_plus(conv: nn.Module, args: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
-        with torch.no_grad():
-            F.conv2d(args[0], conv.weight.clamp(min=0), None, conv.stride, conv.padding)
-
-    convs = [module for module in model.modules() if isinstance(module, nn.Conv2d)]
-    handles = [conv.register_forward_hook(z_plus) for conv in convs]
-    try:
-        return plain_gradient(model, x, target)
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def candidates(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, Callable]:

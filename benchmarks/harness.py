@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -188,3 +189,27 @@ class PeakResidentSet:
         self.running = False
         self.thread.join()
         self.peak = max(self.peak, self.now())
+
+
+def plain_gradient(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    x = x.detach().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(x).gather(1, target[:, None]).sum(), x)
+    return grad
+
+
+def gradient_plus_z_plus_convolutions(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> torch.Tensor:
+    """One plain gradient, with ``W⁺∗a`` computed for every convolution's input on the way."""
+
+    def z_plus(conv: nn.Module, args: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
+        with torch.no_grad():
+            F.conv2d(args[0], conv.weight.clamp(min=0), None, conv.stride, conv.padding)
+
+    convs = [module for module in model.modules() if isinstance(module, nn.Conv2d)]
+    handles = [conv.register_forward_hook(z_plus) for conv in convs]
+    try:
+        return plain_gradient(model, x, target)
+    finally:
+        for handle in handles:
+            handle.remove()

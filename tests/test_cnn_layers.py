@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from zoo import StochasticDepth
 
 from explain_core import UnsupportedModelError, explain
 
@@ -382,20 +383,6 @@ def test_transposed_convolutions_are_convolutions_of_spread_inputs(
 
 
 # --- structure: layer scale, stochastic depth, dropout, shuffles, permutes, adaptive max pool ---
-
-
-class StochasticDepth(nn.Module):
-    """torchvision's residual-branch dropout: the identity in eval mode."""
-
-    def __init__(self, p: float) -> None:
-        super().__init__()
-        self.p = p
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        keep = torch.empty(x.shape[0], 1, 1, 1, device=x.device).bernoulli_(1 - self.p)
-        return x * keep / (1 - self.p)
 
 
 class ConvNeXtLikeBlock(nn.Module):

@@ -212,27 +212,6 @@ def _apply_op_rule(
         return apply(*(value.clone() for value in values))
 
     inputs = tuple(flat[i] for i in positions)
-    try:
-        return _rule_call(rule, kind, func, args, kwargs, attached, apply, out_of_place, inputs)
-    except UnsupportedModelError as error:  # a rule refused the call: say where it was made
-        if getattr(error, "placed", False):
-            raise
-        placed = UnsupportedModelError(f"{error} (in {attached.place()})")
-        placed.placed = True  # type: ignore[attr-defined]
-        raise placed from error
-
-
-def _rule_call(
-    rule: Rule,
-    kind: str,
-    func: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    attached: RulePass,
-    apply: Any,
-    out_of_place: Any,
-    inputs: tuple[torch.Tensor, ...],
-) -> Any:
     # An in-place call (relu_, F.elu(x, inplace=True), F.elu(x, 1.0, True)) overwrites its
     # inputs: rules see copies of them
     in_place = kind.endswith("_") or kwargs.get("inplace") is True or any(a is True for a in args)
@@ -248,7 +227,14 @@ def _rule_call(
         sources=tuple(attached.source_of(t) for t in inputs),
         branch_free=attached.plan.branch_free,
     )
-    return attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
+    try:
+        return attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
+    except UnsupportedModelError as error:  # a rule refused the call: say where it was made
+        if getattr(error, "placed", False):
+            raise
+        placed = UnsupportedModelError(f"{error} (in {attached.place()})")
+        placed.placed = True  # type: ignore[attr-defined]
+        raise placed from error
 
 
 def _from_weights(tensor: torch.Tensor, inputs: torch.Tensor | None, budget: int = 16) -> bool:
