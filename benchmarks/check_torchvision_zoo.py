@@ -89,8 +89,10 @@ def main() -> None:
         "# Every method on the real torchvision models (224×224, random weights, eval mode)",
         "",
         f"Run with torch {torch.__version__}, torchvision {torchvision.__version__} on "
-        f"{platform.machine()} with 2 threads in {seconds:.0f} s; reproduce with the command in "
-        "`benchmarks/check_torchvision_zoo.py`.",
+        f"{platform.machine()} with 2 threads in {seconds:.0f} s. Command (in the environment "
+        "the script's docstring sets up): `PYTHONPATH=.:plugins:exporters:tests python "
+        f"benchmarks/check_torchvision_zoo.py {' '.join(sys.argv[1:])}`".rstrip()
+        + ".",
         "",
         *rows,
         "",
