@@ -85,14 +85,16 @@ def main() -> None:
             print(f"{method:28s} {name:20s} {cell}", flush=True)
         rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
     seconds = time.perf_counter() - started
+    command = " ".join(
+        ["PYTHONPATH=.:plugins:exporters:tests python benchmarks/check_torchvision_zoo.py"]
+        + sys.argv[1:]
+    )
     text = [
         "# Every method on the real torchvision models (224×224, random weights, eval mode)",
         "",
         f"Run with torch {torch.__version__}, torchvision {torchvision.__version__} on "
         f"{platform.machine()} with 2 threads in {seconds:.0f} s. Command (in the environment "
-        "the script's docstring sets up): `PYTHONPATH=.:plugins:exporters:tests python "
-        f"benchmarks/check_torchvision_zoo.py {' '.join(sys.argv[1:])}`".rstrip()
-        + ".",
+        f"the script's docstring sets up): `{command}`.",
         "",
         *rows,
         "",
