@@ -85,10 +85,8 @@ def main() -> None:
             print(f"{method:28s} {name:20s} {cell}", flush=True)
         rows.append(f"| `{method}` | " + " | ".join(cells) + " |")
     seconds = time.perf_counter() - started
-    command = " ".join(
-        ["PYTHONPATH=.:plugins:exporters:tests python benchmarks/check_torchvision_zoo.py"]
-        + sys.argv[1:]
-    )
+    script = "PYTHONPATH=.:plugins:exporters:tests python benchmarks/check_torchvision_zoo.py"
+    command = " ".join([script, *sys.argv[1:]])
     text = [
         "# Every method on the real torchvision models (224×224, random weights, eval mode)",
         "",
