@@ -11,10 +11,11 @@ Within one run the script times, interleaved round by round:
   ``W⁺∗a`` that z⁺ adds (as ``bench_modbp_speed.py`` measures on the VGG-style net);
 - Captum's LRP with its default rules (ε on every layer), for scale, where it runs.
 
-Peak memory: each candidate in a fresh process, the largest resident set above the built model
-(sampled every millisecond). Zennit needs torchvision and runs in another environment
-(``benchmarks/crosscheck_zennit.py``); it is not timed here. Goals (issue 21): time ≤ 1.05× the
-lower bound, peak memory ≤ 2× the gradient's.
+Peak memory: each candidate in a fresh process (nothing else run before it, glibc's mmap
+threshold at 64 KiB so that the resident set follows live memory), the largest resident set
+above the built model, sampled every millisecond. Zennit needs torchvision and runs in another
+environment (``benchmarks/crosscheck_zennit.py``); it is not timed here. Goals (issue 21): time
+≤ 1.05× the lower bound, peak memory ≤ 2× the gradient's.
 
     PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py  # ~10 min, 2 cores
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -49,7 +51,10 @@ def build(batch: int, side: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]
     return model, x, target
 
 
-def candidates(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[str, Callable]:
+def candidates(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor, probe: bool = True
+) -> dict[str, Callable]:
+    """The timed candidates; ``probe`` runs Captum once to see whether it runs here."""
     runs: dict[str, Callable] = {
         "gradient": lambda: plain_gradient(model, x, target),
         "gradient + z⁺ convolutions (lower bound)": lambda: gradient_plus_z_plus_convolutions(
@@ -66,7 +71,8 @@ def candidates(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> dict[
         def captum_lrp() -> torch.Tensor:
             return LRP(model).attribute(x, target=target)
 
-        captum_lrp()
+        if probe:
+            captum_lrp()
         runs["captum LRP"] = captum_lrp
     except Exception as error:  # Captum missing or refusing a layer: said, not timed
         print(f"captum LRP does not run: {type(error).__name__}: {error}", file=sys.stderr)
@@ -77,7 +83,7 @@ def memory_worker(candidate: str, batch: int, side: int) -> None:
     """Print the peak resident set above the built model of one candidate, in this process."""
     torch.set_num_threads(2)
     model, x, target = build(batch, side)
-    run = candidates(model, x, target)[candidate]
+    run = candidates(model, x, target, probe=False)[candidate]  # nothing ran before it
     before = PeakResidentSet().now()
     with PeakResidentSet() as peak:
         run()
@@ -87,7 +93,9 @@ def memory_worker(candidate: str, batch: int, side: int) -> None:
 def peak_memory(candidate: str, batch: int, side: int) -> int:
     command = [sys.executable, __file__, "--memory-worker", candidate]
     command += ["--batch", str(batch), "--side", str(side)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    # Blocks above 64 KiB are mmapped and unmapped on free, so the RSS follows live memory.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
 
 

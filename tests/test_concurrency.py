@@ -75,6 +75,7 @@ def method_options(model: nn.Module, x: torch.Tensor) -> dict[str, dict[str, Any
     custom = composites.lrp_epsilon_plus().with_rules((nn.Linear, Epsilon(0.01)))
     return {
         "lrp.zb": {"low": -4.0, "high": 4.0},
+        "lrp.epsilon_gamma_box": {"low": -4.0, "high": 4.0},
         "lrp.custom": {"composite": custom},
         "patternnet": {"patterns": patterns},
         "pattern_attribution": {"patterns": patterns},
