@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from explain_core.affine import LINEAR_TYPES
+from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES
 from explain_core.engine import Composite
 from explain_core.interfaces.relevance import Gradient, Matcher, Op, Rule, RuleCall
 from explain_core.registry import MethodSpec
@@ -94,7 +94,7 @@ def _linear_rule(epsilon: float, gamma: float) -> Rule:
 def _shared(epsilon: float, gamma: float) -> list[tuple[Matcher, Rule]]:
     linear = _linear_rule(epsilon, gamma)
     return [
-        (LINEAR_TYPES, linear),
+        (LINEAR_TYPES + BATCHNORM_TYPES, linear),  # a BatchNorm that cannot be merged too
         (Op("linear", "addmm"), linear),
         (elementwise_module, PassRelevance()),
         (Op(*NORM_OPS), NormScale()),
