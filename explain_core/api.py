@@ -11,7 +11,7 @@ from torch import nn
 
 from explain_core.attribution import Attribution
 from explain_core.eager import eager_mode, uncompiled
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, NumericalError
 from explain_core.model_guard import ModelGuard, RefuseTrainingCalls, require_eval_mode
 from explain_core.plugin_manager import get_registry
 from explain_core.registry import (
@@ -26,6 +26,7 @@ from explain_core.validation import (
     check_output_finite,
     clear_model_errors,
     memory_errors,
+    non_finite_samples,
     refuse_inference_mode,
 )
 
@@ -79,6 +80,8 @@ def explain(
             tensor, or a call inside ``torch.inference_mode()``. A model whose forward raises
             on the inputs gets a :class:`~explain_core.errors.ModelRunError` that blames their
             shape only for a shape error, with the model's error chained.
+        NumericalError: If a built-in method's map is NaN or infinite for finite outputs (its
+            backward overflowed in the dtype used).
         OutOfMemoryError: If the attribution runs out of memory (on the CPU or an
             accelerator), naming the batch size and the method's option that bounds memory.
         ModelStateError: If the model is in training mode, or its parameters change in place
@@ -132,11 +135,18 @@ def explain(
         returned = engine.attribute(model, inputs, target_tensor, reference)
     result = check_method_result(returned, inputs, spec.label)
     check_output_finite(result.output)
-    if not spec.builtin and not bool(torch.isfinite(result.attribution).all()):
-        # the model's outputs are finite, so the NaN/Inf are the method's own
+    bad = non_finite_samples(result.attribution)
+    if bad and not spec.builtin:  # the model's outputs are finite: the NaN/Inf are the method's
         raise MethodError(
             f"{spec.label} returned NaN or infinite attributions for finite model outputs; "
             "report it to the plugin's authors"
+        )
+    if bad:  # a built-in method's backward overflowed, or divided by ~0, in this dtype
+        raise NumericalError(
+            f"{method!r} gave NaN or infinite attributions for samples [{bad}] of "
+            f"{len(result.attribution)} although the model's outputs are finite: its backward "
+            f"pass overflowed in {result.attribution.dtype}; explain in float64 "
+            "(model.double() and inputs.double()) or choose another method"
         )
     return Attribution(
         attribution=result.attribution,

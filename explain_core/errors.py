@@ -23,6 +23,7 @@ __all__ = [
     "ModelLoadError",
     "ModelRunError",
     "ModelStateError",
+    "NumericalError",
     "OutOfMemoryError",
     "OutputPathError",
     "ParityError",
@@ -92,6 +93,13 @@ class UnsupportedModelError(InvalidInputError):
     """A layer, operation or structure that relevance rules cannot propagate through.
 
     Raised instead of silently letting the ordinary gradient through a part of the model.
+    """
+
+
+class NumericalError(ExplainError, ArithmeticError):
+    """A map that overflowed to NaN or infinite values although the model's outputs are finite.
+
+    The message names the samples and how to avoid it (float64, another method).
     """
 
 

@@ -128,3 +128,25 @@ def test_patterns_of_another_architecture_and_missing_patterns_are_errors(tmp_pa
     with pytest.raises(InvalidInputError, match="estimator"):
         fit_patterns(model, x, estimator="quadratic")
     assert_same_state(before, state_fingerprint(model))
+
+
+def test_a_map_that_overflows_is_one_clear_error_never_nan():
+    # The real torchvision ResNet-50's PatternNet overflowed float32 through its 50 layers
+    # (benchmarks/check_torchvision_zoo.py); patterns this large do it in two layers here.
+    import dataclasses
+
+    from explain_core import NumericalError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3)).eval()
+    x = torch.rand(4, 6)
+    fitted = fit_patterns(model, torch.rand(64, 6))
+    huge = dataclasses.replace(
+        fitted, patterns={name: p * 1e25 for name, p in fitted.patterns.items()}
+    )
+    with pytest.raises(NumericalError, match=r"NaN or infinite attributions for samples \[0, 1"):
+        explain(model, x, "patternnet", 0, patterns=huge)
+    assert torch.isfinite(explain(model, x, "patternnet", 0, patterns=fitted).attribution).all()
+    # the advice works: in float64 the same patterns give a finite map
+    double = explain(model.double(), x.double(), "patternnet", 0, patterns=huge)
+    assert torch.isfinite(double.attribution).all()

@@ -559,6 +559,8 @@ def _refusal(error: ExplainError) -> str:
         return f"refuses `{match.group(1)}` ({match.group(2)})"
     if match:
         return f"refuses {match.group(3)}"
+    if "NaN or infinite attributions" in message:
+        return "overflows in float32 (clear error)"
     if "CoDA" in message or "DAU" in message:
         return "needs a CoDA-Net"
     if "capsule" in message.lower():
