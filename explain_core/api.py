@@ -125,12 +125,7 @@ def explain(
         # Third-party methods may run the model in training mode on purpose (Monte-Carlo
         # dropout); their guard restores the model afterwards.
         RefuseTrainingCalls() if spec.builtin and not allow_training else contextlib.nullcontext(),
-        memory_errors(
-            inputs.shape[0],
-            method,
-            engine.memory_option,
-            getattr(engine, engine.memory_option or "", None),
-        ),
+        memory_errors(inputs.shape[0], method, engine),
     ):
         returned = engine.attribute(model, inputs, target_tensor, reference)
     result = check_method_result(returned, inputs, spec.label)

@@ -291,15 +291,16 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 @contextmanager
-def memory_errors(samples: int, method: str, option: str | None, value: Any) -> Iterator[None]:
+def memory_errors(samples: int, method: str, engine: Any) -> Iterator[None]:
     """Turn running out of memory inside the block into one error saying what bounds memory.
 
     Args:
         samples: The batch size explained.
         method: The method's name.
-        option: The method's option that bounds the rows per pass, if it has one.
-        value: That option's current value.
+        engine: The configured method; its ``memory_option`` (if any) bounds the rows per pass.
     """
+    option = engine.memory_option
+    value = getattr(engine, option) if option is not None else None
     try:
         yield
     except BaseException as error:

@@ -110,21 +110,9 @@ def test_image_classifier_gives_patch_overlays(tmp_path, capsys):
     saved(tmp_path / "vit", model, processor)
     picture = (np.random.default_rng(0).random((40, 40, 3)) * 255).astype(np.uint8)
     Image.fromarray(picture).save(tmp_path / "digit.png")
-    code, out, err = run_cli(
-        [
-            "attribute",
-            str(tmp_path / "digit.png"),
-            "--hf",
-            str(tmp_path / "vit"),
-            "--method",
-            "lrp.attn",
-            "--target",
-            "1",
-            "--out",
-            str(tmp_path / "out"),
-        ],
-        capsys,
-    )
+    attribute = ["attribute", str(tmp_path / "digit.png"), "--hf", str(tmp_path / "vit")]
+    attribute += ["--method", "lrp.attn"]
+    code, out, err = run_cli([*attribute, "--target", "1", "--out", str(tmp_path / "out")], capsys)
     assert code == 0, err
     assert "lrp.attn for class 1" in out
     attribution = np.load(tmp_path / "out" / "digit.npy")
@@ -132,19 +120,7 @@ def test_image_classifier_gives_patch_overlays(tmp_path, capsys):
     assert patch_relevance(attribution, 8).shape == (4, 4)
     assert Image.open(tmp_path / "out" / "digit.png").size[0] > 100  # the figure, not the map
     before = (tmp_path / "digit.png").read_bytes()  # --out beside the input: refused, kept
-    code, _, err = run_cli(
-        [
-            "attribute",
-            str(tmp_path / "digit.png"),
-            "--hf",
-            str(tmp_path / "vit"),
-            "--method",
-            "lrp.attn",
-            "--out",
-            str(tmp_path),
-        ],
-        capsys,
-    )
+    code, _, err = run_cli([*attribute, "--out", str(tmp_path)], capsys)
     assert code == 1 and "choose another --out folder" in err, err
     assert (tmp_path / "digit.png").read_bytes() == before
 

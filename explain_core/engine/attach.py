@@ -230,11 +230,7 @@ def _apply_op_rule(
     try:
         return attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
     except UnsupportedModelError as error:  # a rule refused the call: say where it was made
-        if getattr(error, "placed", False):
-            raise
-        placed = UnsupportedModelError(f"{error} (in {attached.place()})")
-        placed.placed = True  # type: ignore[attr-defined]
-        raise placed from error
+        raise UnsupportedModelError(f"{error} (in {attached.place()})") from error
 
 
 def _from_weights(tensor: torch.Tensor, inputs: torch.Tensor | None, budget: int = 16) -> bool:

@@ -19,7 +19,7 @@ values equal the fused kernels' up to float rounding; the model and ``torch`` ar
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,63 @@ def _sequence_first(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
     return x.transpose(0, 1) if batch_first else x
 
 
+State = tuple[torch.Tensor, ...]
+Step = Callable[[tuple[torch.Tensor | None, ...], torch.Tensor, State], State]
+
+
+def _unrolled(
+    x: torch.Tensor,
+    weights: list[tuple[torch.Tensor | None, ...]],
+    initial: list[State],
+    step: Step,
+    num_layers: int,
+    bidirectional: bool,
+) -> tuple[torch.Tensor, list[State]]:
+    """Run ``step(weights, x_t, state) → state`` (``state[0]`` the output) over the sequence.
+
+    Per layer and direction (``weights[i]`` and ``initial[i]`` for cell ``i``), forwards in time
+    or backwards; the directions' outputs are concatenated as the next layer's input.
+    """
+    directions = 2 if bidirectional else 1
+    last = []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            state = initial[index]
+            steps = range(x.shape[0]) if direction == 0 else reversed(range(x.shape[0]))
+            sequence: list[torch.Tensor] = [x[0]] * x.shape[0]
+            for t in steps:
+                state = step(weights[index], x[t], state)
+                sequence[t] = state[0]
+            outputs.append(torch.stack(sequence))
+            last.append(state)
+        x = torch.cat(outputs, dim=-1) if directions == 2 else outputs[0]
+    return x, last
+
+
+def _lstm_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: State) -> State:
+    w_ih, w_hh, b_ih, b_hh, w_hr = weights
+    h, c = state
+    # one linear map over [x_t; h_{t-1}]: the gates' pre-activations as Arras et al. write them
+    weight = torch.cat([w_ih, w_hh], dim=1)  # type: ignore[list-item]
+    bias = None if b_ih is None else b_ih + b_hh
+    i, f, g, o = F.linear(torch.cat([x, h], dim=-1), weight, bias).chunk(4, dim=-1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    h = torch.sigmoid(o) * torch.tanh(c)
+    return (h if w_hr is None else F.linear(h, w_hr)), c
+
+
+def _gru_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: State) -> State:
+    w_ih, w_hh, b_ih, b_hh, _ = weights
+    (h,) = state
+    x_r, x_z, x_n = F.linear(x, w_ih, b_ih).chunk(3, dim=-1)  # type: ignore[arg-type]
+    h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)  # type: ignore[arg-type]
+    r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+    n = torch.tanh(x_n + r * h_n)
+    return (n + z * (h - n),)
+
+
 def lstm(
     input: torch.Tensor,
     hx: Sequence[torch.Tensor] | torch.Tensor,
@@ -81,34 +138,13 @@ def lstm(
     """
     _check("LSTM", isinstance(hx, torch.Tensor), dropout, train)
     h0, c0 = hx
-    directions = 2 if bidirectional else 1
-    weights = _layer_weights(params, has_biases, num_layers * directions)
+    cells = num_layers * (2 if bidirectional else 1)
+    weights = _layer_weights(params, has_biases, cells)
+    initial = [(h0[i], c0[i]) for i in range(cells)]
     x = _sequence_first(input, batch_first)
-    h_last, c_last = [], []
-    for layer in range(num_layers):
-        outputs = []
-        for direction in range(directions):
-            index = layer * directions + direction
-            w_ih, w_hh, b_ih, b_hh, w_hr = weights[index]
-            # one linear map over [x_t; h_{t-1}]: the gates' pre-activations as Arras et al. write
-            weight = torch.cat([w_ih, w_hh], dim=1)
-            bias = None if b_ih is None else b_ih + b_hh
-            h, c = h0[index], c0[index]
-            steps = range(x.shape[0]) if direction == 0 else reversed(range(x.shape[0]))
-            sequence: list[torch.Tensor] = [x[0]] * x.shape[0]
-            for t in steps:
-                z = F.linear(torch.cat([x[t], h], dim=-1), weight, bias)
-                i, f, g, o = z.chunk(4, dim=-1)
-                c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
-                h = torch.sigmoid(o) * torch.tanh(c)
-                if w_hr is not None:
-                    h = F.linear(h, w_hr)
-                sequence[t] = h
-            outputs.append(torch.stack(sequence))
-            h_last.append(h)
-            c_last.append(c)
-        x = torch.cat(outputs, dim=-1) if directions == 2 else outputs[0]
-    return _sequence_first(x, batch_first), torch.stack(h_last), torch.stack(c_last)
+    x, last = _unrolled(x, weights, initial, _lstm_step, num_layers, bidirectional)
+    h_n, c_n = (torch.stack(states) for states in zip(*last, strict=True))
+    return _sequence_first(x, batch_first), h_n, c_n
 
 
 def gru(
@@ -129,26 +165,9 @@ def gru(
         UnsupportedModelError: For packed sequences or dropout in training mode.
     """
     _check("GRU", isinstance(params, torch.Tensor), dropout, train)
-    directions = 2 if bidirectional else 1
-    weights = _layer_weights(params, has_biases, num_layers * directions)  # type: ignore[arg-type]
+    cells = num_layers * (2 if bidirectional else 1)
+    weights = _layer_weights(params, has_biases, cells)  # type: ignore[arg-type]
     x = _sequence_first(input, batch_first)
-    h_last = []
-    for layer in range(num_layers):
-        outputs = []
-        for direction in range(directions):
-            index = layer * directions + direction
-            w_ih, w_hh, b_ih, b_hh, _ = weights[index]
-            h = hx[index]
-            steps = range(x.shape[0]) if direction == 0 else reversed(range(x.shape[0]))
-            sequence: list[torch.Tensor] = [x[0]] * x.shape[0]
-            for t in steps:
-                x_r, x_z, x_n = F.linear(x[t], w_ih, b_ih).chunk(3, dim=-1)
-                h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)
-                r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
-                n = torch.tanh(x_n + r * h_n)
-                h = n + z * (h - n)
-                sequence[t] = h
-            outputs.append(torch.stack(sequence))
-            h_last.append(h)
-        x = torch.cat(outputs, dim=-1) if directions == 2 else outputs[0]
-    return _sequence_first(x, batch_first), torch.stack(h_last)
+    initial = [(hx[i],) for i in range(cells)]
+    x, last = _unrolled(x, weights, initial, _gru_step, num_layers, bidirectional)
+    return _sequence_first(x, batch_first), torch.stack([h for (h,) in last])
