@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from harness import median_seconds, write_results
+from harness import median_seconds, memory_worker_output, write_results
 from torch import nn
 
 from explain_coda.layers import DAUConv2d
@@ -129,11 +128,8 @@ def _proc_status_bytes(field: str) -> int:
 
 
 def peak_memory_in_subprocess(impl: str, layer: str, device: str) -> int:
-    # Blocks above 64 KiB are mmapped and unmapped on free, so the RSS follows live memory.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     command = [sys.executable, __file__, "--memory-case", impl, layer, "--device", device]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    return int(done.stdout.split()[-1])
+    return int(memory_worker_output(command).split()[-1])
 
 
 def step_seconds(layer: str, device: str, rounds: int, repeats: int) -> dict[str, float]:

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from collections.abc import Callable
 
@@ -34,6 +32,7 @@ from harness import (
     PeakResidentSet,
     gradient_plus_z_plus_convolutions,
     interleaved_medians,
+    memory_worker_output,
     plain_gradient,
     write_results,
 )
@@ -93,10 +92,7 @@ def memory_worker(candidate: str, batch: int, side: int) -> None:
 def peak_memory(candidate: str, batch: int, side: int) -> int:
     command = [sys.executable, __file__, "--memory-worker", candidate]
     command += ["--batch", str(batch), "--side", str(side)]
-    # Blocks above 64 KiB are mmapped and unmapped on free, so the RSS follows live memory.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])["extra_bytes"]
+    return json.loads(memory_worker_output(command))["extra_bytes"]
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -161,6 +162,17 @@ def render_results(folder: Path) -> str:
             "",
         ]
     return "\n".join(parts).rstrip() + "\n"
+
+
+def memory_worker_output(command: list[str]) -> str:
+    """The last line a memory-measuring worker printed, run with glibc's mmap threshold at 64 KiB.
+
+    Blocks above it are mmapped and unmapped on free, so the resident set follows live memory
+    (else freed tensors stay in the heap and a peak depends on what ran before).
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 class PeakResidentSet:

@@ -58,23 +58,48 @@ class LayerRecord:
     call: RuleCall
 
 
+_NOT_KEPT = torch.empty(0)
+"""``call.output`` of a call whose rule does not read it in backward."""
+
+
+def _graph_kept() -> bool:
+    """Whether the running backward pass keeps the graph (``retain_graph=True``).
+
+    Unknown (a torch without the query) counts as kept: nothing is released then.
+    """
+    query = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if query is None else bool(query())
+
+
+def _release(ctx: Any) -> None:
+    """Drop what a rule kept for its backward once it has run, as autograd frees saved tensors.
+
+    Without this the calls (their inputs, outputs and state) would live until the whole graph
+    is freed, and a backward pass would hold every layer's tensors to its end.
+    """
+    if not _graph_kept():
+        ctx.rule = ctx.call = None
+
+
 class _RuleFunction(torch.autograd.Function):
-    """Identity on a layer's output values whose backward is the layer's rule."""
+    """A ruled layer's output values, from its input, whose backward is the layer's rule."""
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, z: torch.Tensor, rule: Rule, call: RuleCall
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, rule: Rule, call: RuleCall) -> torch.Tensor:
         ctx.rule, ctx.call = rule, call
         ctx.save_for_backward(x)  # raises at backward if x was changed in place meanwhile
-        return z.clone()
+        if rule.output_in_backward:  # a copy: the model may change its own in place (ReLU)
+            return call.output.clone()
+        output, call.output = call.output, _NOT_KEPT  # the model's alone: not kept
+        return output.detach()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         ctx.saved_tensors  # noqa: B018  (the in-place check)
         (grad,) = ctx.rule.backward(ctx.call, signal)
-        return grad, None, None, None
+        _release(ctx)
+        return grad, None, None
 
 
 class _ModuleRule(torch.autograd.Function):
@@ -107,6 +132,7 @@ class _ModuleRule(torch.autograd.Function):
                 f"{type(rule).__name__}.backward returned {len(results)} tensors for the "
                 f"{len(call.inputs)} tensor inputs of module {call.name or '<root>'!r}"
             )
+        _release(ctx)
         return (None, None, *results)
 
 
@@ -159,6 +185,8 @@ class _OpRuleFunction(torch.autograd.Function):
             call.state = rule.forward(call)
         # Saved by reference, as autograd saves tensors: versions tell in-place changes.
         ctx.versions = _versions(call)
+        if not rule.output_in_backward:  # not kept: the model may free it (attention scores)
+            call.output = _NOT_KEPT
         ctx.rule, ctx.call = rule, call
         return y
 
@@ -174,6 +202,7 @@ class _OpRuleFunction(torch.autograd.Function):
                 f"{type(ctx.rule).__name__}.backward returned {len(grads)} tensors for the "
                 f"{len(call.inputs)} input-dependent tensors of operation {call.name!r}"
             )
+        _release(ctx)
         return (None, None, None, *grads)
 
 
@@ -366,7 +395,7 @@ class RulePass(ModuleListener):
         """Replace ``output`` by the same values with ``rule`` as backward."""
         with torch.no_grad():
             call.state = rule.forward(call)
-        out = _RuleFunction.apply(x, call.output, rule, call)
+        out = _RuleFunction.apply(x, rule, call)
         self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
         return out
 

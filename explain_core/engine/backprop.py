@@ -108,7 +108,9 @@ class ForwardPass:
                 that layer's rule first.
             read_layers: Also return the signal at the input of every recorded layer below (and
                 at ``start``'s own input).
-            retain_graph: Keep the graph for another backward pass.
+            retain_graph: Keep the graph (and the records) for another backward pass; without
+                it the pass is spent: each rule's tensors are freed once it has run, as
+                autograd frees what it saved, and the records are cleared.
 
         Raises:
             KeyError: If ``start`` is not a recorded layer.
@@ -141,6 +143,8 @@ class ForwardPass:
         for tensor in wanted:
             unique.setdefault(id(tensor), tensor)
         tensors = list(unique.values())
+        if not retain_graph:  # the pass is spent; its records would hold every layer to the end
+            self.records.clear()
         results = torch.autograd.grad(
             outputs, tensors, grads, allow_unused=True, retain_graph=retain_graph
         )

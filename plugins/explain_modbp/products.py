@@ -33,9 +33,11 @@ class Uniform(Rule):
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        grads = product_gradients(call, grad_output)
         share = len(call.inputs)
-        return tuple(None if g is None else g / share for g in grads)
+        return tuple(
+            None if g is None else g / share if g is grad_output else g.div_(share)  # new: in place
+            for g in product_gradients(call, grad_output)
+        )
 
 
 def product_gradients(

@@ -81,29 +81,39 @@ class _ModifiedWeightsWithRatio(_ModifiedWeights):
 class Epsilon(AffineRule):
     """LRP-ε: the output (with bias) stabilised by ``ε·sign(z)``; ``ε=0`` is LRP-0.
 
+    Backward keeps one tensor per layer, the ratio ``z / (z + ε·sign z)`` (for LRP-0 the mask
+    ``z ≠ 0``), and not the output: the model may free or change it.
+
     Args:
         epsilon: Stabiliser, ``>= 0``.
     """
+
+    output_in_backward = False
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         if epsilon < 0:
             raise ValueError(f"epsilon must be >= 0; got {epsilon}")
         self.epsilon = float(epsilon)
 
-    def forward(self, call: RuleCall) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
+    def forward(self, call: RuleCall) -> torch.Tensor:  # noqa: D102
         z = call.output
         if not self.epsilon:  # z / z = 1 where z != 0: the gradient (LRP-0 = Input×Gradient)
-            return z, (z != 0).to(z.dtype)
-        denominator = _stabilise(z, self.epsilon)
-        return denominator, z / denominator
+            return z != 0
+        return z / _stabilise(z, self.epsilon)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
-        return (layer.transpose(grad_output * call.state[1], x),)
+        ratio = call.state
+        if ratio.dtype == torch.bool:
+            signal = torch.where(ratio, grad_output, 0.0)
+        else:
+            signal = grad_output * ratio
+        return (layer.transpose(signal, x),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
-        return (layer.transpose(safe_divide(relevance, call.state[0]), x),)
+        denominator = _stabilise(layer.forward(x, bias=layer.bias), self.epsilon)
+        return (layer.transpose(safe_divide(relevance, denominator), x),)
 
 
 class Zero(Epsilon):
@@ -171,36 +181,54 @@ class Gamma(_SignAware):
         self.epsilon = float(epsilon)
         self.generalised = _flag("generalised", generalised)
 
+    output_in_backward = False
+
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        weight, bias = layer.weight, layer.bias
-        up, bias_up = _amplified(weight, self.gamma, 1), _amplified(bias, self.gamma, 1)
-        if not self.generalised:
-            denominator = _stabilise(layer.forward(x, up, bias_up), self.epsilon)
-            return up, None, False, None, denominator, _ratio(z, denominator)
-        down, bias_down = _amplified(weight, self.gamma, -1), _amplified(bias, self.gamma, -1)
-        if nonnegative:
+        # Kept for backward: the sign form, each output's sign (a bool) and the ratio z / d;
+        # the amplified weights are cheap to make again, the denominators are not needed.
+        signed = self.generalised and not nonnegative
+        rising = z >= 0 if self.generalised else None
+        return signed, rising, _ratio(z, self._denominator(layer, x, rising, signed))
+
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        return (self._propagate(call, grad_output * call.state[2]),)
+
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
+        signed, rising, _ = call.state
+        return (
+            self._propagate(
+                call, safe_divide(relevance, self._denominator(layer, x, rising, signed))
+            ),
+        )
+
+    def _weights(self, layer: AffineLayer, sign: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return _amplified(layer.weight, self.gamma, sign), _amplified(layer.bias, self.gamma, sign)
+
+    def _denominator(
+        self, layer: AffineLayer, x: torch.Tensor, rising: torch.Tensor | None, signed: bool
+    ) -> torch.Tensor:
+        up, bias_up = self._weights(layer, 1)
+        if rising is None:  # not generalised: w + γw⁺ for every sign
+            return _stabilise(layer.forward(x, up, bias_up), self.epsilon)
+        down, bias_down = self._weights(layer, -1)
+        if not signed:
             d_up, d_down = layer.forward(x, up, bias_up), layer.forward(x, down, bias_down)
         else:
             xp, xn = x.clamp(min=0), x.clamp(max=0)
             d_up = layer.forward_split(xp, xn, up, down, bias_up)
             d_down = layer.forward_split(xp, xn, down, up, bias_down)
-        rising = z >= 0
-        denominator = _stabilise(torch.where(rising, d_up, d_down), self.epsilon)
-        return up, down, not nonnegative, rising, denominator, _ratio(z, denominator)
-
-    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        return (self._propagate(call, grad_output * call.state[5]),)
-
-    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        return (self._propagate(call, safe_divide(relevance, call.state[4])),)
+        return _stabilise(torch.where(rising, d_up, d_down), self.epsilon)
 
     def _propagate(self, call: RuleCall, s: torch.Tensor) -> torch.Tensor:
         layer, x, _ = self.affine(call)
-        up, down, signed, rising = call.state[:4]
-        if down is None:
+        signed, rising, _ = call.state
+        up = _amplified(layer.weight, self.gamma, 1)
+        if rising is None:
             return layer.transpose(s, x, up)
+        down = _amplified(layer.weight, self.gamma, -1)
         s_up = torch.where(rising, s, 0.0)
         s_down = s - s_up
         if not signed:
@@ -234,12 +262,44 @@ class AlphaBeta(_SignAware):
         self.beta = float(beta)
         self.bias = _flag("bias", bias)
 
+    output_in_backward = False
+
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
+        # Kept for backward: the sign form and the ratios z / z⁺ (and z / z⁻); the clamped
+        # weights are cheap to make again, the denominators are not needed.
+        pos, neg = self._denominators(layer, x, nonnegative)
+        ratios = _ratio(z, pos, self.alpha), (_ratio(z, neg, self.beta) if self.beta else None)
+        return nonnegative, ratios
+
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        ratio_pos, ratio_neg = call.state[1]
+        s_neg = grad_output * ratio_neg if ratio_neg is not None else None
+        return (self._propagate(call, grad_output * ratio_pos, s_neg),)
+
+    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, x, _ = self.affine(call)
+        pos, neg = self._denominators(layer, x, call.state[0])
+        s_pos = safe_divide(relevance, pos)
+        if self.alpha != 1:
+            s_pos = s_pos * self.alpha
+        s_neg = safe_divide(relevance, neg) * self.beta if neg is not None else None
+        return (self._propagate(call, s_pos, s_neg),)
+
+    def _weights(
+        self, layer: AffineLayer, nonnegative: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``W⁺`` and ``W⁻`` (z⁺ on non-negative inputs never needs ``W⁻``)."""
         positive = layer.weight.clamp(min=0)
-        # z⁺ on non-negative inputs never needs W⁻ (one clamp of the weight less)
         negative = layer.weight.clamp(max=0) if self.beta or not nonnegative else None
+        return positive, negative
+
+    def _denominators(
+        self, layer: AffineLayer, x: torch.Tensor, nonnegative: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``z⁺`` and ``z⁻`` (``None`` without β)."""
+        positive, negative = self._weights(layer, nonnegative)
         has_bias = self.bias and layer.bias is not None
         bias_pos = layer.bias.clamp(min=0) if has_bias else None
         bias_neg = layer.bias.clamp(max=0) if has_bias and self.beta else None
@@ -250,27 +310,14 @@ class AlphaBeta(_SignAware):
             xp, xn = x.clamp(min=0), x.clamp(max=0)
             pos = layer.forward_split(xp, xn, positive, negative, bias_pos)
             neg = layer.forward_split(xp, xn, negative, positive, bias_neg) if self.beta else None
-        ratios = _ratio(z, pos, self.alpha), (_ratio(z, neg, self.beta) if self.beta else None)
-        return positive, negative, nonnegative, pos, neg, ratios
-
-    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        ratio_pos, ratio_neg = call.state[5]
-        s_neg = grad_output * ratio_neg if ratio_neg is not None else None
-        return (self._propagate(call, grad_output * ratio_pos, s_neg),)
-
-    def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        pos, neg = call.state[3], call.state[4]
-        s_pos = safe_divide(relevance, pos)
-        if self.alpha != 1:
-            s_pos = s_pos * self.alpha
-        s_neg = safe_divide(relevance, neg) * self.beta if self.beta else None
-        return (self._propagate(call, s_pos, s_neg),)
+        return pos, neg
 
     def _propagate(
         self, call: RuleCall, s_pos: torch.Tensor, s_neg: torch.Tensor | None
     ) -> torch.Tensor:
         layer, x, _ = self.affine(call)
-        positive, negative, nonnegative = call.state[:3]
+        nonnegative = call.state[0]
+        positive, negative = self._weights(layer, nonnegative)
         if nonnegative:
             signal = layer.transpose(s_pos, x, positive)
             if s_neg is not None:
