@@ -1,11 +1,16 @@
-"""Memory: internal_batch_size bounds every pass; running out of memory is one clear error."""
+"""Memory: internal_batch_size bounds every pass; rules free their tensors as autograd does; running
+out of memory is one clear error."""
+
+import weakref
 
 import pytest
 import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import OutOfMemoryError, explain
+from explain_core import Composite, OutOfMemoryError, explain
+from explain_core.engine import ModifiedBackprop
+from explain_modbp import Epsilon
 
 
 class RowCounter(nn.Module):
@@ -96,3 +101,51 @@ def test_lowering_the_named_option_is_enough():
 def test_one_sample_that_does_not_fit_says_so():
     with pytest.raises(OutOfMemoryError, match="one sample does not fit"):
         explain(Hungry(limit=0, device_error=True).eval(), torch.randn(1, 5), "gradient")
+
+
+class _Watched(Epsilon):
+    """LRP-ε that notes, when each layer's backward runs, which layers' calls are still alive."""
+
+    def __init__(self) -> None:
+        super().__init__(0.01)
+        self.calls: list[weakref.ref] = []
+        self.alive: list[list[bool]] = []
+
+    def forward(self, call):
+        self.calls.append(weakref.ref(call))
+        return super().forward(call)
+
+    def backward(self, call, grad_output):
+        self.alive.append([ref() is not None for ref in self.calls])
+        return super().backward(call, grad_output)
+
+
+def _three_layers() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3))
+    x = torch.randn(2, 6, dtype=torch.float64)
+    return model.double().eval(), x, torch.eye(3, dtype=torch.float64)[[0, 2]]
+
+
+def test_a_rules_tensors_are_freed_once_its_backward_has_run():
+    model, x, start = _three_layers()
+    rule = _Watched()
+    forward = ModifiedBackprop(Composite([(nn.Linear, rule)])).forward(model, x)
+    forward.backward(start)
+    # backward runs from the top: each layer sees the calls above it freed, as autograd frees
+    # what it saved, and the spent pass holds no records
+    assert rule.alive == [[True, True, True], [True, True, False], [True, False, False]]
+    assert forward.records == {}
+    assert all(ref() is None for ref in rule.calls)
+
+
+def test_a_kept_graph_keeps_the_rules_tensors_for_another_pass():
+    model, x, start = _three_layers()
+    rule = _Watched()
+    forward = ModifiedBackprop(Composite([(nn.Linear, rule)])).forward(model, x)
+    first = forward.backward(start, retain_graph=True).input_signal
+    assert rule.alive == [[True] * 3] * 3
+    second = forward.backward(start).input_signal
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    expected = explain(model, x, "lrp.epsilon", target=torch.tensor([0, 2]), epsilon=0.01)
+    torch.testing.assert_close(x * first, expected.attribution)
