@@ -2,8 +2,15 @@
 
 A model is named as ``package.module:factory``: the factory is called without arguments and must
 return an ``nn.Module``. Weights come from a safetensors file, or from a PyTorch file read with
-``torch.load(weights_only=True)`` that holds a state dict. A factory may return a
-``torch.compile``'d model, and weights saved from either form load into either.
+``torch.load(weights_only=True)`` that holds a state dict (``.pt``, ``.pth``, ``.bin``, ``.ckpt``
+or ``.pkl``: the suffix does not matter to that reader, which refuses every pickled object but
+tensors and plain containers). A factory may return a ``torch.compile``'d model, and weights saved
+from either form load into either.
+
+A model may read another code base's layout: if its module defines
+``convert_state_dict(state) -> state``, :func:`load_weights` passes the file's state dict through
+it before matching names and shapes. :class:`explain_coda.CoDANet` does, for checkpoints of the
+original CoDA-Nets code (see :mod:`explain_coda.original`).
 """
 
 from __future__ import annotations
@@ -28,11 +35,12 @@ __all__ = [
     "load_factory",
     "load_model",
     "load_state_dict",
+    "load_weights",
 ]
 
 _REFERENCE = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
 SAFETENSORS_SUFFIXES = (".safetensors",)
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".pkl")
 _STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")
 # torch.compile's wrapper adds this segment to the state dict keys of the module it wraps.
 _COMPILED_SEGMENT = re.compile(r"(^|\.)_orig_mod\.")
@@ -136,7 +144,8 @@ def load_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     raise ModelLoadError(
         f"refusing to load {path.name}: weights must be a .safetensors file or a PyTorch state "
         f"dict ({', '.join(TORCH_SUFFIXES)}) saved with torch.save(model.state_dict(), path); "
-        "other formats (e.g. pickles) can run arbitrary code when loaded"
+        "other formats are not read (some, e.g. joblib or NumPy pickles, can run arbitrary code "
+        "when loaded)"
     )
 
 
@@ -174,22 +183,52 @@ def load_model(reference: str, weights: str | Path | None = None) -> nn.Module:
     """
     model = load_factory(reference)
     if weights is not None:
-        state = {_COMPILED_SEGMENT.sub(r"\1", k): v for k, v in load_state_dict(weights).items()}
-        target = uncompiled_tree(model)  # shares its parameters and buffers with ``model``
-        missing, unexpected = _mismatch(target, state)
-        if missing or unexpected:
-            raise ModelLoadError(
-                f"weights in {Path(weights).name} do not match {reference}: "
-                f"missing {_few(missing)}, unexpected {_few(unexpected)}"
-            )
-        try:
-            target.load_state_dict(state)
-        except RuntimeError as error:
-            first = str(error).strip().splitlines()[-1].strip()
-            raise ModelLoadError(
-                f"weights in {Path(weights).name} do not fit {reference}: {first}"
-            ) from error
+        load_weights(model, weights, name=reference)
     return model.eval()
+
+
+def load_weights(model: nn.Module, weights: str | Path, *, name: str | None = None) -> nn.Module:
+    """Load a weights file into ``model`` once its names and shapes are checked.
+
+    The file is read by :func:`load_state_dict` (nothing but tensors is ever unpickled). Names
+    are matched after removing ``torch.compile``'s ``_orig_mod.`` segments and, where the model's
+    module defines ``convert_state_dict(state) -> state``, after that translation (e.g. a
+    :class:`explain_coda.CoDANet` reads the original CoDA-Nets code's layout).
+
+    Args:
+        model: The model, compiled or not; its parameters are filled in place.
+        weights: A ``.safetensors`` file or a PyTorch state dict file.
+        name: How error messages call the model (default: its class name).
+
+    Returns:
+        ``model`` itself (its training mode unchanged).
+
+    Raises:
+        ModelLoadError: If the file cannot be read safely, the translation refuses it, or its
+            tensors do not match the model's names and shapes.
+    """
+    name = name or type(model).__name__
+    file = Path(weights).name
+    state = {_COMPILED_SEGMENT.sub(r"\1", k): v for k, v in load_state_dict(weights).items()}
+    target = uncompiled_tree(model)  # shares its parameters and buffers with ``model``
+    convert = getattr(target, "convert_state_dict", None)
+    if callable(convert):
+        try:
+            state = convert(state)
+        except ModelLoadError as error:
+            raise ModelLoadError(f"{file}: {error}") from error
+    missing, unexpected = _mismatch(target, state)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"weights in {file} do not match {name}: "
+            f"missing {_few(missing)}, unexpected {_few(unexpected)}"
+        )
+    try:
+        target.load_state_dict(state)
+    except RuntimeError as error:
+        first = str(error).strip().splitlines()[-1].strip()
+        raise ModelLoadError(f"weights in {file} do not fit {name}: {first}") from error
+    return model
 
 
 def _mismatch(model: nn.Module, state: dict[str, torch.Tensor]) -> tuple[list[str], list[str]]:

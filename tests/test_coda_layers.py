@@ -3,7 +3,8 @@
 The reference modules below use only torch and the paper: unfold the patches, view the raw
 weights as ``(batch, patch_dim, out, h, w)``, scale them over ``patch_dim`` with the eps-in-sqrt
 non-linearities and sum ``patches * weights``. They take the layers' state dicts through the
-reference parameter names, so the tests also prove that checkpoints load unchanged.
+reference parameter names (Algorithm 1's; checkpoints of the original code, named otherwise,
+are tested in test_coda_checkpoints.py).
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def test_load_model_safetensors_string_path(models: str, tmp_path: Path) -> None
     _assert_loaded(load_model(f"{models}:build", str(tmp_path / "w.safetensors")), weights)
 
 
-@pytest.mark.parametrize("suffix", [".pt", ".pth"])
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".pkl"])
 def test_load_model_torch_state_dict(models: str, tmp_path: Path, suffix: str) -> None:
     weights = _reference_weights(seed=2)
     torch.save(weights, tmp_path / f"w{suffix}")
@@ -145,7 +145,7 @@ class _Evil:
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin", ".ckpt"])
+@pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin", ".ckpt", ".pkl"])
 def test_malicious_pickle_is_not_executed(models: str, tmp_path: Path, suffix: str) -> None:
     marker = tmp_path / "pwned"
     evil = tmp_path / f"evil{suffix}"
@@ -166,15 +166,15 @@ def test_malicious_object_inside_torch_zip_is_not_executed(models: str, tmp_path
     assert not marker.exists()
 
 
-def test_pkl_suffix_is_refused_without_reading(tmp_path: Path) -> None:
+def test_unknown_suffix_is_refused_without_reading(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    path = tmp_path / "weights.pkl"
+    path = tmp_path / "weights.joblib"
     with open(path, "wb") as handle:
         pickle.dump(_Evil(marker), handle)
     with pytest.raises(ModelLoadError) as info:
         load_state_dict(path)
     message = str(info.value)
-    assert "refusing" in message and "weights.pkl" in message
+    assert "refusing" in message and "weights.joblib" in message
     assert ".safetensors" in message
     assert not marker.exists()
 

@@ -1,8 +1,9 @@
 """Built-in plugin: CoDA-Nets (Convolutional Dynamic Alignment Networks, Böhle et al. 2021).
 
 Provides DAU layers (:class:`DAULinear`, :class:`DAUConv2d`), :class:`CoDANet` with the
-paper's presets, training, and exact model-inherent contributions, registered as
-``coda.contributions``.
+paper's presets, training, exact model-inherent contributions, registered as
+``coda.contributions``, and :func:`load_original_coda` for checkpoints of the original code
+(:mod:`explain_coda.original`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from explain_coda.contributions import (
 )
 from explain_coda.layers import DAUConv2d, DAULinear
 from explain_coda.model import PRESETS, CoDANet, LayerSpec, bce_one_vs_all, encode_input
+from explain_coda.original import load_original_coda
 from explain_coda.training import TrainConfig, train_coda
 from explain_core.hookspecs import hookimpl
 from explain_core.registry import MethodSpec
@@ -30,6 +32,7 @@ __all__ = [
     "coda_contributions",
     "encode_input",
     "explicit_matrix",
+    "load_original_coda",
     "require_dau_model",
     "train_coda",
 ]

@@ -2,7 +2,8 @@
 
 A DAU computes ``w(x) = g(A·B·x + b)`` and outputs ``w(x)ᵀx`` (Böhle et al., CVPR 2021, eq. 1).
 A layer of ``k`` DAUs shares ``B``. Parameters are named and laid out as in Algorithm 1 of the
-supplement, so checkpoints of the original CoDA-Nets code load unchanged:
+supplement (the released code names them ``weight_mod.weighting_f.0``/``.1`` with the same shapes
+and layout: :mod:`explain_coda.original` renames its checkpoints):
 
 - ``dim_reduction``: ``B`` (``Conv2d(in, rank, k, stride, padding, bias=False)``);
 - ``weightings``: ``A`` and ``b`` (``Conv2d(rank, out * patch_dim, 1, bias=True)``), where output

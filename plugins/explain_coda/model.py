@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,6 +173,21 @@ class CoDANet(nn.Module):
             "input_shape": list(self.input_shape),
             **layers,
         }
+
+    def convert_state_dict(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``state`` with the original CoDA-Nets code's names renamed to this model's.
+
+        :func:`explain_core.loading.load_weights` (and so ``--weights`` on the command line)
+        calls this before matching names, so checkpoints of the original code load: see
+        :mod:`explain_coda.original`. ``module.`` prefixes are removed; other layouts pass
+        unchanged.
+
+        Raises:
+            ModelLoadError: If original-layout weights do not have this model's layers.
+        """
+        from explain_coda.original import from_original_state_dict
+
+        return from_original_state_dict(state, self)
 
     def check_input(self, x: torch.Tensor) -> None:
         """Raise a clear error unless ``x`` is an encoded batch of the expected shape.
