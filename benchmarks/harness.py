@@ -209,19 +209,61 @@ def plain_gradient(model: nn.Module, x: torch.Tensor, target: torch.Tensor) -> t
     return grad
 
 
-def gradient_plus_z_plus_convolutions(
-    model: nn.Module, x: torch.Tensor, target: torch.Tensor
-) -> torch.Tensor:
-    """One plain gradient, with ``W⁺∗a`` computed for every convolution's input on the way."""
+class _ExtraTransposedConvolution(torch.autograd.Function):
+    """The identity, whose backward also runs the convolution's transposed product once more."""
 
-    def z_plus(conv: nn.Module, args: tuple[torch.Tensor, ...], _: torch.Tensor) -> None:
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+        ctx.conv, ctx.shape = conv, x.shape
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        conv = ctx.conv
+        torch.nn.grad.conv2d_input(
+            ctx.shape, conv.weight, grad, conv.stride, conv.padding, conv.dilation, conv.groups
+        )
+        return grad, None, None
+
+
+def gradient_plus_rule_convolutions(
+    model: nn.Module,
+    x: torch.Tensor,
+    target: torch.Tensor,
+    weights: Callable[[torch.Tensor], list[torch.Tensor]],
+    extra_transposed: int = 0,
+) -> torch.Tensor:
+    """One plain gradient plus the convolutions a rule adds: the lower bound of its cost.
+
+    Every convolution also computes ``W'∗a`` for each modified weight ``W'`` in
+    ``weights(W)`` in the forward pass, and ``extra_transposed`` more transposed products in
+    the backward pass (z⁺: ``[W⁺]`` and none; γ: ``[W + γW⁺, W + γW⁻]`` and one).
+    """
+
+    def hook(conv: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> Any:
         with torch.no_grad():
-            F.conv2d(args[0], conv.weight.clamp(min=0), None, conv.stride, conv.padding)
+            for weight in weights(conv.weight):
+                F.conv2d(
+                    args[0], weight, None, conv.stride, conv.padding, conv.dilation, conv.groups
+                )
+        for _ in range(extra_transposed):
+            output = _ExtraTransposedConvolution.apply(output, args[0], conv)
+        return output
 
     convs = [module for module in model.modules() if isinstance(module, nn.Conv2d)]
-    handles = [conv.register_forward_hook(z_plus) for conv in convs]
+    handles = [conv.register_forward_hook(hook) for conv in convs]
     try:
         return plain_gradient(model, x, target)
     finally:
         for handle in handles:
             handle.remove()
+
+
+def z_plus_weights(weight: torch.Tensor) -> list[torch.Tensor]:
+    """z⁺'s modified weight ``W⁺``."""
+    return [weight.clamp(min=0)]
+
+
+def gamma_weights(weight: torch.Tensor, gamma: float = 0.25) -> list[torch.Tensor]:
+    """The generalised γ rule's weights ``W + γW⁺`` and ``W + γW⁻``."""
+    return [weight + gamma * weight.clamp(min=0), weight + gamma * weight.clamp(max=0)]

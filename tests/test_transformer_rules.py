@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from explain_core import Composite, Op, explain
+from explain_core import Composite, Gradient, Op, Rule, explain
 from explain_core.errors import UnsupportedModelError
 from explain_modbp.norms import NormScale
 from explain_modbp.products import Uniform
@@ -438,3 +438,92 @@ def test_gated_mlps_hold_the_gate_in_cp_lrp_and_split_uniformly_in_attn_lrp(
     xr = x.clone().requires_grad_(True)
     (grad,) = torch.autograd.grad(model(xr, method)[:, 2].sum(), xr)
     torch.testing.assert_close(explain(model, x, name, 2).attribution, x * grad)
+
+
+# --- fused attention with scaled gradients: the same relevance, no attention weights kept ----
+
+
+class _CrossAttend(nn.Module):
+    """Queries from the input; keys and values from the input or from a learned memory."""
+
+    def __init__(self, memory: bool, fused: bool, options: dict) -> None:
+        super().__init__()
+        torch.manual_seed(12)
+        self.q, self.kv, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(4, 3)
+        self.memory = nn.Parameter(torch.randn(1, 2, 6, 4)) if memory else None
+        self.fused, self.options = fused, options
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x).unflatten(-1, (2, 4)).transpose(1, 2)  # (batch, heads, 5, 4)
+        if self.memory is None:
+            k, v = self.kv(x).unflatten(-1, (2, 4)).transpose(1, 2).chunk(2, dim=1)
+            q = q[:, :1]  # one query head over one key/value head
+        else:
+            k = v = self.memory.expand(x.shape[0], -1, -1, -1)
+        mask = self.options.get("attn_mask")
+        if self.fused:
+            o = F.scaled_dot_product_attention(q, k, v, **self.options)
+        else:  # the same, written out: each operation gets its own rule
+            scores = q @ k.transpose(-2, -1) / 2.0
+            if mask is not None:
+                scores = scores.masked_fill(~mask, -math.inf)
+            o = torch.softmax(scores, dim=-1) @ v
+        return self.head(o.mean((1, 2)))
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["self-attention", "constant memory"])
+@pytest.mark.parametrize("masked", [False, True], ids=["", "masked"])
+@pytest.mark.parametrize("method", ["lrp.attn", "lrp.cp"])
+def test_fused_attention_with_scaled_gradients_equals_its_operations_ruled_one_by_one(
+    memory, masked, method
+):
+    x = torch.randn(3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+    length = 6 if memory else 5
+    options = {}
+    if masked:
+        mask = torch.rand(5, length, generator=torch.Generator().manual_seed(14)) > 0.4
+        mask[:, 0] = True
+        options["attn_mask"] = mask
+    fused = _CrossAttend(memory, True, options).double().eval()
+    written = _CrossAttend(memory, False, options).double().eval()
+    result = explain(fused, x, method, target=2).attribution
+    torch.testing.assert_close(result, explain(written, x, method, target=2).attribution)
+
+
+class _AtenOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the names of the ATen operations run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_attention_weights_are_never_kept_by_the_attention_methods():
+    model = _CrossAttend(memory=False, fused=True, options={}).eval()
+    x = torch.randn(2, 5, 8)
+    for method in ("lrp.attn", "lrp.cp"):
+        explain(model, x, method, target=0)  # the first call traces one sample in math form
+        with _AtenOps() as ops:
+            explain(model, x, method, target=0)
+        assert not {"_softmax", "_softmax_backward_data"} & ops.names, method
+        assert any("scaled_dot_product" in name for name in ops.names), method
+    # a softmax rule that does not say it is the gradient: the math form, ruled op by op
+    composite = Composite(
+        [(nn.Linear, Gradient()), (Op("softmax"), _UnscaledGradient()), (Op("matmul"), Uniform())]
+    )
+    with _AtenOps() as ops:
+        written = explain(model, x, "lrp.custom", target=0, composite=composite)
+    assert "_softmax" in ops.names
+    expected = explain(model, x, "lrp.attn", target=0)
+    torch.testing.assert_close(written.attribution, expected.attribution)
+
+
+class _UnscaledGradient(Rule):
+    """The gradient, without declaring its scale: the engine cannot fuse around it."""
+
+    def backward(self, call, grad_output):
+        return Gradient().backward(call, grad_output)

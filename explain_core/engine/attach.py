@@ -9,6 +9,7 @@ computed from tensors saved in the forward pass; an operation handler runs as a
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import weakref
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explain_core.affine import AFFINE_TYPES, AffineLayer
-from explain_core.engine.decompose import DECOMPOSED
+from explain_core.engine.decompose import DECOMPOSED, scaled_dot_product_attention
 from explain_core.engine.ops import OpHandler, op_name
 from explain_core.engine.tracing import Plan, user_hook_codes
 from explain_core.errors import InvalidInputError, UnsupportedModelError
@@ -328,6 +329,10 @@ class OperationMode(TorchFunctionMode):
             return func(*args, **kwargs)
         name = op_name(func)
         if name in DECOMPOSED:  # fused attention: its operations, for the rules to apply to
+            if name == "scaled_dot_product_attention":
+                fused = self._fused_attention(func, args, kwargs)
+                if fused is not None:
+                    return fused
             with self:
                 return DECOMPOSED[name](*args, **kwargs)
         if name in self.kinds:
@@ -339,6 +344,77 @@ class OperationMode(TorchFunctionMode):
         if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _fused_attention(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> torch.Tensor | None:
+        """The fused kernel with its gradients scaled, where the rules allow it; else ``None``.
+
+        With rules that scale the gradient by constants (:meth:`Rule.gradient_scale`) on the
+        products and on softmax — AttnLRP: ``1/2`` per factor and 1; CP-LRP: 1 and 0 — the
+        relevance through ``softmax(Q·Kᵀ·s + M)·V`` is the kernel's own gradient, scaled per
+        input: ``V`` by the ``A·V`` share, ``Q`` and ``K`` by the ``Q·Kᵀ`` share × softmax's ×
+        the ``A·V`` share. The attention weights then never exist as a tensor, as in the plain
+        gradient. Not with a handler, nor in traced passes (the fused kernels' backward has no
+        ONNX translation), nor where another rule applies to the other operations.
+        """
+        if self.handler is not None or self.attached.plan.branch_free:
+            return None
+        bound = _ATTENTION_SIGNATURE.bind(*args, **kwargs)
+        if bound.arguments.get("dropout_p", 0.0):
+            return None  # the math form refuses it, with the way out
+        for kind in _ATTENTION_STEPS:  # scaling, masking, grouped heads: one input-dependent
+            rule = self.composite.rule_for_op(kind)
+            if rule is not None and rule.min_inputs < 2 and rule.gradient_scale(1) != 1.0:
+                return None
+        names = ("query", "key", "value")
+        q, k, v = (
+            isinstance(t, torch.Tensor)
+            and t.requires_grad
+            and not _from_weights(t, self.attached.input)
+            for t in (bound.arguments[name] for name in names)
+        )
+        product = self.composite.rule_for_op("matmul")
+        qk = _share(product, q + k)
+        av = _share(product, (q or k) + v)
+        weights = _share(self.composite.rule_for_op("softmax"), 1)
+        if qk is None or av is None or weights is None:
+            return None
+        scales = (qk * weights * av, qk * weights * av, av)
+        for name, dependent, scale in zip(names, (q, k, v), scales, strict=True):
+            if dependent and scale != 1.0:
+                tensor = bound.arguments[name]
+                bound.arguments[name] = (
+                    tensor.detach() if scale == 0 else _ScaledGradient.apply(tensor, scale)
+                )
+        given = dict(bound.arguments)  # as keywords: the kernel takes some only by keyword
+        tensors = [given.pop(name) for name in names]
+        return func(*tensors, **given)
+
+
+def _share(rule: Rule | None, factors: int) -> float | None:
+    """The constant a rule scales the gradient by for a call with ``factors`` dependent inputs."""
+    if rule is None or factors < max(rule.min_inputs, 1):
+        return 1.0  # not ruled, or a call the rule leaves to the gradient
+    return rule.gradient_scale(factors)
+
+
+class _ScaledGradient(torch.autograd.Function):
+    """The identity, whose backward scales the gradient by a constant."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+_ATTENTION_SIGNATURE = inspect.signature(scaled_dot_product_attention)
+_ATTENTION_STEPS = ("mul", "add", "masked_fill", "repeat_interleave", "transpose")
+"""The operations of attention's math form besides the two products and softmax."""
 
 
 _Pending = tuple[RuleCall, tuple[torch.Tensor, ...], tuple[int, ...], bool]

@@ -115,6 +115,16 @@ class Rule(ABC):
         """Whether the rule can serve ``module`` (composites skip entries that cannot)."""
         return True
 
+    def gradient_scale(self, factors: int) -> float | None:
+        """``c`` if this rule's backward is ``c`` times the gradient for every input, else ``None``.
+
+        ``factors``: the call's number of input-dependent tensors. Rules of this form (the
+        gradient: 1; the uniform product rule: ``1/factors``; an output held constant: 0)
+        let the engine run fused kernels, such as attention's, and scale their gradients
+        instead of writing the operation out.
+        """
+        return None
+
     def forward(self, call: RuleCall) -> Any:
         """Compute per-call state during the forward pass (optional; stored as ``call.state``).
 
@@ -178,6 +188,9 @@ class AffineRule(Rule):
 
 class Gradient(Rule):
     """The ordinary gradient (engines attach nothing for it where they can)."""
+
+    def gradient_scale(self, factors: int) -> float:  # noqa: D102
+        return 1.0
 
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor

@@ -30,6 +30,9 @@ class Uniform(Rule):
     min_inputs = 2
     output_in_backward = False
 
+    def gradient_scale(self, factors: int) -> float:  # noqa: D102
+        return 1.0 / factors
+
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:

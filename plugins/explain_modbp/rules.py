@@ -42,9 +42,14 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
-def _ratio(z: torch.Tensor, denominator: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """``scale · z / denominator`` with 0 where the denominator is 0 (computed once, forward)."""
-    ratio = torch.div(z, denominator)
+def _ratio(
+    z: torch.Tensor, denominator: torch.Tensor, scale: float = 1.0, *, overwrite: bool = False
+) -> torch.Tensor:
+    """``scale · z / denominator`` with 0 where the denominator is 0 (computed once, forward).
+
+    ``overwrite``: write it into ``denominator``, a temporary (no new tensor to allocate).
+    """
+    ratio = torch.div(z, denominator, out=denominator) if overwrite else torch.div(z, denominator)
     if scale != 1.0:
         ratio.mul_(scale)
     return ratio.nan_to_num_(0.0, 0.0, 0.0)
@@ -99,7 +104,8 @@ class Epsilon(AffineRule):
         z = call.output
         if not self.epsilon:  # z / z = 1 where z != 0: the gradient (LRP-0 = Input×Gradient)
             return z != 0
-        return z / _stabilise(z, self.epsilon)
+        denominator = _stabilise(z, self.epsilon)
+        return torch.div(z, denominator, out=denominator)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
@@ -172,6 +178,8 @@ class Gamma(_SignAware):
         generalised: Amplify by the sign of each output (default) or always the positive parts.
     """
 
+    output_in_backward = False
+
     def __init__(
         self, gamma: float = 0.25, epsilon: float = 1e-6, generalised: bool = True
     ) -> None:
@@ -181,8 +189,6 @@ class Gamma(_SignAware):
         self.epsilon = float(epsilon)
         self.generalised = _flag("generalised", generalised)
 
-    output_in_backward = False
-
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
@@ -190,7 +196,8 @@ class Gamma(_SignAware):
         # the amplified weights are cheap to make again, the denominators are not needed.
         signed = self.generalised and not nonnegative
         rising = z >= 0 if self.generalised else None
-        return signed, rising, _ratio(z, self._denominator(layer, x, rising, signed))
+        denominator = self._denominator(layer, x, rising, signed)
+        return signed, rising, _ratio(z, denominator, overwrite=True)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         return (self._propagate(call, grad_output * call.state[2]),)
@@ -253,6 +260,8 @@ class AlphaBeta(_SignAware):
             paper's Eq. 5.
     """
 
+    output_in_backward = False
+
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, bias: bool = False) -> None:
         if beta < 0 or abs(alpha - beta - 1) > 1e-9:
             raise ValueError(
@@ -262,16 +271,14 @@ class AlphaBeta(_SignAware):
         self.beta = float(beta)
         self.bias = _flag("bias", bias)
 
-    output_in_backward = False
-
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
         # Kept for backward: the sign form and the ratios z / z⁺ (and z / z⁻); the clamped
         # weights are cheap to make again, the denominators are not needed.
         pos, neg = self._denominators(layer, x, nonnegative)
-        ratios = _ratio(z, pos, self.alpha), (_ratio(z, neg, self.beta) if self.beta else None)
-        return nonnegative, ratios
+        ratio_neg = _ratio(z, neg, self.beta, overwrite=True) if neg is not None else None
+        return nonnegative, (_ratio(z, pos, self.alpha, overwrite=True), ratio_neg)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio_pos, ratio_neg = call.state[1]

@@ -65,6 +65,9 @@ class Constant(Rule):
 
     output_in_backward = False
 
+    def gradient_scale(self, factors: int) -> float:  # noqa: D102
+        return 0.0
+
     def backward(  # noqa: D102
         self, call: RuleCall, grad_output: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
