@@ -9,8 +9,8 @@ from either form load into either.
 
 A model may read another code base's layout: if its module defines
 ``convert_state_dict(state) -> state``, :func:`load_weights` passes the file's state dict through
-it before matching names and shapes. :class:`explain_coda.CoDANet` does, for checkpoints of the
-original CoDA-Nets code (see :mod:`explain_coda.original`).
+it before matching names and shapes (a plugin's model can so read the checkpoints of the code
+its method was published with).
 """
 
 from __future__ import annotations
@@ -192,8 +192,8 @@ def load_weights(model: nn.Module, weights: str | Path, *, name: str | None = No
 
     The file is read by :func:`load_state_dict` (nothing but tensors is ever unpickled). Names
     are matched after removing ``torch.compile``'s ``_orig_mod.`` segments and, where the model's
-    module defines ``convert_state_dict(state) -> state``, after that translation (e.g. a
-    :class:`explain_coda.CoDANet` reads the original CoDA-Nets code's layout).
+    module defines ``convert_state_dict(state) -> state``, after that translation (another code
+    base's layout).
 
     Args:
         model: The model, compiled or not; its parameters are filled in place.

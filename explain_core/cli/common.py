@@ -45,7 +45,11 @@ def add_model_arguments(
         )
     else:
         parser.add_argument("--model", required=True, help="package.module:factory")
-    parser.add_argument("--weights", type=Path, help=".safetensors or .pt/.pth state dict")
+    parser.add_argument(
+        "--weights",
+        type=Path,
+        help=".safetensors file or PyTorch state dict (.pt, .pth, .bin, .ckpt, .pkl)",
+    )
     if method:
         parser.add_argument("--method", required=True, help="registered method (explain plugins)")
 
