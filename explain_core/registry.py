@@ -54,10 +54,22 @@ class Method(ABC):
         uses_baselines: Whether :meth:`attribute` accepts reference inputs.
         memory_option: The option that bounds the rows per forward pass, if the method has
             one (named by the out-of-memory error, e.g. ``"internal_batch_size"``).
+        convergence_delta: Whether :meth:`attribute` returns a delta per sample (what the
+            attribution leaves of the explained output or output gain); Captum's
+            ``has_convergence_delta()``, which must be known before any call.
+        multiplies_by_inputs: Whether the attribution is a product with the input (or with
+            input − baseline), so zero wherever they are equal; Captum's property of that name.
+            A method whose option decides it overrides it with a property.
+        quadrature: For a path integral, its rule in Captum's naming (``"riemann_middle"``:
+            the midpoint rule), so that Captum's ``method=`` keyword can be checked; else
+            ``None``.
     """
 
     uses_baselines: ClassVar[bool] = False
     memory_option: ClassVar[str | None] = None
+    convergence_delta: ClassVar[bool] = False
+    multiplies_by_inputs: ClassVar[bool] = False
+    quadrature: ClassVar[str | None] = None
 
     @abstractmethod
     def attribute(

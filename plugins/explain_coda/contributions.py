@@ -335,6 +335,8 @@ class CoDAContributions(Method):
 
     layer: int | None = None
     unit: Unit | None = None
+    convergence_delta = True
+    multiplies_by_inputs = True  # W(x) ⊙ x
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         if self.layer is not None:

@@ -129,6 +129,8 @@ class InputXGradient(Method):
     """
 
     composite: Composite = None
+    convergence_delta = True
+    multiplies_by_inputs = True
 
     def __post_init__(self) -> None:
         _check_composite(self.composite)
@@ -160,6 +162,9 @@ class IntegratedGradients(Method):
     composite: Composite = None
     uses_baselines = True
     memory_option = "internal_batch_size"
+    convergence_delta = True
+    multiplies_by_inputs = True
+    quadrature = "riemann_middle"
 
     def __post_init__(self) -> None:
         _check_composite(self.composite)
@@ -229,6 +234,11 @@ class SmoothGrad(Method):
     composite: Composite = None
     memory_option = "internal_batch_size"
 
+    @property
+    def multiplies_by_inputs(self) -> bool:  # type: ignore[override]
+        """Whether the result is multiplied by the input: the ``times_input`` option."""
+        return self.times_input
+
     def __post_init__(self) -> None:
         _check_composite(self.composite)
         if self.samples < 1 or self.internal_batch_size < 1:
@@ -279,6 +289,9 @@ class DynamicLinearContributions(Method):
     piecewise linear and need nothing. The delta is what the bias terms add to the output
     (zero for bias-free models).
     """
+
+    convergence_delta = True
+    multiplies_by_inputs = True
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         if target is None:

@@ -315,6 +315,8 @@ class _DeepLift(Method):
     maxpool: str = "rescale"
     uses_baselines = True
     rule: ClassVar[str] = "rescale"
+    convergence_delta = True
+    multiplies_by_inputs = True  # (inputs − reference) ⊙ multipliers
 
     def __post_init__(self) -> None:
         DeepLiftHandler(torch.zeros(1), self.rule, self.maxpool)  # type: ignore[arg-type]

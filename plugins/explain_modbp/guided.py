@@ -101,6 +101,11 @@ class _RectifiedMethod(Method):
     mode: ClassVar[Mode]
     times_input: bool
 
+    @property
+    def multiplies_by_inputs(self) -> bool:  # type: ignore[override]
+        """Whether the result is multiplied by the input: the ``times_input`` option."""
+        return self.times_input
+
     def rule(self) -> RectifiedReLU:
         """The ReLU rule with this method's options."""
         return RectifiedReLU(self.mode)

@@ -107,6 +107,8 @@ class CompositeMethod(Method):
 
     start = "logit"
     preset: ClassVar[Callable[..., Composite]]
+    convergence_delta = True
+    multiplies_by_inputs = True  # relevance = input ⊙ modified gradient (as Captum's LRP)
 
     def __post_init__(self) -> None:
         self.build_composite()  # invalid options fail when the method is created
@@ -201,6 +203,7 @@ class LRPW2(CompositeMethod):
 
     preset = staticmethod(composites.lrp_w2)
     bias: bool = False
+    multiplies_by_inputs = False  # the input layer's w² rule does not read the input
 
 
 @dataclass
@@ -218,6 +221,7 @@ class LRPZB(CompositeMethod):
     low: float | torch.Tensor | None = None
     high: float | torch.Tensor | None = None
     bias: bool = False
+    multiplies_by_inputs = False  # z^B on the input layer: also the bounds' terms
 
 
 @dataclass
@@ -236,6 +240,7 @@ class LRPEpsilonGammaBox(CompositeMethod):
     high: float | torch.Tensor | None = None
     gamma: float = 0.25
     epsilon: float = 1e-6
+    multiplies_by_inputs = False  # z^B on the input layer: also the bounds' terms
 
 
 @dataclass
@@ -251,6 +256,7 @@ class LRPFlat(CompositeMethod):
     preset = staticmethod(composites.lrp_flat)
     epsilon: float = 1e-6
     bias: bool = False
+    multiplies_by_inputs = False  # the input layer's flat rule does not read the input
 
 
 @dataclass
@@ -332,6 +338,7 @@ class ContrastiveLRP(Method):
     """
 
     clamp: bool = True
+    multiplies_by_inputs = True  # differences of normalised z⁺ relevances, input ⊙ signal
 
     def layer_propagator(self, model, inputs, baselines):
         """The z⁺ chain both of Eq. 15's backward passes use."""
