@@ -3,7 +3,7 @@
 Each script times its candidates within one run, reports medians and ratios (the machines are
 shared and noisy, so absolute times are only context), prints a table and writes
 ``benchmarks/results/<name>.json`` with the machine it ran on. ``benchmarks/render_results.py``
-turns those files into the README's results section.
+turns those files into the results pages of the documentation site (``docs/results/``).
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def write_results(
     Args:
         name: File stem, e.g. ``"explain_overhead"``.
         rows: Table rows, one dict per measured case.
-        title: Heading for the README.
+        title: Heading of its table on the results pages.
         command: The command that reproduces the result.
         notes: What the numbers mean (goal, caveats).
         folder: Results folder.
@@ -144,14 +144,14 @@ def write_results(
     return path
 
 
-def render_results(folder: Path) -> str:
-    """Markdown for every results file in ``folder``, sorted by name."""
-    parts = []
-    for path in sorted(folder.glob("*.json")):
-        payload = json.loads(path.read_text(encoding="utf-8"))
-        machine = payload["machine"]
-        parts += [
-            f"### {payload['title']}",
+def render_result(path: Path, level: int = 2) -> str:
+    """Markdown for one results file: a heading of ``level``, the table, what it means and how
+    it was measured (date, machine, the command that reproduces it)."""
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    machine = payload["machine"]
+    return "\n".join(
+        [
+            f"{'#' * level} {payload['title']}",
             "",
             format_table(payload["rows"]),
             "",
@@ -161,7 +161,7 @@ def render_results(folder: Path) -> str:
             f"`{payload['command']}`.".strip(),
             "",
         ]
-    return "\n".join(parts).rstrip() + "\n"
+    )
 
 
 def memory_worker_output(command: list[str]) -> str:

@@ -1,9 +1,10 @@
-"""Project-level promises: lazy imports, style, README kept true (packaging: test_packaging.py)."""
+"""Project-level promises: packaging, lazy imports, style, README kept true."""
 
 import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,42 @@ def test_cli_help_lists_the_commands_plugins_register():
         assert command in result.stdout
 
 
+def test_wheel_has_only_distinctly_named_top_level_packages(tmp_path):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    (wheel,) = tmp_path.glob("explain_torch-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top_level == {
+        "explain_core",
+        "explain_gradients",
+        "explain_coda",
+        "explain_capsules",
+        "explain_modbp",
+        "explain_onnx",
+    }
+    assert "explain_onnx/export.py" in names
+    assert "explain_core/cli/__init__.py" in names
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "explain = explain_core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
 def test_ruff_lint_and_format_pass():
     ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
     assert ruff, "ruff is part of the dev extra; install with pip install -e '.[dev]'"
@@ -54,13 +91,18 @@ def test_ruff_lint_and_format_pass():
     assert formatted.returncode == 0, formatted.stdout
 
 
-def test_readme_results_section_matches_results_files():
-    from harness import render_results
-    from render_results import readme_with_results
+def test_results_pages_match_results_files(tmp_path):
+    from render_results import render_pages, stale_pages, write_pages
 
-    readme = (ROOT / "README.md").read_text()
-    expected = readme_with_results(readme, render_results(ROOT / "benchmarks" / "results"))
-    assert readme == expected, "run: python benchmarks/render_results.py --update"
+    pages = render_pages()
+    assert stale_pages(pages) == [], "run: python benchmarks/render_results.py --update"
+    # An edited page and a page no results file makes any more are found, and --update fixes both.
+    write_pages(pages, tmp_path)
+    (tmp_path / "coda.md").write_text("edited by hand")
+    (tmp_path / "left-over.md").write_text("# a page of an old layout")
+    assert stale_pages(pages, tmp_path) == ["coda.md", "left-over.md"]
+    write_pages(pages, tmp_path)
+    assert stale_pages(pages, tmp_path) == []
 
 
 def test_readme_gives_the_two_setup_commands_and_ci_runs_the_test_one():
