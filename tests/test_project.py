@@ -1,10 +1,9 @@
-"""Project-level promises: packaging, lazy imports, style, README kept true."""
+"""Project-level promises: lazy imports, style, README kept true (packaging: test_packaging.py)."""
 
 import re
 import shutil
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
@@ -42,42 +41,6 @@ def test_cli_help_lists_the_commands_plugins_register():
     assert result.returncode == 0, result.stderr
     for command in ("plugins", "demo", "attribute", "check", "evaluate", "parse-tree", "export"):
         assert command in result.stdout
-
-
-def test_wheel_has_only_distinctly_named_top_level_packages(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "--no-deps",
-            "--no-build-isolation",
-            "-q",
-            "-w",
-            str(tmp_path),
-            str(ROOT),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    (wheel,) = tmp_path.glob("explain_torch-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
-    top_level = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top_level == {
-        "explain_core",
-        "explain_gradients",
-        "explain_coda",
-        "explain_capsules",
-        "explain_modbp",
-        "explain_onnx",
-    }
-    assert "explain_onnx/export.py" in names
-    assert "explain_core/cli/__init__.py" in names
-    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "explain = explain_core.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 
 
 def test_ruff_lint_and_format_pass():
