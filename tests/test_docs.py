@@ -8,6 +8,8 @@ runnable Python example.
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -37,8 +39,13 @@ def name(page: Path) -> str:
     ("page", "index", "block"), BLOCKS, ids=[f"{name(page)}-{index}" for page, index, _ in BLOCKS]
 )
 def test_python_blocks_of_the_docs_run(page: Path, index: int, block: str) -> None:
-    namespace: dict = {"__name__": f"{page.stem}_block_{index}"}
-    exec(compile(block, f"{name(page)} python block {index}", "exec"), namespace)
+    # Each block runs as a module of its own, as a reader's script would (dataclasses need it).
+    module = types.ModuleType(f"docs_{page.stem.replace('-', '_')}_block_{index}")
+    sys.modules[module.__name__] = module
+    try:
+        exec(compile(block, f"{name(page)} python block {index}", "exec"), module.__dict__)
+    finally:
+        del sys.modules[module.__name__]
 
 
 def test_every_page_written_by_hand_has_runnable_examples() -> None:

@@ -164,3 +164,17 @@ def test_the_api_reference_documents_what_the_docs_teach_to_import():
         if not name or id(value) not in documented:
             missing.add(f"{module}.{name} (imported in {source})".replace(". (", " ("))
     assert not missing, "add these to a page of docs/api/: " + ", ".join(sorted(missing))
+
+
+def test_the_methods_page_lists_every_built_in_method():
+    from explain_core import get_registry
+
+    table = re.findall(
+        r"^\| `([\w.]+)` \| ([\w-]+) \| (\w+) \|", (DOCS / "methods.md").read_text(), re.M
+    )
+    built_in = {
+        name: (spec.family, spec.plugin)
+        for name, spec in get_registry().items()
+        if spec.plugin in OUR_PACKAGES
+    }
+    assert {name: (family, plugin) for name, family, plugin in table} == built_in
