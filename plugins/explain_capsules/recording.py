@@ -139,8 +139,8 @@ def record_parse_tree_data(
             couplings (continuous unless a layer has a ``coupling_transform``), so predictions,
             activations and the couplings of later layers are those of the unquantised model.
             To record REM's "+Q" model, which routes with quantised couplings, call this inside
-            ``with quantised_routing(model, levels=K):`` (:func:`~explain_capsules.rem.
-            quantised_routing`).
+            ``with quantised_routing(model, levels=K):``
+            (:func:`~explain_capsules.rem.quantised_routing`).
         batch_size: Samples per forward pass.
 
     Returns:
