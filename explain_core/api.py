@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -10,6 +12,15 @@ import torch
 from torch import nn
 
 from explain_core.attribution import Attribution
+from explain_core.captum_calls import (
+    ForwardWithArgs,
+    SampleGroup,
+    check_signature,
+    flat_targets,
+    forward_args,
+    group_samples,
+    has_tuple_targets,
+)
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError, NumericalError
 from explain_core.model_guard import ModelGuard, RefuseTrainingCalls, require_eval_mode
@@ -158,78 +169,256 @@ def _third_party_call(spec: MethodSpec) -> str | None:
     return None if spec.builtin else f"explain(..., {spec.name!r}) (plugin {spec.plugin!r})"
 
 
+def _captum_entry_point(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` behind a wrapper, as Captum's ``log_usage`` decorator leaves its methods.
+
+    Captum's ``NoiseTunnel`` calls ``attribution_method.attribute.__wrapped__`` (to skip its
+    usage logging), so an attribution class that ``NoiseTunnel`` wraps needs that attribute.
+    """
+
+    @functools.wraps(function)
+    def entry_point(*args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+    return entry_point
+
+
 class Explainer:
     """A Captum-style explainer: ``Explainer(model, "gradient").attribute(inputs, target=...)``.
 
-    Code written for Captum attribution classes (and tools calling them, such as the Quantus
-    metrics toolkit) can use any registered method through this class.
+    Code written for Captum attribution classes can use any registered method through this
+    class: Captum's ``NoiseTunnel`` wraps it, ``captum.metrics`` (``infidelity``,
+    ``sensitivity_max``) and the Quantus toolkit call it, and ``attribute`` takes Captum's
+    keywords and target forms. Like Captum's ``Attribution`` it has ``forward_func`` (the
+    model), :meth:`has_convergence_delta` and :attr:`multiplies_by_inputs`.
 
     Args:
         model: The model to explain (the ``forward_func`` in Captum's terms).
         method: Registered method name.
-        **options: Method options, fixed for every call.
+        **options: Method options, fixed for every call (Captum's ``n_steps`` and
+            ``internal_batch_size`` may override ``steps`` and ``internal_batch_size`` per call).
+
+    Raises:
+        UnknownMethodError: If no plugin registers ``method``.
+        InvalidInputError: For options the method does not take.
     """
 
     def __init__(self, model: nn.Module, method: str, **options: Any) -> None:
-        get_registry()[method].create(**options)  # fail early on unknown names and options
+        self._spec = get_registry()[method]
+        self._engine = self._spec.create(**options)  # fail early on unknown names and options
         self.model = model
+        self.forward_func = model  # Captum's name: NoiseTunnel and captum.metrics read it
         self.method = method
         self.options = options
 
+    def has_convergence_delta(self) -> bool:
+        """Whether :meth:`attribute` can return a convergence delta (Captum's method)."""
+        return bool(self._engine.convergence_delta)
+
+    @property
+    def multiplies_by_inputs(self) -> bool:
+        """Whether the attribution is a product with the input (or input − baseline).
+
+        Captum's property: ``True`` for "global" attributions such as Input×Gradient,
+        Integrated Gradients, DeepLIFT and LRP, ``False`` for the gradient.
+        """
+        return bool(self._engine.multiplies_by_inputs)
+
+    @_captum_entry_point
     def attribute(
         self,
         inputs: torch.Tensor | tuple[torch.Tensor],
-        target: TargetLike = None,
+        target: Any = None,
         baselines: torch.Tensor | float | tuple[torch.Tensor] | None = None,
-        *,
-        return_convergence_delta: bool = False,
         additional_forward_args: Any = None,
+        *,
+        n_steps: int | None = None,
+        method: str | None = None,
+        internal_batch_size: int | None = None,
+        return_convergence_delta: bool = False,
     ) -> Any:
         """Attribute like Captum: returns a tensor shaped like ``inputs`` (and the delta).
 
         Args:
             inputs: A tensor, or a 1-tuple holding one (returned as a 1-tuple too).
-            target: ``None``, one int, or one int per sample.
-            baselines: Reference input for methods that use one.
+            target: Captum's forms: ``None`` (the predicted class), an int or 1-element tensor
+                for every sample, a list or 1-D tensor of one int per sample, or for models
+                whose output has more axes after the batch one tuple of indices into them (for
+                every sample) or a list of one tuple per sample.
+            baselines: Reference input for methods that use one (a tensor broadcastable to the
+                inputs, one row per sample, or a number; a 1-tuple of those).
+            additional_forward_args: Further arguments of the model's forward after the
+                input: one argument or a tuple of them. As in Captum, a tensor among them
+                holds one row per sample, which goes with every copy of that sample the method
+                feeds to the model; other values are passed unchanged.
+            n_steps: Captum's name of the ``steps`` option (path methods).
+            method: Captum's Integrated Gradients quadrature; accepted when it is the rule the
+                method integrates with (``"riemann_middle"`` for ``integrated_gradients``).
+            internal_batch_size: The ``internal_batch_size`` option (rows per forward pass).
             return_convergence_delta: Also return the per-sample delta.
-            additional_forward_args: Not supported; must be ``None``.
 
         Returns:
             The attribution, or ``(attribution, delta)`` when ``return_convergence_delta``. The
-            delta follows Captum's sign: summed attribution minus the output gain
-            ``f(inputs) − f(baselines)``, i.e. ``−Attribution.delta``.
+            delta follows Captum's sign: summed attribution minus the explained output (or
+            output gain ``f(inputs) − f(baselines)``), i.e. ``−Attribution.delta``.
 
         Raises:
-            InvalidInputError: If the delta is requested but the method defines none, or
-                ``additional_forward_args`` is given.
+            InvalidInputError: If the delta is requested but the method defines none, a
+                Captum keyword maps to no option of the method, or the target or forward
+                arguments do not fit the inputs; and as :func:`explain` does.
         """
-        if additional_forward_args is not None:
+        if return_convergence_delta and not self.has_convergence_delta():
             raise InvalidInputError(
-                "additional_forward_args is not supported; wrap the model in a module whose "
-                "forward takes only the inputs"
+                f"method {self.method!r} defines no convergence delta (has_convergence_delta() "
+                "is False); leave return_convergence_delta=False"
             )
+        options = self._call_options(n_steps, method, internal_batch_size)
         as_tuple = isinstance(inputs, tuple)
         tensor = _single_tensor(inputs, "inputs")
         if isinstance(baselines, tuple):
             baselines = _single_tensor(baselines, "baselines")
-        result = explain(
-            self.model, tensor, self.method, target, baselines=baselines, **self.options
-        )
-        attribution = (result.attribution,) if as_tuple else result.attribution
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or len(tensor) == 0:
+            check_inputs(tensor, self.model)  # explain()'s error for what is no batch
+        batch = tensor.shape[0]
+        args = forward_args(additional_forward_args, batch)
+        if args and isinstance(self.model, nn.Module):
+            check_signature(uncompiled(self.model), args)
+        groups = group_samples(args, batch, tensor.device)
+        flatten = has_tuple_targets(target)
+        if flatten:
+            target = flat_targets(target, batch, lambda: self._output_shape(tensor, groups[0]))
+        if not args and not flatten:
+            attribution, delta = self._explain(self.model, tensor, target, baselines, options)
+        else:
+            attribution, delta = self._explain_groups(
+                tensor, groups, target, baselines, options, flatten
+            )
+        attribution_out = (attribution,) if as_tuple else attribution
         if not return_convergence_delta:
-            return attribution
-        if result.delta is None:
-            raise InvalidInputError(f"method {self.method!r} defines no convergence delta")
+            return attribution_out
         # Captum's compute_convergence_delta is Σ attribution − (f(x) − f(baseline)); explain()
         # reports what is left unexplained, the opposite sign. Callers of this class expect
         # Captum's.
-        return attribution, -result.delta
+        return attribution_out, -delta
 
     def explain(
         self, inputs: torch.Tensor, target: TargetLike = None, **kwargs: Any
     ) -> Attribution:
         """Like :func:`explain` with this explainer's model, method and options."""
         return explain(self.model, inputs, self.method, target, **self.options, **kwargs)
+
+    def _call_options(
+        self, n_steps: int | None, method: str | None, internal_batch_size: int | None
+    ) -> dict[str, Any]:
+        """This explainer's options with Captum's per-call keywords mapped onto them."""
+        options = dict(self.options)
+        known = self._spec.options()
+        for captum_name, ours, value in (
+            ("n_steps", "steps", n_steps),
+            ("internal_batch_size", "internal_batch_size", internal_batch_size),
+        ):
+            if value is None:
+                continue
+            if ours not in known:
+                raise InvalidInputError(
+                    f"{captum_name}= sets the option {ours!r}, which method {self.method!r} does "
+                    f"not have; its options: {', '.join(known) or 'none'}"
+                )
+            options[ours] = value
+        if method is not None:
+            rule = self._engine.quadrature
+            if rule is None:
+                raise InvalidInputError(
+                    f"method={method!r} is Captum's quadrature of a path integral; method "
+                    f"{self.method!r} integrates no path (pass the method's name to "
+                    "Explainer(model, name), not to attribute())"
+                )
+            if method != rule:
+                raise InvalidInputError(
+                    f"method {self.method!r} integrates with Captum's {rule!r} rule only; got "
+                    f"method={method!r}: pass method={rule!r} or leave it out, and raise n_steps "
+                    "for accuracy"
+                )
+        return options
+
+    def _explain(
+        self,
+        model: nn.Module,
+        inputs: torch.Tensor,
+        target: Any,
+        baselines: Any,
+        options: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Captum's NoiseTunnel calls attribute() under torch.no_grad(); the methods need
+        # autograd, as Captum's own do.
+        with torch.enable_grad():
+            result = explain(model, inputs, self.method, target, baselines=baselines, **options)
+        if self.has_convergence_delta() and result.delta is None:
+            raise MethodError(
+                f"{self._spec.label} declares a convergence delta but returned none; report it "
+                "to the plugin's authors"
+            )
+        return result.attribution, result.delta
+
+    def _explain_groups(
+        self,
+        inputs: torch.Tensor,
+        groups: list[SampleGroup],
+        target: Any,
+        baselines: Any,
+        options: dict[str, Any],
+        flatten: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One explain() per group of samples sharing their forward arguments."""
+        batch = inputs.shape[0]
+        model = uncompiled(self.model)
+        per_sample_target = normalize_target(target, batch, inputs.device)
+        per_sample_baselines = (
+            isinstance(baselines, torch.Tensor)
+            and baselines.dim() == inputs.dim()
+            and baselines.shape[0] == batch
+        )
+        attribution = torch.empty_like(inputs)
+        delta = None
+        for group in groups:
+            rows = group.rows
+            attribution_part, delta_part = self._explain(
+                ForwardWithArgs(model, group.args, flatten),
+                inputs[rows],
+                None if per_sample_target is None else per_sample_target[rows],
+                baselines[rows.to(baselines.device)] if per_sample_baselines else baselines,
+                options,
+            )
+            attribution[rows] = attribution_part
+            if delta_part is not None:
+                if delta is None:
+                    delta = delta_part.new_empty(batch)
+                delta[rows] = delta_part
+        return attribution, delta
+
+    def _output_shape(self, inputs: torch.Tensor, group: SampleGroup) -> torch.Size:
+        """The model's output shape after the batch axis, from one sample (for tuple targets)."""
+        model = uncompiled(self.model)
+        if not isinstance(model, nn.Module):
+            raise InvalidInputError(
+                f"model must be a torch.nn.Module; got {type(model).__name__}, so wrap it in an "
+                "nn.Module whose forward calls it"
+            )
+        refuse_inference_mode("Explainer.attribute()")
+        require_eval_mode(model)  # before the probe: a BatchNorm in training mode would update
+        forward = ForwardWithArgs(model, group.args, flatten=False)
+        probe = check_inputs(inputs[:1], model)
+        with ModelGuard(model), eager_mode(), clear_model_errors(forward, probe), torch.no_grad():
+            output = forward(probe)
+        if not isinstance(output, torch.Tensor) or output.dim() < 2:
+            shape = tuple(output.shape) if isinstance(output, torch.Tensor) else None
+            raise InvalidInputError(
+                "a tuple target indexes the axes of the model's output after the batch; the "
+                f"model returned {type(output).__name__}"
+                + (f" of shape {shape}" if shape is not None else "")
+                + ": give an int target instead"
+            )
+        return output.shape[1:]
 
 
 def quantus_explain(
@@ -244,9 +433,22 @@ def quantus_explain(
     """An ``explain_func`` for the Quantus metrics toolkit (NumPy in, NumPy out).
 
     Pass it as ``explain_func=quantus_explain`` with
-    ``explain_func_kwargs={"method": "gradient"}``. The inputs are converted to the dtype of
-    the model's floating-point parameters (float32 for a model without any), since Quantus
-    hands over NumPy arrays of its own dtype that its user cannot choose per call.
+    ``explain_func_kwargs={"method": "gradient"}`` (further keys are the method's options).
+    The inputs are converted to the dtype of the model's floating-point parameters (float32 for
+    a model without any), since Quantus hands over NumPy arrays of its own dtype that its user
+    cannot choose per call. Quantus' faithfulness, robustness, randomisation and localisation
+    metrics call it with the model (or its randomised copy), a batch and targets.
+
+    Args:
+        model: The model Quantus passes.
+        inputs: ``(batch, ...)`` inputs.
+        targets: One int, or one int per sample.
+        method: Registered method name.
+        device: Where to explain (Quantus passes ``device`` through); the model's by default.
+        **options: Method options.
+
+    Returns:
+        The attribution, shaped like ``inputs``.
     """
     device = torch.device(device) if device is not None else _model_device(model)
     x = torch.as_tensor(np.asarray(inputs), dtype=_model_dtype(model), device=device)

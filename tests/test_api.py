@@ -100,7 +100,8 @@ def test_captum_style_explainer():
     assert delta.shape == (2,) and delta.abs().max() < 1e-10
     with pytest.raises(InvalidInputError, match="no convergence delta"):
         Explainer(model, "gradient").attribute(x, target=0, return_convergence_delta=True)
-    with pytest.raises(InvalidInputError, match="additional_forward_args"):
+    # Passed to the model's forward after the input: this one takes none.
+    with pytest.raises(InvalidInputError, match=r"forward\(input\) cannot take the input and 1"):
         explainer.attribute(x, target=0, additional_forward_args=(1,))
     with pytest.raises(UnknownMethodError):
         Explainer(model, "integrated_gradient")
