@@ -1,4 +1,9 @@
-"""Pictures of inputs and attributions as RGB arrays (NumPy) and PNG files (Pillow, ``plots``)."""
+"""Pictures of inputs and attributions as RGB arrays (NumPy) and PNG files (Pillow, ``plots``).
+
+The colours of :mod:`explain_core.plots` without matplotlib. Figures with colour bars, titles and
+labels — what people read — are drawn by :mod:`explain_core.plots` (``heatmap``, ``overlay``,
+``grid``).
+"""
 
 from __future__ import annotations
 
@@ -101,6 +106,9 @@ def save_grid(
     column_titles: Sequence[str] | None = None,
 ) -> Path:
     """Save RGB tiles as one PNG, enlarged with nearest-neighbour so pixels stay visible.
+
+    Bare tiles with Pillow only; :func:`explain_core.plots.grid` draws the same with colour bars,
+    row titles and each sample's labels.
 
     Args:
         rows: Rows of ``(H, W, 3)`` uint8 tiles, all of one size.

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from explain_core.data.clutter import make_cluttered_digits
 from explain_core.data.grids import make_multi_image_grids
 from explain_core.demo import DemoContext, DemoSection, DemoStep
-from explain_core.viz import image_to_rgb, save_grid
+from explain_core.plots import grid, save_figure
 
 
 class BundledDataStep(DemoStep):
@@ -26,22 +24,31 @@ class BundledDataStep(DemoStep):
             digits.test_images, digits.test_labels, canvas_size=24, count=4, seed=context.seed
         )
         first_of_class = [int((digits.test_labels == c).nonzero()[0]) for c in range(10)]
-        save_grid(
-            [[image_to_rgb(digits.test_images[i]) for i in first_of_class]],
+        save_figure(
+            grid(inputs=digits.test_images[first_of_class], labels=range(10), tile=1.0),
             context.out_dir / "data_digits.png",
-            scale=6,
         )
-        grid_tiles, clutter_tiles = [], []
-        for g in range(grids.images.shape[0]):
-            label = int(grids.cell_labels[g, 0])
-            picture = image_to_rgb(grids.images[g])
-            mask = grids.class_mask(g, label).numpy()
-            grid_tiles.append(_outline(picture, mask))
-        for i in range(cluttered.images.shape[0]):
-            picture = image_to_rgb(cluttered.images[i])
-            clutter_tiles += [picture, _outline(picture, cluttered.masks[i].numpy())]
-        save_grid([grid_tiles], context.out_dir / "data_grids.png", scale=4)
-        save_grid([clutter_tiles], context.out_dir / "data_cluttered.png", scale=4)
+        first_labels = [int(label) for label in grids.cell_labels[:, 0]]
+        save_figure(
+            grid(
+                inputs=grids.images,
+                masks=[grids.class_mask(g, label) for g, label in enumerate(first_labels)],
+                column_titles=[f"class {label} outlined" for label in first_labels],
+            ),
+            context.out_dir / "data_grids.png",
+        )
+        count = cluttered.images.shape[0]
+        save_figure(  # each digit twice: as it is, and with its ground-truth mask outlined
+            grid(
+                inputs=[cluttered.images[i // 2] for i in range(2 * count)],
+                masks=[cluttered.masks[i // 2] if i % 2 else None for i in range(2 * count)],
+                column_titles=[
+                    "mask" if i % 2 else f"digit {int(cluttered.labels[i // 2])}"
+                    for i in range(2 * count)
+                ],
+            ),
+            context.out_dir / "data_cluttered.png",
+        )
         return DemoSection(
             self.title,
             lines=[
@@ -60,10 +67,3 @@ class BundledDataStep(DemoStep):
                 "mean_mask_fraction": float(cluttered.masks.double().mean()),
             },
         )
-
-
-def _outline(picture: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """Tint the masked pixels green so the ground truth is visible next to the image."""
-    tinted = picture.copy()
-    tinted[mask] = (0.5 * tinted[mask] + 0.5 * np.array([0, 200, 0])).astype(np.uint8)
-    return tinted

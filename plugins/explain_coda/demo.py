@@ -6,7 +6,7 @@ from explain_coda.contributions import coda_contributions
 from explain_coda.model import CoDANet, encode_input
 from explain_coda.training import TrainConfig, train_coda
 from explain_core.demo import DemoContext, DemoSection, DemoStep
-from explain_core.plots import save_attribution_figure
+from explain_core.plots import grid, save_figure
 from explain_core.training import accuracy
 
 
@@ -40,14 +40,17 @@ class CoDADemoStep(DemoStep):
 
         shown = list(range(6))
         maps = every.contributions[shown].sum(dim=2)  # (6, classes, H, W)
-        rows = [(f"class {c}", [maps[i, c] for i in range(len(shown))]) for c in range(10)]
-        save_attribution_figure(
+        rows = {f"class {c}": maps[:, c] for c in range(10)}
+        # One scale per digit: its ten class maps compare (the paper's per-class pictures).
+        figure = grid(
             rows,
-            context.out_dir / "coda_contributions.png",
-            inputs=[digits.test_images[i] for i in shown],
-            column_titles=[f"label {int(digits.test_labels[i])}" for i in shown],
-            title="CoDA-Net contributions per class (red +, blue −)",
+            inputs=digits.test_images[shown],
+            labels=digits.test_labels[shown],
+            predictions=every.output[shown].argmax(1),
+            scale="column",
+            title="CoDA-Net contributions per class",
         )
+        save_figure(figure, context.out_dir / "coda_contributions.png")
         return DemoSection(
             self.title,
             lines=[

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from explain_core.api import explain
 from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.plots import grid, save_figure
 from explain_core.training import accuracy, train_classifier
-from explain_core.viz import attribution_to_rgb, image_to_rgb, save_grid
 
 METHODS = ("gradient", "input_x_gradient", "integrated_gradients", "dynamic.contributions")
 
@@ -44,12 +45,14 @@ class GradientBaselinesStep(DemoStep):
         )
         test_accuracy = accuracy(model, digits.test_images, digits.test_labels)
         images, labels = digits.test_images[:6], digits.test_labels[:6]
-        rows = [[image_to_rgb(image) for image in images]]
+        with torch.no_grad():
+            predicted = model(images).argmax(1)
+        rows = {}
         table = ["| method | max abs delta |", "| --- | --- |"]
         deltas = {}
         for method in METHODS:
             result = explain(model, images, method, target=labels)
-            rows.append([attribution_to_rgb(m) for m in result.spatial_map()])
+            rows[method] = result.spatial_map()
             # Deltas over the whole test set; IG (20 passes each) only over the six shown digits.
             full = (
                 result
@@ -59,12 +62,14 @@ class GradientBaselinesStep(DemoStep):
             if full.delta is not None:
                 deltas[method] = float(full.delta.abs().max())
             table.append(f"| {method} | {_format(deltas.get(method))} |")
-        save_grid(
+        figure = grid(
             rows,
-            context.out_dir / "gradient_maps.png",
-            scale=6,
-            row_titles=["input", *METHODS],
+            inputs=images,
+            labels=labels,
+            predictions=predicted,
+            title="Gradient baselines, true class",
         )
+        save_figure(figure, context.out_dir / "gradient_maps.png")
         return DemoSection(
             self.title,
             lines=[

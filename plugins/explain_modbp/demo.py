@@ -12,13 +12,14 @@ from collections import OrderedDict
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 from tqdm.auto import tqdm
 
 from explain_core.api import explain
 from explain_core.demo import DemoContext, DemoSection, DemoStep
 from explain_core.metrics import faithfulness_card, format_value
-from explain_core.plots import save_attribution_figure
+from explain_core.plots import grid, save_figure
 from explain_core.training import accuracy, train_classifier
 
 # Display name → (registered method, options). The LRP rules first, then other families.
@@ -104,18 +105,21 @@ class ModifiedBackpropDemoStep(DemoStep):
 
         names = [n for n in METHODS if not context.quick or n in QUICK_METHODS]
         images, labels = digits.test_images[:SHOWN], digits.test_labels[:SHOWN]
-        rows = []
+        with torch.no_grad():
+            predicted = model(images).argmax(1)
+        rows = {}
         for name in names:
             method, options = METHODS[name]
             result = explain(model, images, method, labels, **options)
-            rows.append((name, list(result.spatial_map())))
-        save_attribution_figure(
+            rows[name] = result.spatial_map()
+        figure = grid(
             rows,
-            context.out_dir / "modbp_maps.png",
-            inputs=list(images),
-            column_titles=[f"label {int(y)}" for y in labels],
-            title="Modified backpropagation and gradients, true class (red +, blue −)",
+            inputs=images,
+            labels=labels,
+            predictions=predicted,
+            title="Modified backpropagation and gradients, true class",
         )
+        save_figure(figure, context.out_dir / "modbp_maps.png")
 
         count = 8 if context.quick else 32
         check_images, check_labels = digits.test_images[:count], digits.test_labels[:count]

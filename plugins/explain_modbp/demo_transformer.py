@@ -16,7 +16,7 @@ from torch import nn
 
 from explain_core.api import explain
 from explain_core.demo import DemoContext, DemoSection, DemoStep
-from explain_core.plots import save_attribution_figure
+from explain_core.plots import grid, save_figure
 from explain_core.training import accuracy
 from explain_modbp.digits_vit import DigitsViT, bias_free_copy, train_digits_vit
 
@@ -62,20 +62,18 @@ class TransformerDemoStep(DemoStep):
         images, labels = digits.test_images[:SHOWN], digits.test_labels[:SHOWN]
         with torch.no_grad():
             predicted = model(images).argmax(1)
-        rows = []
+        rows = {}
         for name, method in METHODS.items():
             result = explain(model, images, method, labels)
-            rows.append((name, list(result.spatial_map())))
-        save_attribution_figure(
+            rows[name] = result.spatial_map()
+        figure = grid(
             rows,
-            context.out_dir / "transformer_maps.png",
-            inputs=list(images),
-            column_titles=[
-                f"label {int(y)}, pred {int(p)}" + ("" if y == p else " ✗")
-                for y, p in zip(labels, predicted, strict=True)
-            ],
-            title="A ViT on the digits, true class (red +, blue −)",
+            inputs=images,
+            labels=labels,
+            predictions=predicted,
+            title="A ViT on the digits, true class",
         )
+        save_figure(figure, context.out_dir / "transformer_maps.png")
 
         count = 16 if context.quick else 64
         check, check_labels = digits.test_images[:count], digits.test_labels[:count]
