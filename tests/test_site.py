@@ -65,7 +65,10 @@ def small_site(tmp_path: Path, page: str, module: str) -> Path:
     for key in ("hooks", "exclude_docs"):
         config.pop(key)
     (python,) = [p["mkdocstrings"] for p in config["plugins"] if isinstance(p, dict)]
-    python["handlers"]["python"]["paths"] = ["src"]
+    handler = python["handlers"]["python"]
+    handler["paths"] = ["src"]
+    extensions = handler["options"]["extensions"]  # the project's, from where they are
+    handler["options"]["extensions"] = [str(ROOT / extension) for extension in extensions]
     path = tmp_path / "mkdocs.yml"
     path.write_text(yaml.safe_dump(config, allow_unicode=True))
     return path
