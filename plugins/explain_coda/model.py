@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +18,8 @@ from torch import nn
 
 from explain_coda.layers import DAUConv2d
 from explain_coda.nonlinearity import Nonlinearity, check_nonlinearity
+from explain_coda.original_layout import from_original_state_dict
+from explain_coda.presets import DEFAULT_LOGIT_BIAS, PRESETS, LayerSpec
 from explain_core.errors import InvalidInputError
 
 __all__ = [
@@ -29,48 +30,6 @@ __all__ = [
     "bce_one_vs_all",
     "encode_input",
 ]
-
-DEFAULT_LOGIT_BIAS = math.log(0.1 / 0.9)
-"""b₀ of the reference code: a sigmoid output of 0.1 for a zero contribution sum."""
-
-
-@dataclass(frozen=True)
-class LayerSpec:
-    """One convolutional DAU layer: ``out_channels`` DAUs of rank ``rank``."""
-
-    out_channels: int
-    rank: int
-    kernel_size: int
-    stride: int = 1
-
-
-def _specs(rows: Sequence[tuple[int, int, int, int]]) -> tuple[LayerSpec, ...]:
-    return tuple(LayerSpec(*row) for row in rows)
-
-
-# Table C1 of the supplement: (DAUs, rank, kernel, stride) per layer, and the input shape.
-PRESETS: dict[str, tuple[tuple[int, int, int], tuple[LayerSpec, ...]]] = {
-    "S": ((6, 32, 32), _specs([
-        (16, 32, 3, 1), (16, 32, 3, 1), (32, 64, 3, 2), (32, 64, 3, 1), (32, 64, 3, 1),
-        (64, 64, 3, 2), (64, 64, 3, 1), (64, 64, 3, 1), (10, 64, 1, 1),
-    ])),
-    "M": ((6, 32, 32), _specs([
-        (16, 64, 3, 1), (16, 64, 3, 1), (32, 128, 3, 2), (32, 128, 3, 1), (32, 128, 3, 1),
-        (64, 256, 3, 2), (64, 256, 3, 1), (64, 256, 3, 1), (10, 256, 1, 1),
-    ])),
-    "L": ((6, 240, 240), _specs([
-        (16, 64, 7, 3), (32, 64, 3, 1), (32, 64, 3, 1), (64, 128, 3, 2), (64, 128, 3, 1),
-        (64, 128, 3, 1), (64, 256, 3, 2), (64, 256, 3, 1), (100, 256, 3, 1),
-    ])),
-    "XL": ((6, 64, 64), _specs([
-        (16, 64, 5, 1), (32, 64, 3, 1), (32, 128, 3, 2), (64, 128, 3, 1), (64, 128, 3, 1),
-        (64, 256, 3, 2), (64, 256, 3, 1), (64, 256, 3, 1), (200, 256, 3, 2),
-    ])),
-    # Small preset for the bundled 8×8 digits, encoded as [x, 1 − x] (2 channels).
-    "digits": ((2, 8, 8), _specs([
-        (16, 16, 3, 1), (32, 32, 3, 2), (32, 32, 3, 1), (10, 32, 1, 1),
-    ])),
-}  # fmt: skip
 
 
 def encode_input(images: torch.Tensor) -> torch.Tensor:
@@ -185,8 +144,6 @@ class CoDANet(nn.Module):
         Raises:
             ModelLoadError: If original-layout weights do not have this model's layers.
         """
-        from explain_coda.original import from_original_state_dict
-
         return from_original_state_dict(state, self)
 
     def check_input(self, x: torch.Tensor) -> None:
