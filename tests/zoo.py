@@ -531,6 +531,7 @@ class ExplainedRegion(nn.Module):
 # Exact properties: conservation on the bias-free twin, or DeepLIFT's summation to delta.
 CONSERVING = ("lrp.z", "lrp.cp")
 SUMMING = ("deeplift.rescale", "deeplift.reveal_cancel")
+AUTOGRAD = ("gradient", "input_x_gradient")
 
 
 def _options(method: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
@@ -588,6 +589,12 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         total = result.attribution.sum((1, 2, 3))
         assert torch.allclose(total, gain, rtol=1e-3, atol=1e-5), (method, name)
         return "✓ sums to f(x) − f(0)"
+    if method in AUTOGRAD:  # the reference: torch's own gradient of the explained logit
+        inputs = x.clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(inputs)[:, 1].sum(), inputs)
+        expected = grad if method == "gradient" else x * grad
+        assert torch.allclose(result.attribution, expected, rtol=1e-5, atol=1e-7), (method, name)
+        return "✓ equals autograd"
     if method in CONSERVING:
         torch.manual_seed(0)
         twin = bias_free(randomise_batchnorm(make())).double().eval()
