@@ -949,7 +949,7 @@ def csc_cell(entry: dict[str, Any], key: str) -> str:
 
 
 def table_rows(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per model × method (the README table)."""
+    """One row per model × method (the results page's table)."""
     rows = []
     for model, result in results.items():
         for method, summary in result["summary"].items():
