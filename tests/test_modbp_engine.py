@@ -76,6 +76,11 @@ def rules_cmp(layer):
         ("lrp.epsilon", {"epsilon": 0.1}, lambda layer: Epsilon(0.1)),
         ("lrp.gamma", {}, lambda layer: Gamma(0.25)),
         (
+            "lrp.epsilon_gamma",
+            {"gamma": 0.5},
+            lambda layer: Gamma(0.5) if isinstance(layer, nn.Conv2d) else Epsilon(1e-6),
+        ),
+        (
             "lrp.epsilon_plus",
             {"bias": True},
             lambda layer: ZPlus(bias=True) if isinstance(layer, nn.Conv2d) else Epsilon(1e-6),

@@ -61,10 +61,11 @@ def method_specs() -> list[MethodSpec]:
         spec("lrp.w2", methods.LRPW2, "Deep Taylor: w² on the input layer, z⁺ elsewhere"),
         spec("lrp.zb", methods.LRPZB, "Deep Taylor: z^B (bounds low/high) on input, z⁺ elsewhere"),
         spec("lrp.flat", methods.LRPFlat, "Flat on the input layer, z⁺ on conv, ε on dense"),
+        spec("lrp.epsilon_gamma", methods.LRPEpsilonGamma, "γ on conv, ε on dense: residual CNNs"),
         spec(
             "lrp.epsilon_gamma_box",
             methods.LRPEpsilonGammaBox,
-            "z^B (bounds low/high) on input, γ on conv, ε on dense: residual CNNs",
+            "z^B (bounds low/high) on input, γ on conv, ε on dense (zennit's EpsilonGammaBox)",
         ),
         spec("lrp.epsilon_plus", methods.LRPEpsilonPlus, "ε+z⁺: z⁺ on conv, ε on dense layers"),
         spec("lrp.cmp", methods.LRPCMP, "LRP-CMP: αβ on conv (alpha=1 or 2), LRP-0 on dense"),
@@ -109,6 +110,7 @@ def explain_register_composites() -> list[CompositeSpec]:
         ("alpha2beta1", composites.lrp_alpha_beta, "LRP-αβ with α=2, β=1 on every layer"),
         ("gamma", composites.lrp_gamma, "LRP-γ on every layer"),
         ("epsilon_plus", composites.lrp_epsilon_plus, "z⁺ on convolutions, ε on dense layers"),
+        ("epsilon_gamma", composites.lrp_epsilon_gamma, "γ on convolutions, ε on dense layers"),
         ("cmp", composites.lrp_cmp, "αβ on convolutions, LRP-0 on dense layers"),
         ("excitation", composites.excitation, "the W⁺ rule on every layer"),
     ]

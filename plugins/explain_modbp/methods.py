@@ -33,6 +33,7 @@ __all__ = [
     "LRPAlphaBeta",
     "LRPCustom",
     "LRPEpsilon",
+    "LRPEpsilonGamma",
     "LRPEpsilonGammaBox",
     "LRPEpsilonPlus",
     "LRPFlat",
@@ -225,8 +226,22 @@ class LRPZB(CompositeMethod):
 
 
 @dataclass
+class LRPEpsilonGamma(CompositeMethod):
+    """γ on convolutions, ε on dense layers (residual CNNs: see ``docs/cnn_layers.md``).
+
+    Attributes:
+        gamma: The convolutions' γ.
+        epsilon: Stabiliser of the dense layers' (and γ's) denominators.
+    """
+
+    preset = staticmethod(composites.lrp_epsilon_gamma)
+    gamma: float = 0.25
+    epsilon: float = 1e-6
+
+
+@dataclass
 class LRPEpsilonGammaBox(CompositeMethod):
-    """z^B on the input layer, γ on convolutions, ε on dense layers (residual CNNs).
+    """z^B on the input layer, γ on convolutions, ε on dense layers (zennit's EpsilonGammaBox).
 
     Attributes:
         low: Lower input bound (number or tensor shaped like the inputs or one sample).
