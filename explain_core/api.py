@@ -35,6 +35,7 @@ from explain_core.targets import TargetLike, normalize_target
 from explain_core.validation import (
     check_inputs,
     check_output_finite,
+    check_output_rows,
     clear_model_errors,
     memory_errors,
     non_finite_samples,
@@ -139,6 +140,7 @@ def explain(
         memory_errors(inputs.shape[0], method, engine),
     ):
         returned = engine.attribute(model, inputs, target_tensor, reference)
+    check_output_rows(getattr(returned, "output", None), inputs)
     result = check_method_result(returned, inputs, spec.label)
     check_output_finite(result.output)
     bad = non_finite_samples(result.attribution)

@@ -254,6 +254,14 @@ def diagnose_failure(
             model(probe)
     except (RuntimeError, ValueError):
         return model_error(model, inputs, error)
+    if inputs.shape[0] > 1:  # one row per sample, else axis 0 is no batch axis
+        try:
+            with torch.no_grad():
+                check_output_rows(model(inputs.clone()), inputs)
+        except ModelRunError as clear:
+            return clear
+        except (RuntimeError, ValueError):
+            pass  # the whole batch fails where one sample runs: the method's own error follows
     if probe._version > 0 and "in-place" in str(error):  # a fresh clone's version is 0
         return ModelRunError(
             "the model modifies its input in place (e.g. nn.ReLU(inplace=True) or torch.relu_ "
@@ -261,6 +269,28 @@ def diagnose_failure(
             "make that first operation out of place (inplace=False)"
         )
     return None
+
+
+def check_output_rows(output: Any, inputs: torch.Tensor, given: torch.Tensor | None = None) -> None:
+    """Refuse a model output with another number of rows than ``inputs`` has samples.
+
+    Axis 0 is the batch axis: one image without it, shaped ``(C, H, W)``, reads as ``C``
+    samples, and a model that broadcasts (a normalisation with ``(1, C, 1, 1)`` buffers) returns
+    one row for them — the inputs' fault, not the method's.
+
+    Raises:
+        ModelRunError: Naming the shapes and ``x.unsqueeze(0)``.
+    """
+    if not isinstance(output, torch.Tensor) or output.dim() == 0:
+        return
+    rows, samples = output.shape[0], inputs.shape[0]
+    if rows != samples:
+        shape = tuple(inputs.shape)
+        raise ModelRunError(
+            f"the model returned {rows} output row(s) for {samples} samples along axis 0 (the "
+            f"batch axis) of inputs shaped {shape}; if they are one sample, pass x.unsqueeze(0), "
+            f"of shape {(1, *shape)}: a model must return one row per sample"
+        )
 
 
 @contextmanager

@@ -347,3 +347,29 @@ def test_a_valid_call_leaves_parameter_versions_alone():
     versions = [p._version for p in model.parameters()]
     explain(model, images(), "gradient", 1)
     assert [p._version for p in model.parameters()] == versions
+
+
+class _BroadcastingNormalize(nn.Module):
+    """Normalisation with (1, C, 1, 1) buffers: one unbatched (C, H, W) image becomes a batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.full((1, 3, 1, 1), 0.5))
+        self.register_buffer("std", torch.full((1, 3, 1, 1), 0.2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.std
+
+
+def test_a_model_that_returns_other_rows_than_samples_is_told_about_the_batch_axis():
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        _BroadcastingNormalize(), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(16, 5)
+    ).eval()
+    image = torch.rand(3, 4, 4)  # one image without its batch axis
+    advice = r"pass x\.unsqueeze\(0\), of shape \(1, 3, 4, 4\)"
+    for method in ("gradient", "lrp.epsilon"):
+        with pytest.raises(InvalidInputError, match=advice):
+            explain(model, image, method, target=0)
+    batched = explain(model, image.unsqueeze(0), "gradient", target=0)
+    assert batched.attribution.shape == (1, 3, 4, 4)
