@@ -3,7 +3,10 @@
 The output folder is built under a temporary name and moved into place only when every step has
 finished, so a folder that exists is always complete. It holds ``report.html`` (self-contained:
 inline style, pictures as files beside it), the same report as ``report.md`` and the numbers as
-``summary.json``.
+``summary.json``. Each section ends with the lines of Python that do the same on the reader's own
+model and with two or three takeaways its step computed from its own numbers. The report links
+only to the files it wrote and to absolute URLs: nothing in it points into the source tree, which
+an installed wheel lacks.
 
 Trained models are cached as safetensors files (see :meth:`DemoContext.cached_model`) in
 ``$EXPLAIN_CACHE_DIR``, else ``$XDG_CACHE_HOME/explain-torch/demo``, else
@@ -25,7 +28,7 @@ import time
 import traceback
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,7 +48,9 @@ __all__ = [
     "DemoStep",
     "default_cache_dir",
     "markdown_to_html",
+    "prediction_note",
     "run_demo",
+    "word_list",
 ]
 
 REPORT_MARKER = "summary.json"
@@ -71,6 +76,44 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "explain-torch" / "demo"
 
 
+def word_list(words: Sequence[str], conjunction: str = "and") -> str:
+    """``"a"``, ``"a and b"``, ``"a, b and c"``: names in a sentence."""
+    words = [str(w) for w in words]
+    if len(words) <= 1:
+        return "".join(words)
+    return f"{', '.join(words[:-1])} {conjunction} {words[-1]}"
+
+
+def prediction_note(
+    labels: Sequence[int] | torch.Tensor,
+    predictions: Sequence[int] | torch.Tensor,
+    explained: str = "the true class",
+) -> str:
+    """One sentence on the shown samples' wrong predictions (the columns marked ✗).
+
+    Args:
+        labels: True class of each shown sample, left to right.
+        predictions: The model's prediction for each.
+        explained: What the maps explain, e.g. ``"the true class"``.
+
+    Returns:
+        E.g. ``"1 of the 6 shown samples is predicted wrongly (marked ✗): sample 2 (a 5) as 9;
+        its maps explain the true class, not the prediction."``, or a sentence saying every
+        prediction is right.
+    """
+    pairs = [(int(t), int(p)) for t, p in zip(labels, predictions, strict=True)]
+    wrong = [(i, t, p) for i, (t, p) in enumerate(pairs, 1) if t != p]
+    if not wrong:
+        return f"All {len(pairs)} shown samples are predicted correctly."
+    cases = word_list([f"sample {i} (a {t}) as {p}" for i, t, p in wrong])
+    one = len(wrong) == 1
+    return (
+        f"{len(wrong)} of the {len(pairs)} shown samples {'is' if one else 'are'} predicted "
+        f"wrongly (marked ✗): {cases}; {'its' if one else 'their'} maps explain {explained}, "
+        "not the prediction."
+    )
+
+
 @dataclass
 class DemoSection:
     """What one step reports.
@@ -87,6 +130,12 @@ class DemoSection:
             dependency); its ``provides`` keys are then listed as not available.
         failed: The one-line error of a step that raised (its plugin named); the report shows
             the section as failed and the run's exit status is non-zero.
+        captions: Figure path → caption (what the picture shows; default: its file name).
+        own_model: Python lines doing what the section did on the reader's own ``model``,
+            ``images`` and ``labels`` (a batch as the model takes it and its integer classes);
+            shown under "On your own model". Real calls: the tests run them on tiny models.
+        takeaways: Two or three sentences the step computed from this section's numbers (never
+            fixed text: a changed number changes them); the section ends with them.
     """
 
     title: str
@@ -96,6 +145,9 @@ class DemoSection:
     accuracies: dict[str, float] = field(default_factory=dict)
     unavailable: str | None = None
     failed: str | None = None
+    captions: dict[str, str] = field(default_factory=dict)
+    own_model: str | None = None
+    takeaways: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -117,6 +169,18 @@ class DemoContext:
     cache_dir: Path | None = None
     artefacts: dict[str, Any] = field(default_factory=dict)
     log: Callable[[str], Any] = print
+
+    def progress(
+        self, items: Iterable[Any], description: str, total: int | None = None
+    ) -> Iterable[Any]:
+        """``items`` with a progress bar inside the current section (a tqdm bar on stderr).
+
+        As for training, the bar shows only when stderr is a terminal and is removed when done,
+        so logs and captured output get nothing from it.
+        """
+        from tqdm.auto import tqdm
+
+        return tqdm(items, desc=f"    {description}", total=total, leave=False, disable=None)
 
     def digits(self, image_size: int = 8) -> Any:
         """The bundled digits at ``image_size``, loaded once per run."""
@@ -360,11 +424,26 @@ def _accuracy_rows(sections: list[DemoSection]) -> list[tuple[str, str, float]]:
     return rows
 
 
-def _markdown_figure(path: str) -> str:
+def _caption(section: DemoSection, path: str) -> str:
+    return section.captions.get(path) or Path(path).stem.replace("_", " ")
+
+
+def _markdown_figure(path: str, caption: str) -> list[str]:
     # PNGs inline; other pictures (SVG parse trees) as links, which every viewer opens.
     if path.lower().endswith(".png"):
-        return f"![{Path(path).stem}]({path})"
-    return f"- [{Path(path).stem} ({Path(path).suffix[1:].upper()})]({path})"
+        return [f"![{caption}]({path})", ""]
+    return [f"- [{caption} ({Path(path).suffix[1:].upper()})]({path})"]
+
+
+def _closing_lines(section: DemoSection) -> list[str]:
+    """What every section ends with: the same on your own model, then the takeaways."""
+    lines = []
+    if section.own_model:
+        lines += ["### On your own model", "", "```python", *section.own_model.splitlines()]
+        lines += ["```", ""]
+    if section.takeaways:
+        lines += ["### Takeaways", "", *[f"- {text}" for text in section.takeaways], ""]
+    return lines
 
 
 def _write_report(
@@ -387,7 +466,9 @@ def _write_report(
             lines += [f"Not available here: {section.unavailable}", ""]
         if section.failed:
             lines += [f"**Failed**: {section.failed}", ""]
-        lines += [_markdown_figure(f) for f in section.figures] + [""]
+        for path in section.figures:
+            lines += _markdown_figure(path, _caption(section, path))
+        lines += ["", *_closing_lines(section)]
     if missing:
         lines += ["## Not yet available", "", *[f"- {text}" for text in missing], ""]
     (folder / "report.md").write_text("\n".join(lines), encoding="utf-8")
@@ -400,6 +481,7 @@ def _write_report(
         "threads": torch.get_num_threads(),
         "accuracies": {f"{t}: {n}": v for t, n, v in accuracies},
         "sections": {s.title: s.summary for s in sections},
+        "takeaways": {s.title: s.takeaways for s in sections if s.takeaways},
         "unavailable": {s.title: s.unavailable for s in sections if s.unavailable},
         "failed": {s.title: s.failed for s in sections if s.failed},
         "not_yet_available": missing,
@@ -520,12 +602,12 @@ def markdown_to_html(lines: list[str]) -> str:
     return "\n".join(out)
 
 
-def _figure(path: str) -> str:
-    caption = html.escape(Path(path).stem.replace("_", " "))
+def _figure(path: str, caption: str) -> str:
+    text = html.escape(caption)
     source = html.escape(path, quote=True)
     return (
-        f'<figure><a href="{source}"><img src="{source}" alt="{caption}"></a>'
-        f"<figcaption>{caption}</figcaption></figure>"
+        f'<figure><a href="{source}"><img src="{source}" alt="{text}"></a>'
+        f"<figcaption>{_inline(caption)}</figcaption></figure>"
     )
 
 
@@ -548,7 +630,8 @@ def _html_report(
             parts.append(f'<p class="unavailable">Not available here: {text}</p>')
         if section.failed:
             parts.append(f'<p class="failed"><b>Failed</b>: {_inline(section.failed)}</p>')
-        parts += [_figure(f) for f in section.figures]
+        parts += [_figure(f, _caption(section, f)) for f in section.figures]
+        parts.append(markdown_to_html(_closing_lines(section)))
         parts.append("</section>")
         blocks.append("\n".join(parts))
     if missing:

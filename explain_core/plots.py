@@ -1,11 +1,13 @@
 """Figures of attributions, in one style: red positive, blue negative, on a stated symmetric scale.
 
-Three functions draw, one writes:
+Four functions draw, one writes:
 
 - :func:`heatmap`: one map with a colour bar.
 - :func:`overlay`: one map over its input, with a colour bar.
 - :func:`grid`: methods × samples (rows × columns), the inputs on top, every sample titled with
   its true and predicted label (wrong predictions in red, marked ✗).
+- :func:`curves`: line plots side by side, one panel per curve family (e.g. deletion and
+  insertion curves per method).
 - :func:`save_figure`: writes a figure (PNG, or any format matplotlib knows).
 
 Every drawing function returns a :class:`matplotlib.figure.Figure`. Maps are ``(C, H, W)`` or
@@ -35,6 +37,7 @@ from explain_core.extras import require
 from explain_core.viz import patch_relevance
 
 __all__ = [
+    "curves",
     "grid",
     "heatmap",
     "overlay",
@@ -575,6 +578,89 @@ def _draw_maps(
         _colour_bar(figure, shown[0][0], spec[first:last, n_cols], f"±{scales[0][0]:.3g}")
         note = f"one symmetric scale: ±v, v = {_which(percentile)}"
     figure.supxlabel(f"red +, blue −; {note}", fontsize=9)
+
+
+def _line(values: Any, what: str) -> np.ndarray:
+    """``values`` as a 1-D array of at least two finite numbers."""
+    array = _as_array(values, what)
+    if array.ndim != 1 or array.size < 2:
+        raise InvalidInputError(
+            f"{what} must be one line of at least two values; got shape {array.shape}"
+        )
+    return array
+
+
+def curves(
+    panels: Mapping[str, Mapping[str, tuple[Any, Any]]],
+    *,
+    xlabel: str = "",
+    ylabel: str = "",
+    title: str | None = None,
+    note: str | None = None,
+    ylim: tuple[float, float] | None = None,
+    size: tuple[float, float] = (4.2, 3.2),
+) -> Any:
+    """Line plots side by side: one panel per family of curves, one line per name.
+
+    The ``i``-th line of every panel has the same colour, so panels that list their lines in the
+    same order match (e.g. a method's deletion and insertion curves), whatever their names.
+
+    Args:
+        panels: ``{panel title: {line name: (x, y)}}``, each ``x`` and ``y`` one line of
+            numbers of equal length (arrays, tensors or sequences).
+        xlabel: The x axis's label (shared by the panels).
+        ylabel: The y axis's label (shared by the panels).
+        title: Optional figure title.
+        note: Optional line below the panels (what was averaged, over which samples…).
+        ylim: Optional y limits shared by the panels.
+        size: Width and height of each panel, in inches.
+
+    Returns:
+        The ``Figure``.
+
+    Raises:
+        InvalidInputError: If there is no panel or line, a line's ``x`` and ``y`` differ in
+            length, or a value is not finite.
+    """
+    if not isinstance(panels, Mapping) or not panels:
+        raise InvalidInputError("curves needs {panel title: {line name: (x, y)}}; got none")
+    lines: dict[str, list[tuple[str, np.ndarray, np.ndarray]]] = {}
+    for panel, named in panels.items():
+        if not isinstance(named, Mapping) or not named:
+            raise InvalidInputError(f"panel {panel!r} needs {{line name: (x, y)}}; got none")
+        lines[str(panel)] = []
+        for name, pair in named.items():
+            if not (isinstance(pair, tuple | list) and len(pair) == 2):
+                raise InvalidInputError(f"line {name!r} of panel {panel!r} must be an (x, y) pair")
+            x = _line(pair[0], f"x of line {name!r} in panel {panel!r}")
+            y = _line(pair[1], f"y of line {name!r} in panel {panel!r}")
+            if x.shape != y.shape:
+                raise InvalidInputError(
+                    f"line {name!r} of panel {panel!r} has {x.size} x values but {y.size} y values"
+                )
+            lines[str(panel)].append((str(name), x, y))
+    palette = require("matplotlib", "drawing figures").colormaps["tab10"]
+    width, height = size
+    figure = _figure(width * len(lines), height + (0.4 if title else 0) + (0.3 if note else 0))
+    axes = figure.subplots(1, len(lines), squeeze=False)[0]
+    for axis, (panel, named) in zip(axes, lines.items(), strict=True):
+        for i, (name, x, y) in enumerate(named):
+            # Dashes as well as colours: lines that coincide (equal methods) stay visible.
+            style = ("-", "--", "-.", ":")[i % 4]
+            axis.plot(x, y, color=palette(i % 10), linestyle=style, linewidth=1.6, label=name)
+        axis.set_title(panel, fontsize=10)
+        axis.set_xlabel(xlabel, fontsize=9)
+        axis.tick_params(labelsize=8)
+        axis.grid(alpha=0.3)
+        if ylim is not None:
+            axis.set_ylim(*ylim)
+        axis.legend(fontsize=7, frameon=False)
+    axes[0].set_ylabel(ylabel, fontsize=9)
+    if title:
+        figure.suptitle(title, fontsize=11)
+    if note:
+        figure.supxlabel(note, fontsize=9)
+    return figure
 
 
 def save_figure(

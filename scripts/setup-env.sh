@@ -44,6 +44,30 @@ case ",$extras," in
     *,graphs,* | *,all,*) ensure_dot ;;
 esac
 
+# The tests open the demo's report in headless Chromium (every picture loads, no console error);
+# pip cannot install a browser either: as root with apt-get install Debian's package `chromium`;
+# failing is not fatal here, but those tests then fail where this could have installed it.
+ensure_chromium() {
+    local name
+    for name in chromium chromium-browser google-chrome google-chrome-stable; do
+        command -v "$name" >/dev/null 2>&1 && return 0
+    done
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "installing headless Chromium for the report test (apt-get install chromium)"
+        export DEBIAN_FRONTEND=noninteractive
+        if apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
+            || { apt-get update -q >/dev/null 2>&1 \
+                && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; then
+            return 0
+        fi
+    fi
+    echo "warning: Chromium is missing and could not be installed here; the tests that open" \
+        "the demo's report in a browser need it (install it with: apt-get install chromium)" >&2
+}
+case ",$extras," in
+    *,dev,*) ensure_chromium ;;
+esac
+
 stamp="$venv/.explain-setup-${extras//,/-}"
 fingerprint=$(cat "$root/pyproject.toml" "${BASH_SOURCE[0]}" | sha256sum | cut -d' ' -f1)
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$fingerprint" ] \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -24,6 +25,7 @@ class _Links(HTMLParser):
     def __init__(self) -> None:
         super().__init__()
         self.links: list[str] = []
+        self.sources: list[str] = []  # what the page loads (src): never from the network
         self.headings: list[str] = []
         self._in_h2 = False
 
@@ -31,6 +33,8 @@ class _Links(HTMLParser):
         for name, value in attrs:
             if name in ("src", "href") and value:
                 self.links.append(value)
+            if name == "src" and value:
+                self.sources.append(value)
         self._in_h2 = tag == "h2"
 
     def handle_endtag(self, tag: str) -> None:
@@ -58,22 +62,55 @@ def quick_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dic
     return out, result.stdout, summary
 
 
-def test_html_report_references_only_files_in_the_folder(quick_demo) -> None:
+ABSOLUTE = re.compile(r"^https?://[^\s/]+\.[^\s/]+")
+# Folders of the source tree that an installed wheel lacks (the packages themselves are in it).
+SOURCE_ONLY = re.compile(r"(?<![\w./-])(?:\.\./)*(docs|benchmarks|examples|scripts|tests)/[\w./-]")
+
+
+def _check_link(out: Path, link: str) -> None:
+    """A link of the report: an anchor, an absolute URL, or a file the demo wrote."""
+    if link.startswith("#") or ABSOLUTE.match(link):
+        return
+    assert ":" not in link and not link.startswith("/"), link  # no file://, no absolute path
+    target = (out / link).resolve()
+    assert target.is_relative_to(out.resolve()), f"{link} leaves the report's folder"
+    assert target.is_file(), f"{link} is not a file the demo wrote"
+
+
+def test_the_report_links_only_to_its_own_files_and_absolute_urls(quick_demo) -> None:
     out, stdout, _ = quick_demo
     assert f"{out / 'report.html'}" in stdout
+    html = (out / "report.html").read_text(encoding="utf-8")
+    markdown = (out / "report.md").read_text(encoding="utf-8")
     parser = _Links()
-    parser.feed((out / "report.html").read_text(encoding="utf-8"))
+    parser.feed(html)
     files = [link for link in parser.links if not link.startswith("#")]
     assert files, "the report shows no pictures"
-    for link in files:
-        assert "://" not in link and not link.startswith("/"), link  # self-contained
-        assert (out / link).is_file(), link
+    for link in [*files, *re.findall(r"\]\(([^)\s]+)\)", markdown)]:
+        _check_link(out, link)
+    assert not [src for src in parser.sources if ABSOLUTE.match(src)]  # nothing loads remotely
     assert any(link.endswith(".png") for link in files)
     assert any(link.endswith(".svg") for link in files)  # parse trees (dot is installed)
     anchors = {link[1:] for link in parser.links if link.startswith("#")}
-    html = (out / "report.html").read_text(encoding="utf-8")
     for anchor in anchors:
         assert f'id="{anchor}"' in html
+    # Nor does the text send readers into the source tree (a wheel install has none).
+    for text in (html, markdown):
+        without_urls = re.sub(r"https?://\S+", "", text)
+        assert not SOURCE_ONLY.search(without_urls), SOURCE_ONLY.search(without_urls)
+
+
+def test_the_link_check_refuses_what_a_wheel_lacks(tmp_path: Path) -> None:
+    (tmp_path / "fig.png").write_bytes(b"")
+    for good in ("fig.png", "#top", "https://pytorch.org/docs/stable/"):
+        _check_link(tmp_path, good)
+    for bad in ("../docs/index.md", "missing.png", "/etc/hostname", "file:///etc/hostname"):
+        with pytest.raises(AssertionError):
+            _check_link(tmp_path, bad)
+    for text in ("see `examples/onnx/run.py`", "[docs](../docs/pictures.md)", "benchmarks/x.py"):
+        assert SOURCE_ONLY.search(text), text
+    for text in ("the `onnx/` folder", "parse_trees/sample-0.svg", "https://x.org/docs/a"):
+        assert not SOURCE_ONLY.search(re.sub(r"https?://\S+", "", text)), text
 
 
 def test_every_section_is_in_both_reports(quick_demo) -> None:
@@ -134,6 +171,161 @@ def test_summary_numbers_are_sane(quick_demo) -> None:
     for row in onnx.values():
         assert row["parity_passed"] is True
         assert row["torch_ms"] > 0 and row["onnxruntime_ms"] > 0
+
+
+# --- every section tells its story ---------------------------------------------------------------
+
+
+def _markdown_sections(out: Path) -> dict[str, str]:
+    """Section title → its text in report.md."""
+    markdown = (out / "report.md").read_text(encoding="utf-8")
+    parts = markdown.split("\n## ")[1:]
+    return {part.split("\n", 1)[0]: part.split("\n", 1)[1] for part in parts}
+
+
+def _own_model(text: str) -> str:
+    return text.split("### On your own model\n\n```python\n", 1)[1].split("\n```", 1)[0]
+
+
+def _ran(summary: dict) -> list[str]:
+    """The titles of the sections that ran (not unavailable here, not failed)."""
+    skipped = {*summary["unavailable"], *summary["failed"]}
+    return [title for title in summary["sections"] if title not in skipped]
+
+
+def test_every_section_ends_with_its_own_model_lines_and_takeaways(quick_demo) -> None:
+    out, _, summary = quick_demo
+    sections = _markdown_sections(out)
+    for title in _ran(summary):
+        text = sections[title]
+        assert "### On your own model" in text and "### Takeaways" in text, title
+        assert text.index("### On your own model") < text.index("### Takeaways"), title
+        closing = text.split("### Takeaways\n\n", 1)[1].strip().splitlines()
+        assert 2 <= len(closing) <= 3 and all(line.startswith("- ") for line in closing), title
+        assert [line[2:] for line in closing] == summary["takeaways"][title]
+        assert all(re.search(r"\d", line) for line in closing), title  # from the numbers
+        code = ast.parse(_own_model(text))
+        calls = [node for node in code.body if not isinstance(node, ast.Import | ast.ImportFrom)]
+        assert 1 <= len(calls) <= 3, title  # three lines after the imports, at most
+
+
+def _tiny_models() -> dict[str, nn.Module]:
+    """A small untrained model of each kind a section's lines need, keyed by a title word."""
+    from explain_capsules import MultiLayerCapsNet
+    from explain_coda import CoDANet
+    from explain_modbp.digits_vit import DigitsViT
+
+    torch.manual_seed(0)
+    cnn = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 8 * 8, 10)
+    ).eval()
+    capsules = MultiLayerCapsNet(
+        in_features=(1, 8, 8), primary_caps=4, hidden_layers=1, hidden_caps=4, dim=4
+    ).eval()
+    return {
+        "Bundled data": cnn,
+        "Gradient": cnn,
+        "CoDA": CoDANet.from_preset("digits").eval(),
+        "Modified backpropagation": cnn,
+        "Transformers": DigitsViT(dim=8, depth=1, heads=2).eval(),
+        "Capsules": capsules,
+        "Parse trees": capsules,
+        "ONNX": cnn,
+    }
+
+
+def test_the_own_model_lines_run_on_a_users_model(
+    quick_demo, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from explain_core.data import load_digits
+
+    out, _, summary = quick_demo
+    digits = load_digits(image_size=8)
+    images, labels = digits.test_images[:4], digits.test_labels[:4]
+    models = _tiny_models()
+    sections = _markdown_sections(out)
+    monkeypatch.chdir(tmp_path)  # the lines write their pictures and files here
+    for title in _ran(summary):
+        (model,) = [m for word, m in models.items() if word in title] or [None]
+        assert model is not None, f"no tiny model for the section {title!r}: add one here"
+        namespace = {"model": model, "images": images.clone(), "labels": labels.clone()}
+        exec(compile(_own_model(sections[title]), f"<{title}>", "exec"), namespace)
+    assert (tmp_path / "maps.png").is_file() and (tmp_path / "data.png").is_file()
+    assert (tmp_path / "model.onnx").is_file() and (tmp_path / "trees" / "sample-0.svg").is_file()
+
+
+def test_the_takeaways_follow_the_reports_numbers(quick_demo) -> None:
+    _, _, summary = quick_demo
+    title = next(t for t in summary["sections"] if "Modified backpropagation" in t)
+    ssim = {
+        name: card["random_logit_ssim"]
+        for name, card in summary["sections"][title]["cards"].items()
+        if isinstance(card["random_logit_ssim"], float)
+    }
+    first = summary["takeaways"][title][0]
+    blind = [name for name, value in ssim.items() if value >= 0.5]
+    for name in blind:
+        assert f"{name} at {ssim[name]:.2f}" in first
+    assert ("not class-sensitive" in first) == bool(blind)
+    keen = min(ssim, key=ssim.__getitem__)
+    assert f"{keen}" in first and f"{ssim[keen]:.2f}" in first
+    title = next(t for t in summary["sections"] if "Capsules and REM" in t)
+    rows = summary["sections"][title]["models"]
+    entropy = [rows[m]["mean_entropy_bits"] for m in ("CapsNet+Q", "CapsNet+REM")]
+    assert f"{entropy[0]:.2f} → {entropy[1]:.2f} bits" in summary["takeaways"][title][0]
+
+
+def test_wrong_predictions_are_marked_and_said_in_words(quick_demo) -> None:
+    out, _, summary = quick_demo
+    sections = _markdown_sections(out)
+    trees = _section(summary, "Parse trees")
+    text = sections[next(t for t in summary["sections"] if "Parse trees" in t)]
+    assert "parse_trees/inputs.png" in text  # the digits, titled true/predicted
+    for index, fact in trees["samples"].items():
+        for model, predicted in fact["predicted"].items():
+            verdict = "(right)" if predicted == fact["label"] else "(wrong ✗)"
+            assert f"{model} predicts {predicted} {verdict}" in text, (index, model)
+        if any(p != fact["label"] for p in fact["predicted"].values()):
+            assert f"Sample {index}, a {fact['label']}" in text
+            assert "explain a wrong prediction" in text or "explains a wrong prediction" in text
+    # The maps of the attribution sections say which shown digits are predicted wrongly.
+    for word in ("Gradient baselines", "Modified backpropagation", "Transformers", "CoDA"):
+        section = sections[next(t for t in summary["sections"] if word in t)]
+        assert "shown samples are predicted correctly" in section or "wrongly (marked ✗)" in (
+            section
+        ), word
+
+
+def test_methods_are_compared_by_deletion_and_insertion(quick_demo) -> None:
+    out, _, summary = quick_demo
+    for word, picture in (
+        ("Gradient baselines", "gradient_curves.png"),
+        ("Modified backpropagation", "modbp_curves.png"),
+        ("Transformers", "transformer_curves.png"),
+    ):
+        curves = _section(summary, word)["curves"]
+        assert (out / picture).is_file()
+        assert curves["samples"] >= 32 and "random order" in curves["auc"]
+        for name, auc in curves["auc"].items():
+            assert 0.0 <= auc["deletion_auc"] <= 1.0 and 0.0 <= auc["insertion_auc"] <= 1.0, name
+        methods = {n: a for n, a in curves["auc"].items() if n != "random order"}
+        best = min(a["deletion_auc"] for a in methods.values())
+        assert best < curves["auc"]["random order"]["deletion_auc"], word  # trained: beats chance
+
+
+def test_the_report_in_headless_chromium(quick_demo) -> None:
+    from headless_chromium import open_page, require_chromium
+
+    chromium = require_chromium()
+    out, _, _ = quick_demo
+    report = open_page(out / "report.html", chromium)
+    assert report.title == "explain demo"
+    parser = _Links()
+    parser.feed((out / "report.html").read_text(encoding="utf-8"))
+    assert len(report.images) == len(parser.sources) >= 10
+    broken = [image for image in report.images if not (image["complete"] and image["naturalWidth"])]
+    assert not broken, broken
+    assert report.errors == []
 
 
 # --- the model cache ----------------------------------------------------------------------------
@@ -278,7 +470,8 @@ def test_parse_tree_step_without_dot_gives_text_trees(
     models = {t: MultiLayerCapsNet(in_features=(1, 8, 8)).eval() for t in TITLES}
     context.artefacts["capsule_models"] = models
     section = ParseTreesDemoStep().run(context)
-    assert section.unavailable is None and section.figures == []
+    assert section.unavailable is None
+    assert section.figures == ["parse_trees/inputs.png"]  # the digits (matplotlib), no trees
     assert section.summary["dot_missing"] is True
     text = "\n".join(section.lines)
     assert "```" in text and "L1:" in text  # the trees as text

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
+import torch
+
 from explain_core.data.clutter import make_cluttered_digits
 from explain_core.data.grids import make_multi_image_grids
 from explain_core.demo import DemoContext, DemoSection, DemoStep
 from explain_core.plots import grid, save_figure
+
+OWN_MODEL = """\
+from explain_core import plots
+
+predicted = model(images).argmax(1)
+plots.save_figure(plots.grid(inputs=images, labels=labels, predictions=predicted), "data.png")
+"""
 
 
 class BundledDataStep(DemoStep):
@@ -25,7 +36,12 @@ class BundledDataStep(DemoStep):
         )
         first_of_class = [int((digits.test_labels == c).nonzero()[0]) for c in range(10)]
         save_figure(
-            grid(inputs=digits.test_images[first_of_class], labels=range(10), tile=1.0),
+            grid(
+                inputs=digits.test_images[first_of_class],
+                labels=range(10),
+                tile=1.0,
+                title="One test digit per class, with its true label (no model has seen it yet)",
+            ),
             context.out_dir / "data_digits.png",
         )
         first_labels = [int(label) for label in grids.cell_labels[:, 0]]
@@ -49,6 +65,13 @@ class BundledDataStep(DemoStep):
             ),
             context.out_dir / "data_cluttered.png",
         )
+        summary = {
+            "train": len(digits.train_labels),
+            "test": len(digits.test_labels),
+            "test_per_class": torch.bincount(digits.test_labels, minlength=10).tolist(),
+            "grid_cells_per_image": grids.n**2,
+            "mean_mask_fraction": float(cluttered.masks.double().mean()),
+        }
         return DemoSection(
             self.title,
             lines=[
@@ -60,10 +83,46 @@ class BundledDataStep(DemoStep):
                 "digit mask (green).",
             ],
             figures=["data_digits.png", "data_grids.png", "data_cluttered.png"],
-            summary={
-                "train": len(digits.train_labels),
-                "test": len(digits.test_labels),
-                "grid_cells_per_image": grids.n**2,
-                "mean_mask_fraction": float(cluttered.masks.double().mean()),
+            captions={
+                "data_digits.png": "The first test digit of each class, titled with its true "
+                "label; no model has predicted anything yet.",
+                "data_grids.png": "3×3 grids of test digits; the outlined cell holds the class "
+                "named above it.",
+                "data_cluttered.png": "Cluttered digits, each titled with its true label and "
+                "shown again with its ground-truth mask.",
             },
+            summary=summary,
+            own_model=OWN_MODEL,
+            takeaways=takeaways(summary),
         )
+
+
+def takeaways(summary: Mapping) -> list[str]:
+    """The section's takeaways, from its numbers (``summary`` as the step returns it).
+
+    Args:
+        summary: ``test_per_class`` (digits per class in the test split),
+            ``grid_cells_per_image`` and ``mean_mask_fraction`` (of the cluttered canvases).
+
+    Returns:
+        Three sentences: the class balance (chance accuracy) and the chance levels of the two
+        localisation data sets.
+    """
+    counts = summary["test_per_class"]
+    classes = len(counts)
+    first = (
+        f"The test split holds {min(counts)} to {max(counts)} digits per class, so guessing "
+        f"scores about {1 / classes:.0%} and no class dominates the accuracies below."
+    )
+    cells = summary["grid_cells_per_image"]
+    second = (
+        f"A grid has {cells} cells, so a map that points at a random cell hits the outlined "
+        f"class {1 / cells:.0%} of the time: the pointing game's chance level."
+    )
+    fraction = summary["mean_mask_fraction"]
+    third = (
+        f"The digit masks cover {fraction:.0%} of a cluttered canvas on average: a map that "
+        "spreads its relevance at random puts about that share inside the mask, the floor a "
+        "localisation score must beat."
+    )
+    return [first, second, third]

@@ -9,15 +9,22 @@ from __future__ import annotations
 import importlib.util
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.demo import DemoContext, DemoSection, DemoStep, word_list
 
 BATCH = 64
 NEEDED = ("onnx", "onnxscript", "onnxruntime")
+
+OWN_MODEL = """\
+from explain_onnx import OnnxSession, export_onnx
+
+exported = export_onnx(model, images[:8], "model.onnx", explain="input_x_gradient")  # .parity
+logits, explanation = OnnxSession("model.onnx", device="cpu").run(images.numpy())  # no torch
+"""
 
 
 def _median_ms(run: Callable[[], Any], repeats: int) -> float:
@@ -94,7 +101,7 @@ class OnnxDemoStep(DemoStep):
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         rows = {}
-        for name, model, method, inputs, reference in jobs:
+        for name, model, method, inputs, reference in context.progress(jobs, "exporting"):
             path = folder / f"{name.lower().replace(' ', '_').replace('-', '_')}.onnx"
             result = export_onnx(model, inputs[:8], path, explain=method)
             parity = result.parity
@@ -130,6 +137,7 @@ class OnnxDemoStep(DemoStep):
                 f"{torch_ms:.2f} | {onnx_ms:.2f} | {session.provider} |"
             )
         passed = all(r["parity_passed"] for r in rows.values())
+        summary = {"batch": BATCH, "repeats": repeats, "models": rows}
         return DemoSection(
             self.title,
             lines=[
@@ -141,13 +149,56 @@ class OnnxDemoStep(DemoStep):
                 f"timings are medians of {repeats} runs on {BATCH} test digits, "
                 f"{torch.get_num_threads()} CPU thread(s) for both, the explanation included "
                 "(PyTorch: the library's own implementation). The `.onnx` files are in the "
-                "`onnx/` folder; onnxruntime alone runs them, without torch (see "
-                "`examples/onnx_coda_export/run_onnxruntime.py`).",
+                "`onnx/` folder; onnxruntime alone runs them, without torch: "
+                "`onnxruntime.InferenceSession(path).run(None, {'input': batch})` returns the "
+                "logits and the explanation.",
                 "",
                 *table,
             ],
-            summary={"batch": BATCH, "repeats": repeats, "models": rows},
+            summary=summary,
+            own_model=OWN_MODEL,
+            takeaways=takeaways(summary),
         )
+
+
+def takeaways(summary: Mapping) -> list[str]:
+    """The section's takeaways, from its numbers (``summary`` as the step returns it).
+
+    Args:
+        summary: ``models`` (name → parity, timings and file size) and ``batch``.
+
+    Returns:
+        Two sentences: whether the graphs agree with PyTorch, and how fast and large they are.
+    """
+    models = summary["models"]
+    failed = [name for name, row in models.items() if not row["parity_passed"]]
+    worst = max(row["test_batch_explanation_max_rel"] for row in models.values())
+    if failed:
+        first = (
+            f"{word_list(failed)} {'does' if len(failed) == 1 else 'do'} NOT match PyTorch "
+            "within tolerance: check the export before deploying it."
+        )
+    else:
+        first = (
+            f"Every exported graph matches PyTorch, its explanation included (at most "
+            f"{worst:.1e} relative on the test batch), so it can be deployed without torch."
+        )
+    speeds = []
+    for name, row in models.items():
+        ratio = row["torch_ms"] / row["onnxruntime_ms"]
+        if ratio > 1.05:
+            pace = f"{ratio:.1f}× as fast as"
+        elif ratio < 1 / 1.05:
+            pace = f"{1 / ratio:.1f}× slower than"
+        else:  # within 5%: timing noise on a shared machine
+            pace = "about as fast as"
+        speeds.append(
+            f"{name} with its explanation runs {pace} PyTorch ({row['onnxruntime_ms']:.1f} vs "
+            f"{row['torch_ms']:.1f} ms per batch of {summary['batch']}) from a "
+            f"{row['size_kb']:.0f} kB file"
+        )
+    second = "In onnxruntime, " + "; ".join(speeds) + "."
+    return [first, second]
 
 
 def _sci(value: float | None) -> str:

@@ -9,6 +9,7 @@ entropy at about the same accuracy.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -25,12 +26,29 @@ from explain_capsules.pruning import (
 from explain_capsules.recording import record_parse_tree_data
 from explain_capsules.rem import ParseTreeDictionary, quantise_couplings
 from explain_capsules.training import CapsuleTrainConfig, train_capsnet
-from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.demo import DemoContext, DemoSection, DemoStep, word_list
 from explain_core.training import accuracy
 
 LEVELS = 11  # REM's quantiser: centres 0, 0.1, …, 1.0
 TITLES = ("CapsNet+Q", "CapsNet+REM")
 ARCH = {"primary_caps": 16, "hidden_layers": 3, "hidden_caps": 16, "dim": 8}
+
+OWN_MODEL = """\
+from explain_capsules import ParseTreeDictionary, record_parse_tree_data
+
+recording = record_parse_tree_data(model, images, levels=11)  # couplings in K = 11 levels
+dictionary = ParseTreeDictionary(n_classes=model.classes)
+dictionary.update(recording.layers[-1].couplings, recording.predicted, 11)  # .entropy(), keys
+"""
+
+OWN_MODEL_TREES = """\
+from explain_capsules import record_parse_tree_data
+from explain_core.parse_trees import compare_parse_trees
+
+recording = record_parse_tree_data(model, images, levels=11)
+trees = compare_parse_trees([recording], "trees", titles=["my model"], samples=[0], classes=[])
+print(trees[0].text)  # trees/sample-0.svg is the picture (needs graphviz's dot program)
+"""
 
 
 def set_levels(model: nn.Module, levels: int | None) -> None:
@@ -103,7 +121,7 @@ class CapsulesREMDemoStep(DemoStep):
         rows: dict[str, dict[str, Any]] = {}
         dictionaries = {}
         test = digits.test_images
-        for name, model in models.items():
+        for name, model in context.progress(models.items(), "evaluating", total=len(models)):
             set_levels(model, None)
             raw = accuracy(model, test, digits.test_labels)
             set_levels(model, LEVELS)
@@ -149,6 +167,7 @@ class CapsulesREMDemoStep(DemoStep):
             else "REM does not lower the mean parse-tree entropy in this run"
         )
         cached = " (weights from the cache)" if cached_q and cached_rem else ""
+        summary = {"levels": LEVELS, "epochs": epochs, "target_sparsity": target, "models": rows}
         return DemoSection(
             self.title,
             lines=[
@@ -175,8 +194,59 @@ class CapsulesREMDemoStep(DemoStep):
                 f"{TITLES[0]} (K = {LEVELS})": q["accuracy_k11"],
                 f"{TITLES[1]} (K = {LEVELS}, {r['sparsity']:.0%} sparse)": r["accuracy_k11"],
             },
-            summary={"levels": LEVELS, "epochs": epochs, "models": rows},
+            summary=summary,
+            own_model=OWN_MODEL,
+            takeaways=rem_takeaways(summary),
         )
+
+
+def rem_takeaways(summary: Mapping) -> list[str]:
+    """The REM section's takeaways, from its numbers (``summary`` as the step returns it).
+
+    Args:
+        summary: ``models``: for each of :data:`TITLES`, its accuracies, sparsity, mean entropy,
+            mean keys and entropy per class.
+
+    Returns:
+        Three sentences: what REM does to the dictionaries, what it costs in accuracy, and the
+        classes that go against the mean.
+    """
+    q, r = (summary["models"][title] for title in TITLES)
+    entropy = (q["mean_entropy_bits"], r["mean_entropy_bits"])
+    keys = (q["mean_keys_per_class"], r["mean_keys_per_class"])
+    verb = "lowers" if entropy[1] < entropy[0] else "does not lower"
+    first = (
+        f"REM {verb} the mean parse-tree entropy: {entropy[0]:.2f} → {entropy[1]:.2f} bits, "
+        f"with {keys[0]:.1f} → {keys[1]:.1f} distinct coupling patterns per class."
+    )
+    change = r["accuracy_k11"] - q["accuracy_k11"]
+    second = (
+        f"Pruning {r['sparsity']:.0%} of the weights "
+        + (
+            f"costs {-100 * change:.1f} percentage points of test accuracy"
+            if change < 0
+            else f"costs no test accuracy (it changes by {100 * change:+.1f} points)"
+        )
+        + f" ({q['accuracy_k11']:.1%} → {r['accuracy_k11']:.1%}, couplings in K = "
+        f"{summary['levels']} levels)."
+    )
+    pairs = list(zip(q["entropy_per_class"], r["entropy_per_class"], strict=True))
+    falls = entropy[1] < entropy[0]
+    against = [c for c, (a, b) in enumerate(pairs) if (b < a) != falls]  # equal: not falling
+    if against:
+        cases = word_list([f"{c} ({pairs[c][0]:.2f} → {pairs[c][1]:.2f})" for c in against])
+        noun = "class" if len(against) == 1 else "classes"
+        third = (
+            f"Not every class follows the mean: the entropy "
+            f"{'does not fall' if falls else 'falls'} "
+            f"with REM for {noun} {cases}."
+        )
+    else:
+        third = (
+            f"Every class follows the mean: the entropy {'falls' if falls else 'does not fall'} "
+            f"with REM for all {len(pairs)} classes."
+        )
+    return [first, second, third]
 
 
 class ParseTreesDemoStep(DemoStep):
@@ -194,6 +264,7 @@ class ParseTreesDemoStep(DemoStep):
         from explain_core.errors import MissingDependencyError
         from explain_core.extras import require
         from explain_core.parse_trees import compare_parse_trees
+        from explain_core.plots import grid, save_figure
 
         try:
             require("networkx", "parse-tree graphs")
@@ -202,35 +273,92 @@ class ParseTreesDemoStep(DemoStep):
             return DemoSection(self.title, unavailable=" ".join(str(error).split()))
         digits = context.digits()
         count = 64 if context.quick else 200
-        images = digits.test_images[:count]
+        images, labels = digits.test_images[:count], digits.test_labels[:count]
         recordings = []
-        for model in models.values():
+        for model in context.progress(models.values(), "recording", total=len(models)):
             set_levels(model, LEVELS)
             recordings.append(record_parse_tree_data(model, images, levels=LEVELS))
             set_levels(model, None)
+        predicted = torch.stack([r.predicted for r in recordings], dim=1)  # (count, models)
+        # The first digits, and the first one a model gets wrong: a tree of a wrong prediction.
         samples = [0] if context.quick else [0, 1, 2]
-        classes = [int(digits.test_labels[0])] if context.quick else [0, 3, 8]
+        wrong = (predicted != labels[:, None]).any(dim=1).nonzero().flatten().tolist()
+        if wrong and wrong[0] not in samples:
+            samples.append(wrong[0])
+        classes = [int(labels[0])] if context.quick else [0, 3, 8]
         folder = context.out_dir / "parse_trees"
-        compared = compare_parse_trees(
-            recordings,
-            folder,
-            titles=TITLES,
-            samples=samples,
-            classes=classes,
-            class_names=[str(c) for c in range(10)],
-            format="svg",
-            require_dot=False,
+        options = {
+            "class_names": [str(c) for c in range(10)],
+            "format": "svg",
+            "require_dot": False,
+        }
+        facts = {
+            "samples": {
+                str(i): {
+                    "label": int(labels[i]),
+                    "predicted": dict(zip(TITLES, predicted[i].tolist(), strict=True)),
+                }
+                for i in samples
+            },
+            "classes": {
+                str(c): {
+                    t: {
+                        "predicted": int((predicted[:, m] == c).sum()),
+                        "truly": int(((predicted[:, m] == c) & (labels == c)).sum()),
+                    }
+                    for m, t in enumerate(TITLES)
+                }
+                for c in classes
+            },
+        }
+        compared, captions = [], {}
+        for i in context.progress(samples, "sample trees"):
+            fact = facts["samples"][str(i)]
+            titles = [
+                f"{t}, true {fact['label']}" + (" ✗ wrong" if p != fact["label"] else "")
+                for t, p in fact["predicted"].items()
+            ]
+            (tree,) = compare_parse_trees(recordings, folder, titles=titles, samples=[i], **options)
+            compared.append(tree)
+            captions[tree.key] = _sample_caption(i, fact)
+        for c in classes:
+            fact = facts["classes"][str(c)]
+            titles = [f"{t}, {n['truly']} of {n['predicted']} truly {c}" for t, n in fact.items()]
+            (tree,) = compare_parse_trees(recordings, folder, titles=titles, classes=[c], **options)
+            compared.append(tree)
+            captions[tree.key] = _class_caption(c, fact)
+
+        inputs_figure = "parse_trees/inputs.png"
+        save_figure(
+            grid(
+                inputs=[images[i] for i in samples for _ in TITLES],
+                labels=[int(labels[i]) for i in samples for _ in TITLES],
+                predictions=[int(predicted[i, m]) for i in samples for m in range(len(TITLES))],
+                column_titles=[f"sample {i}: {t}" for i in samples for t in TITLES],
+                title="The digits of the sample trees, as each model sees them",
+            ),
+            context.out_dir / inputs_figure,
         )
-        figures = [
-            str(c.rendered.path.relative_to(context.out_dir)) for c in compared if c.rendered
-        ]
+        figures = [inputs_figure]
+        figure_captions = {
+            inputs_figure: "The digits whose trees follow, once per model, titled with the true "
+            "label and that model's prediction (✗: wrong)."
+        }
+        for tree in compared:
+            if tree.rendered:
+                path = str(tree.rendered.path.relative_to(context.out_dir))
+                figures.append(path)
+                figure_captions[path] = captions[tree.key]
         lines = [
             f"Parse trees of {TITLES[0]} (left) and {TITLES[1]} (right) on the same inputs, "
             f"couplings quantised into K = {LEVELS} levels: for single test digits (backtracked "
-            "from each model's own prediction) and for whole classes (mean couplings over the "
-            f"class's samples among the first {count} test digits). Nodes are capsules (layer 1 "
-            "= primary; shade = activation ‖u‖), edges couplings above 1/|parents|; capsules "
-            "outside the tree are faded. The `.gv` sources are beside the pictures.",
+            "from each model's own prediction, right or wrong) and for whole classes (mean "
+            f"couplings over the samples each model predicts as that class among the first "
+            f"{count} test digits, wrong ones included). Nodes are capsules (layer 1 = primary; "
+            "shade = activation ‖u‖), edges couplings above 1/|parents|; capsules outside the "
+            "tree are faded. The `.gv` sources are beside the pictures.",
+            "",
+            *[f"- {captions[tree.key]}" for tree in compared],
         ]
         errors = {c.error for c in compared if c.error}
         if errors:
@@ -243,16 +371,109 @@ class ParseTreesDemoStep(DemoStep):
                 *compared[0].text.splitlines(),
                 "```",
             ]
+        summary = {
+            "pictures": len(figures) - 1,
+            "dot_missing": bool(errors),
+            "trees": {
+                c.key: {t: g.number_of_edges() for t, g in zip(TITLES, c.graphs, strict=True)}
+                for c in compared
+            },
+            **facts,
+        }
         return DemoSection(
             self.title,
             lines=lines,
             figures=figures,
-            summary={
-                "pictures": len(figures),
-                "dot_missing": bool(errors),
-                "trees": {
-                    c.key: {t: g.number_of_edges() for t, g in zip(TITLES, c.graphs, strict=True)}
-                    for c in compared
-                },
-            },
+            captions=figure_captions,
+            summary=summary,
+            own_model=OWN_MODEL_TREES,
+            takeaways=tree_takeaways(summary),
         )
+
+
+def _verdict(label: int, prediction: int) -> str:
+    return f"{prediction} (right)" if prediction == label else f"{prediction} (wrong ✗)"
+
+
+def _sample_caption(index: int, fact: Mapping) -> str:
+    """What a sample's picture shows, in words: the true label and each model's prediction."""
+    label = fact["label"]
+    said = word_list([f"{t} predicts {_verdict(label, p)}" for t, p in fact["predicted"].items()])
+    text = f"Sample {index}, a {label}: {said}."
+    wrong = [t for t, p in fact["predicted"].items() if p != label]
+    if wrong:
+        text += (
+            f" The tree{'s' * (len(wrong) > 1)} of {word_list(wrong)} "
+            f"explain{'s' * (len(wrong) == 1)} a wrong prediction: backtracked from the "
+            "predicted class, a tree shows how the model reached its answer."
+        )
+    return text
+
+
+def _class_caption(cls: int, fact: Mapping) -> str:
+    """What a class picture shows: how many samples each model predicts as it, how many truly."""
+    parts = [
+        f"{t} averages the {n['predicted']} digits it predicts as {cls} ({n['truly']} truly {cls})"
+        for t, n in fact.items()
+    ]
+    return f"Class {cls}: {word_list(parts)}."
+
+
+def tree_takeaways(summary: Mapping) -> list[str]:
+    """The parse-tree section's takeaways, from its numbers (``summary`` as the step returns it).
+
+    Args:
+        summary: ``trees`` (picture → model → edges), ``samples`` (index → true label and each
+            model's prediction) and ``classes`` (class → model → samples predicted and truly).
+
+    Returns:
+        Three sentences: which model's trees are smaller, which trees explain wrong
+        predictions, and how pure the class trees are.
+    """
+    edges = {t: [tree[t] for tree in summary["trees"].values()] for t in TITLES}
+    mean = {t: sum(values) / len(values) for t, values in edges.items()}
+    smaller = min(TITLES, key=mean.__getitem__)
+    first = (
+        f"{smaller}'s trees are the smaller ones: "
+        + word_list([f"{mean[t]:.1f} edges for {t}" for t in TITLES])
+        + f" on average over the {len(summary['trees'])} pictures."
+        if mean[TITLES[0]] != mean[TITLES[1]]
+        else f"Both models' trees have {mean[TITLES[0]]:.1f} edges on average."
+    )
+    wrong = [
+        f"sample {i} (a {fact['label']}, predicted "
+        + word_list([f"{p} by {t}" for t, p in fact["predicted"].items() if p != fact["label"]])
+        + ")"
+        for i, fact in summary["samples"].items()
+        if any(p != fact["label"] for p in fact["predicted"].values())
+    ]
+    shown = len(summary["samples"])
+    second = (
+        f"{len(wrong)} of the {shown} sample pictures {'shows' if len(wrong) == 1 else 'show'} "
+        f"trees of wrong predictions, {word_list(wrong)}: a tree shows how the model reached "
+        "its answer, not where the true digit is."
+        if wrong
+        else f"All {shown} sample pictures show trees of right predictions."
+    )
+    purity = {
+        (c, t): n["truly"] / n["predicted"]
+        for c, per_model in summary["classes"].items()
+        for t, n in per_model.items()
+        if n["predicted"]
+    }
+    (c, t) = min(purity, key=purity.__getitem__)
+    n = summary["classes"][c][t]
+    if purity[(c, t)] < 1:
+        third = (
+            f"The class trees average whatever a model predicts: {t}'s class-{c} tree holds "
+            f"{n['predicted'] - n['truly']} of {n['predicted']} digits of other classes."
+        )
+    else:
+        digits = sum(
+            n["predicted"] for per_model in summary["classes"].values() for n in per_model.values()
+        )
+        third = (
+            f"No class tree mixes in other classes: all {digits} digits they average are truly "
+            "of their tree's class."
+        )
+    return [first, second, third]

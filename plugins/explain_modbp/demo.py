@@ -9,15 +9,16 @@ cascading parameter randomisation.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from explain_core.api import explain
-from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.demo import DemoContext, DemoSection, DemoStep, prediction_note, word_list
+from explain_core.demo_curves import curve_takeaway, deletion_insertion_report
 from explain_core.metrics import faithfulness_card, format_value
 from explain_core.plots import grid, save_figure
 from explain_core.training import accuracy, train_classifier
@@ -48,6 +49,18 @@ QUICK_METHODS = (
 SHOWN = 6
 # 16×16 digits (upsampled): SSIM's 7×7 window stays local, unlike on 8×8 maps.
 IMAGE_SIZE = 16
+# SSIM at or above this: the maps look alike (Sixt et al. read ≈ 1 as "not sensitive").
+ALIKE = 0.5
+
+OWN_MODEL = """\
+from explain_core import explain
+from explain_core.metrics import faithfulness_card
+from explain_core.metrics.deletion_insertion import deletion_insertion
+
+card = faithfulness_card(model, images, labels, "lrp.epsilon", epsilon=0.25)  # the table's columns
+maps = explain(model, images, "lrp.epsilon", labels, epsilon=0.25).spatial_map()
+curves = deletion_insertion(model, images, maps, labels)  # .deletion_auc, .insertion_auc
+"""
 
 
 def digits_cnn(size: int = IMAGE_SIZE) -> nn.Sequential:
@@ -108,7 +121,7 @@ class ModifiedBackpropDemoStep(DemoStep):
         with torch.no_grad():
             predicted = model(images).argmax(1)
         rows = {}
-        for name in names:
+        for name in context.progress(names, "maps"):
             method, options = METHODS[name]
             result = explain(model, images, method, labels, **options)
             rows[name] = result.spatial_map()
@@ -124,7 +137,7 @@ class ModifiedBackpropDemoStep(DemoStep):
         count = 8 if context.quick else 32
         check_images, check_labels = digits.test_images[:count], digits.test_labels[:count]
         cards = {}
-        for name in tqdm(names, desc="faithfulness cards", leave=False, disable=None):
+        for name in context.progress(names, "faithfulness cards"):
             method, options = METHODS[name]
             cards[name] = faithfulness_card(
                 model,
@@ -135,6 +148,18 @@ class ModifiedBackpropDemoStep(DemoStep):
                 n_vectors=3 if context.quick else 5,
                 **options,
             )
+        curve_count = 64 if context.quick else 256
+        curve_images = digits.test_images[:curve_count]
+        curve_labels = digits.test_labels[:curve_count]
+        curve_maps = {}
+        for name in context.progress(names, "maps for the curves"):
+            method, options = METHODS[name]
+            curve_maps[name] = explain(
+                model, curve_images, method, curve_labels, **options
+            ).spatial_map()
+        curves = deletion_insertion_report(
+            context, model, curve_images, curve_labels, curve_maps, "modbp_curves.png"
+        )
         table = [
             "| method | completeness error | CSC at first layer | random-logit SSIM | "
             "SSIM, output layer randomised | SSIM, all layers randomised |",
@@ -148,6 +173,13 @@ class ModifiedBackpropDemoStep(DemoStep):
                 f"{format_value(card['randomisation_ssim_top'])} | "
                 f"{format_value(card['randomisation_ssim_all'])} |"
             )
+        summary = {
+            "test_accuracy": test_accuracy,
+            "cached": cached,
+            "samples": count,
+            "cards": {name: _jsonable(card) for name, card in cards.items()},
+            "curves": curves.summary(),
+        }
         return DemoSection(
             self.title,
             lines=[
@@ -156,7 +188,8 @@ class ModifiedBackpropDemoStep(DemoStep):
                 f"{IMAGE_SIZE}×{IMAGE_SIZE}"
                 f"{' (weights from the cache)' if cached else ''}. The picture shows the same "
                 f"{SHOWN} test digits explained by {len(names)} methods for their true class; "
-                "each map is coloured on its own symmetric scale (red for, blue against).",
+                "each map is coloured on its own symmetric scale (red for, blue against). "
+                + prediction_note(labels, predicted),
                 "",
                 f"Faithfulness card per method, on {count} test digits (Sixt et al. 2020, "
                 "*When explanations lie*). **Completeness error**: mean |logit − Σ map| / "
@@ -171,16 +204,84 @@ class ModifiedBackpropDemoStep(DemoStep):
                 "last four columns (SSIM with a 7×7 window on the 16×16 maps).",
                 "",
                 *table,
+                "",
+                f"Deletion and insertion (Petsiuk et al. 2018) on {curves.samples} test digits: "
+                "the probability of the true class as the pixels a method ranks highest are "
+                "removed first (set to the background, 0), or put back first into an empty "
+                "image. A faithful ranking makes deletion fall fast and insertion rise fast.",
+                "",
+                *curves.table,
             ],
-            figures=["modbp_maps.png"],
-            accuracies={f"ReLU CNN, {IMAGE_SIZE}×{IMAGE_SIZE} digits": test_accuracy},
-            summary={
-                "test_accuracy": test_accuracy,
-                "cached": cached,
-                "samples": count,
-                "cards": {name: _jsonable(card) for name, card in cards.items()},
+            figures=["modbp_maps.png", curves.figure],
+            captions={
+                "modbp_maps.png": f"{len(names)} methods' maps of six test digits for their true "
+                "class; each column is titled with its true label and the prediction (✗: "
+                "wrong).",
+                curves.figure: curves.caption,
             },
+            accuracies={f"ReLU CNN, {IMAGE_SIZE}×{IMAGE_SIZE} digits": test_accuracy},
+            summary=summary,
+            own_model=OWN_MODEL,
+            takeaways=takeaways(summary),
         )
+
+
+def _numbers(cards: Mapping[str, Mapping[str, Any]], key: str) -> dict[str, float]:
+    """Each method's ``key`` where it is a number (texts say why it is not defined)."""
+    return {
+        name: float(card[key])
+        for name, card in cards.items()
+        if isinstance(card[key], int | float) and not isinstance(card[key], bool)
+    }
+
+
+def _listing(values: dict[str, float]) -> str:
+    return word_list([f"{name} at {value:.2f}" for name, value in values.items()])
+
+
+def takeaways(summary: Mapping) -> list[str]:
+    """The section's takeaways, from its numbers (``summary`` as the step returns it).
+
+    Args:
+        summary: ``cards`` (method → faithfulness card) and ``curves`` (see
+            :meth:`~explain_core.demo_curves.CurveReport.summary`).
+
+    Returns:
+        Three sentences: class sensitivity by random-logit SSIM, dependence on the weights by
+        cascading randomisation, and the most faithful pixel order by deletion and insertion.
+    """
+    cards = summary["cards"]
+    logit = _numbers(cards, "random_logit_ssim")
+    blind = {name: value for name, value in logit.items() if value >= ALIKE}
+    keen = min(logit, key=logit.__getitem__)
+    if blind:
+        first = (
+            f"By random-logit SSIM, {_listing(blind)} "
+            f"{'is' if len(blind) == 1 else 'are'} not class-sensitive: the maps for the true "
+            f"class and for a random other class look alike (SSIM ≥ {ALIKE}); {keen} is the "
+            f"most class-sensitive ({logit[keen]:.2f})."
+        )
+    else:
+        top = max(logit, key=logit.__getitem__)
+        first = (
+            f"Every method is class-sensitive by random-logit SSIM (all below {ALIKE}; the "
+            f"highest is {top} at {logit[top]:.2f}, the lowest {keen} at {logit[keen]:.2f})."
+        )
+    weights = _numbers(cards, "randomisation_ssim_all")
+    ignoring = {name: value for name, value in weights.items() if value >= ALIKE}
+    if ignoring:
+        second = (
+            f"With every layer re-initialised, the maps of {_listing(ignoring)} still look like "
+            "the trained network's, so they show the input more than what the network learned."
+        )
+    else:
+        top = max(weights, key=weights.__getitem__)
+        second = (
+            "Every method's maps change when the layers are re-initialised (SSIM below "
+            f"{ALIKE}; the most alike, {top}, at {weights[top]:.2f}): all depend on the "
+            "learned weights."
+        )
+    return [first, second, curve_takeaway(summary["curves"]["auc"])]
 
 
 def _jsonable(card: dict[str, Any]) -> dict[str, Any]:

@@ -10,12 +10,14 @@ trained model biases absorb part of the score in both.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from explain_core.api import explain
-from explain_core.demo import DemoContext, DemoSection, DemoStep
+from explain_core.demo import DemoContext, DemoSection, DemoStep, prediction_note, word_list
+from explain_core.demo_curves import curve_takeaway, deletion_insertion_report
 from explain_core.plots import grid, save_figure
 from explain_core.training import accuracy
 from explain_modbp.digits_vit import DigitsViT, bias_free_copy, train_digits_vit
@@ -28,6 +30,16 @@ METHODS: dict[str, str] = {
     "Integrated Gradients": "integrated_gradients",
 }
 SHOWN = 6
+# A relative gap below this is float64 rounding: the relevance sums to the score.
+CONSERVED = 1e-9
+
+OWN_MODEL = """\
+from explain_core import explain
+
+result = explain(model, images, "lrp.cp", labels)  # CP-LRP; "lrp.attn" for AttnLRP
+score = result.output.gather(1, result.target[:, None]).squeeze(1)
+gap = (score - result.attribution.flatten(1).sum(1)).abs() / score.abs()  # the table's column
+"""
 
 
 def relative_gap(
@@ -63,8 +75,8 @@ class TransformerDemoStep(DemoStep):
         with torch.no_grad():
             predicted = model(images).argmax(1)
         rows = {}
-        for name, method in METHODS.items():
-            result = explain(model, images, method, labels)
+        for name in context.progress(METHODS, "maps"):
+            result = explain(model, images, METHODS[name], labels)
             rows[name] = result.spatial_map()
         figure = grid(
             rows,
@@ -83,8 +95,18 @@ class TransformerDemoStep(DemoStep):
                 "trained": relative_gap(plain, check, check_labels, METHODS[name]),
                 "bias-free": relative_gap(bias_free, check, check_labels, METHODS[name]),
             }
-            for name in ("AttnLRP", "CP-LRP")
+            for name in context.progress(("AttnLRP", "CP-LRP"), "conservation")
         }
+        curve_count = 64 if context.quick else 256
+        curve_images = digits.test_images[:curve_count]
+        curve_labels = digits.test_labels[:curve_count]
+        curve_maps = {
+            name: explain(model, curve_images, METHODS[name], curve_labels).spatial_map()
+            for name in context.progress(METHODS, "maps for the curves")
+        }
+        curves = deletion_insertion_report(
+            context, model, curve_images, curve_labels, curve_maps, "transformer_curves.png"
+        )
         table = [
             "| method | mean \\|score − ΣR\\| / \\|score\\|, trained | the same, bias-free copy |",
             "| --- | --- | --- |",
@@ -93,7 +115,13 @@ class TransformerDemoStep(DemoStep):
                 for name, gap in gaps.items()
             ),
         ]
-        wrong = int((predicted != labels).sum())
+        summary = {
+            "test_accuracy": test_accuracy,
+            "cached": cached,
+            "samples": count,
+            "conservation_gap": gaps,
+            "curves": curves.summary(),
+        }
         return DemoSection(
             self.title,
             lines=[
@@ -101,10 +129,10 @@ class TransformerDemoStep(DemoStep):
                 "`nn.TransformerEncoderLayer`, 4 heads, width 32) reaches "
                 f"{test_accuracy:.1%} test accuracy on the 8×8 digits"
                 f"{' (weights from the cache)' if cached else ''}. The picture explains "
-                f"{SHOWN} test digits for their true class ({wrong} of them predicted "
-                "otherwise, marked ✗) with AttnLRP, CP-LRP and the gradient family; the "
-                "model's own attention code runs unchanged (`nn.MultiheadAttention` in its "
-                "math form inside the engine).",
+                f"{SHOWN} test digits for their true class with AttnLRP, CP-LRP and the "
+                "gradient family; the model's own attention code runs unchanged "
+                "(`nn.MultiheadAttention` in its math form inside the engine). "
+                + prediction_note(labels, predicted),
                 "",
                 f"Conservation on {count} test digits, in float64. CP-LRP holds the attention "
                 "weights and normalisation scales constant, so the bias-free copy (biases, "
@@ -114,13 +142,61 @@ class TransformerDemoStep(DemoStep):
                 "own finding). On the trained model biases absorb part of the score in both.",
                 "",
                 *table,
+                "",
+                f"Deletion and insertion (Petsiuk et al. 2018) on {curves.samples} test digits: "
+                "the probability of the true class as the pixels a method ranks highest are "
+                "removed first (set to the background, 0), or put back first into an empty "
+                "image. A faithful ranking makes deletion fall fast and insertion rise fast.",
+                "",
+                *curves.table,
             ],
-            figures=["transformer_maps.png"],
-            accuracies={"ViT, 8×8 digits": test_accuracy},
-            summary={
-                "test_accuracy": test_accuracy,
-                "cached": cached,
-                "samples": count,
-                "conservation_gap": gaps,
+            figures=["transformer_maps.png", curves.figure],
+            captions={
+                "transformer_maps.png": "The ViT's maps of six test digits for their true class "
+                "by five methods; each column is titled with its true label and the prediction "
+                "(✗: wrong).",
+                curves.figure: curves.caption,
             },
+            accuracies={"ViT, 8×8 digits": test_accuracy},
+            summary=summary,
+            own_model=OWN_MODEL,
+            takeaways=takeaways(summary),
         )
+
+
+def takeaways(summary: Mapping) -> list[str]:
+    """The section's takeaways, from its numbers (``summary`` as the step returns it).
+
+    Args:
+        summary: ``conservation_gap`` (method → gap on the trained model and the bias-free
+            copy) and ``curves`` (see :meth:`~explain_core.demo_curves.CurveReport.summary`).
+
+    Returns:
+        Three sentences: which rules conserve on the bias-free copy, how much the biases absorb
+        on the trained model, and the most faithful pixel order by deletion and insertion.
+    """
+    gaps = summary["conservation_gap"]
+    conserving = [name for name, gap in gaps.items() if gap["bias-free"] < CONSERVED]
+    leaking = [name for name, gap in gaps.items() if gap["bias-free"] >= CONSERVED]
+    parts = []
+    if conserving:
+        largest = max(gaps[name]["bias-free"] for name in conserving)
+        verb = "conserves" if len(conserving) == 1 else "conserve"
+        parts.append(
+            f"on the bias-free copy {word_list(conserving)} {verb} relevance (gap {largest:.1e})"
+        )
+    parts += [
+        f"{name} misses the score by {gaps[name]['bias-free']:.0%} even there" for name in leaking
+    ]
+    first = "; ".join(parts)
+    first = first[0].upper() + first[1:]
+    growing = [name for name, gap in gaps.items() if gap["trained"] > gap["bias-free"]]
+    if growing:
+        second = (
+            "On the trained model the gap grows for "
+            + word_list([f"{name} (to {gaps[name]['trained']:.0%})" for name in growing])
+            + ": biases, LayerNorm shifts and position embeddings take part of the score."
+        )
+    else:
+        second = "The trained model's biases do not widen the gap of any rule here."
+    return [first + ".", second, curve_takeaway(summary["curves"]["auc"])]
