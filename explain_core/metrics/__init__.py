@@ -15,6 +15,7 @@ from explain_core.metrics.csc import (
     layer_propagator,
     relevance_cosines,
 )
+from explain_core.metrics.deletion_insertion import DeletionInsertion, deletion_insertion
 from explain_core.metrics.localisation import (
     grid_class_pairs,
     localisation_score,
@@ -35,6 +36,7 @@ from explain_core.metrics.randomisation import (
 __all__ = [
     "AutogradPropagator",
     "CSCResult",
+    "DeletionInsertion",
     "LayerPropagator",
     "MatrixChainCurve",
     "RandomLogitResult",
@@ -43,6 +45,7 @@ __all__ = [
     "UnsupportedMethodError",
     "cascading_randomisation",
     "cosine_similarity_convergence",
+    "deletion_insertion",
     "faithfulness_card",
     "format_card",
     "format_value",

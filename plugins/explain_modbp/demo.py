@@ -55,7 +55,7 @@ ALIKE = 0.5
 OWN_MODEL = """\
 from explain_core import explain
 from explain_core.metrics import faithfulness_card
-from explain_core.metrics.deletion_insertion import deletion_insertion
+from explain_core.metrics import deletion_insertion
 
 card = faithfulness_card(model, images, labels, "lrp.epsilon", epsilon=0.25)  # the table's columns
 maps = explain(model, images, "lrp.epsilon", labels, epsilon=0.25).spatial_map()
