@@ -44,6 +44,17 @@ class CurveReport:
     samples: int = 0
     wrong: int = 0
 
+    def lines(self) -> list[str]:
+        """The report's paragraph on the curves, followed by the table."""
+        return [
+            f"Deletion and insertion (Petsiuk et al. 2018) on {self.samples} test digits: "
+            "the probability of the true class as the pixels a method ranks highest are "
+            "removed first (set to the background, 0), or put back first into an empty "
+            "image. A faithful ranking makes deletion fall fast and insertion rise fast.",
+            "",
+            *self.table,
+        ]
+
     def summary(self) -> dict[str, object]:
         """The numbers for ``summary.json``."""
         return {"samples": self.samples, "wrong": self.wrong, "steps": STEPS, "auc": self.aucs}

@@ -152,6 +152,16 @@ def _scale_label(v: float, percentile: float, patch_size: int | None = None) -> 
     return f"{what}, symmetric scale\n±{v:.3g} = {_which(percentile)}"
 
 
+def _single(figure: Any, axis: Any, shown: Any, title: str | None, scale: str | None) -> Any:
+    """Finish a one-picture figure: no ticks, the title, the colour bar labelled ``scale``."""
+    _bare(axis)
+    if title:
+        axis.set_title(title, fontsize=10)
+    if scale is not None:
+        _colour_bar(figure, shown, axis, scale)
+    return figure
+
+
 def _bare(axis: Any) -> None:
     axis.set_xticks([])
     axis.set_yticks([])
@@ -187,12 +197,8 @@ def heatmap(
     v = _scale(heat, percentile)
     figure, axis = _target(ax, heat.shape)
     shown = axis.imshow(heat, cmap=COLOUR_MAP, vmin=-v, vmax=v, interpolation="nearest")
-    _bare(axis)
-    if title:
-        axis.set_title(title, fontsize=10)
-    if colorbar:
-        _colour_bar(figure, shown, axis, _scale_label(v, percentile, patch_size))
-    return figure
+    scale = _scale_label(v, percentile, patch_size) if colorbar else None
+    return _single(figure, axis, shown, title, scale)
 
 
 def overlay(
@@ -253,12 +259,8 @@ def overlay(
         interpolation="nearest",
         extent=(-0.5, width - 0.5, height - 0.5, -0.5),
     )
-    _bare(axis)
-    if title:
-        axis.set_title(title, fontsize=10)
-    if colorbar:
-        _colour_bar(figure, shown, axis, _scale_label(v, percentile, patch_size))
-    return figure
+    scale = _scale_label(v, percentile, patch_size) if colorbar else None
+    return _single(figure, axis, shown, title, scale)
 
 
 def _target(ax: Any, shape: tuple[int, ...]) -> tuple[Any, Any]:

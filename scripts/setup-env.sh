@@ -23,19 +23,22 @@ if [ ! -x "$venv/bin/python" ]; then
     "$python" -m venv "$venv"
 fi
 
+# apt_install PACKAGE WHAT: install a Debian package as root with apt-get (updating the package
+# lists once if needed); fails quietly where that is not possible.
+apt_install() {
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 || return 1
+    echo "installing $2 (apt-get install $1)"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -q --no-install-recommends "$1" >/dev/null 2>&1 \
+        || { apt-get update -q >/dev/null 2>&1 \
+            && apt-get install -y -q --no-install-recommends "$1" >/dev/null 2>&1; }
+}
+
 # Parse-tree pictures (the graphs extra) need graphviz's `dot` program, which pip cannot install:
 # as root with apt-get (Debian/Ubuntu) install the package `graphviz`; failing is not fatal.
 ensure_dot() {
     command -v dot >/dev/null 2>&1 && return 0
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "installing graphviz's dot program (apt-get install graphviz)"
-        export DEBIAN_FRONTEND=noninteractive
-        if apt-get install -y -q --no-install-recommends graphviz >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null 2>&1 \
-                && apt-get install -y -q --no-install-recommends graphviz >/dev/null 2>&1; }; then
-            return 0
-        fi
-    fi
+    apt_install graphviz "graphviz's dot program" && return 0
     echo "warning: graphviz's dot program is missing and could not be installed here; parse" \
         "trees are written as .gv sources and text only (install it with: apt-get install" \
         "graphviz, or brew/conda install graphviz)" >&2
@@ -52,15 +55,7 @@ ensure_chromium() {
     for name in chromium chromium-browser google-chrome google-chrome-stable; do
         command -v "$name" >/dev/null 2>&1 && return 0
     done
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-        echo "installing headless Chromium for the report test (apt-get install chromium)"
-        export DEBIAN_FRONTEND=noninteractive
-        if apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 \
-            || { apt-get update -q >/dev/null 2>&1 \
-                && apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1; }; then
-            return 0
-        fi
-    fi
+    apt_install chromium "headless Chromium for the report test" && return 0
     echo "warning: Chromium is missing and could not be installed here; the tests that open" \
         "the demo's report in a browser need it (install it with: apt-get install chromium)" >&2
 }

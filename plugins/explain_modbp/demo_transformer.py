@@ -143,12 +143,7 @@ class TransformerDemoStep(DemoStep):
                 "",
                 *table,
                 "",
-                f"Deletion and insertion (Petsiuk et al. 2018) on {curves.samples} test digits: "
-                "the probability of the true class as the pixels a method ranks highest are "
-                "removed first (set to the background, 0), or put back first into an empty "
-                "image. A faithful ranking makes deletion fall fast and insertion rise fast.",
-                "",
-                *curves.table,
+                *curves.lines(),
             ],
             figures=["transformer_maps.png", curves.figure],
             captions={
