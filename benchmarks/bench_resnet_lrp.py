@@ -13,6 +13,9 @@ Within one run the script times, interleaved round by round:
   convolution in the backward pass (its two signal parts);
 - Captum's LRP with its default rules (ε on every layer), for scale, where it runs.
 
+Each ratio is the median over rounds of the two candidates' times within one round (the order
+rotates from round to round): a slow spell of the shared machine cancels out.
+
 Peak memory: each candidate in a fresh process (nothing else run before it, glibc's mmap
 threshold at 64 KiB so that the resident set follows live memory), the largest resident set
 above the built model, sampled every millisecond. Zennit needs torchvision and runs in another
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable
 
@@ -34,8 +38,9 @@ from harness import (
     PeakResidentSet,
     gamma_weights,
     gradient_plus_rule_convolutions,
-    interleaved_medians,
+    interleaved_times,
     memory_worker_output,
+    paired_ratio,
     plain_gradient,
     write_results,
     z_plus_weights,
@@ -107,7 +112,7 @@ def peak_memory(candidate: str, batch: int, side: int) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--side", type=int, default=224)
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
@@ -118,16 +123,16 @@ def main() -> None:
     torch.set_num_threads(2)
     model, x, target = build(args.batch, args.side)
     runs = candidates(model, x, target)
-    seconds = interleaved_medians(runs, args.rounds)
+    times = interleaved_times(runs, args.rounds)
     memory = {candidate: peak_memory(candidate, args.batch, args.side) for candidate in runs}
 
     rows = [
         {
             "candidate": candidate,
-            "median s": seconds[candidate],
-            "× gradient time": seconds[candidate] / seconds["gradient"],
+            "median s": statistics.median(times[candidate]),
+            "× gradient time": paired_ratio(times, candidate, "gradient"),
             "× its lower bound": (
-                seconds[candidate] / seconds[BOUNDS[candidate]] if candidate in BOUNDS else None
+                paired_ratio(times, candidate, BOUNDS[candidate]) if candidate in BOUNDS else None
             ),
             "peak MiB above model": memory[candidate] / 2**20,
             "× gradient memory": memory[candidate] / memory["gradient"],
@@ -143,7 +148,8 @@ def main() -> None:
         command="PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py",
         notes=(
             f"The re-creation of torchvision's resnet50 (tests/zoo.py), random weights, 2 threads, "
-            f"medians of {args.rounds} interleaved rounds; peak memory: the largest resident set "
+            f"{args.rounds} interleaved rounds (the order rotating); times: medians, ratios: "
+            "medians of the ratios within each round; peak memory: the largest resident set "
             "above the built model, one fresh process per candidate. Goals: ≤ 1.05× the lower "
             "bound (one gradient plus the convolutions the composite's rule adds: W⁺∗a for z⁺; "
             "(W + γW⁺)∗a, (W + γW⁻)∗a and one more transposed convolution for γ), ≤ 2× the "

@@ -74,24 +74,46 @@ def median_seconds(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 1) 
     return statistics.median(times)
 
 
-def interleaved_medians(
+def interleaved_times(
     candidates: dict[str, Callable[[], Any]], rounds: int, *, warmup: int = 1
-) -> dict[str, float]:
-    """Median seconds per candidate, each timed once per round in turn.
+) -> dict[str, list[float]]:
+    """Seconds per candidate and round, each candidate timed once per round in turn.
 
     Interleaving spreads a shared machine's slow spells over all candidates alike, where timing
-    one candidate's repeats after another's would charge them to whichever ran then.
+    one candidate's repeats after another's would charge them to whichever ran then; the order
+    rotates from round to round, so that no candidate always follows the same one (a large
+    allocation, say).
     """
     for fn in candidates.values():
         for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
+    names = list(candidates)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(rounds):
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
-            fn()
+            candidates[name]()
             times[name].append(time.perf_counter() - start)
+    return times
+
+
+def interleaved_medians(
+    candidates: dict[str, Callable[[], Any]], rounds: int, *, warmup: int = 1
+) -> dict[str, float]:
+    """Median seconds per candidate over :func:`interleaved_times`' rounds."""
+    times = interleaved_times(candidates, rounds, warmup=warmup)
     return {name: statistics.median(values) for name, values in times.items()}
+
+
+def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
+    """Median over rounds of ``numerator``'s time over ``denominator``'s in the same round.
+
+    Both ran in the same round, seconds apart: a slow spell that spans the round cancels out,
+    where a ratio of two medians would compare different rounds.
+    """
+    pairs = zip(times[numerator], times[denominator], strict=True)
+    return statistics.median(a / b for a, b in pairs)
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -72,13 +72,20 @@ def _graph_kept() -> bool:
     return True if query is None else bool(query())
 
 
+def _begin_backward(ctx: Any) -> RuleCall:
+    """The call of ``ctx``, told whether this backward is its last (``call.last_backward``)."""
+    call: RuleCall = ctx.call
+    call.last_backward = not _graph_kept()
+    return call
+
+
 def _release(ctx: Any) -> None:
     """Drop what a rule kept for its backward once it has run, as autograd frees saved tensors.
 
     Without this the calls (their inputs, outputs and state) would live until the whole graph
     is freed, and a backward pass would hold every layer's tensors to its end.
     """
-    if not _graph_kept():
+    if ctx.call.last_backward:
         ctx.rule = ctx.call = None
 
 
@@ -98,7 +105,7 @@ class _RuleFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         ctx.saved_tensors  # noqa: B018  (the in-place check)
-        (grad,) = ctx.rule.backward(ctx.call, signal)
+        (grad,) = ctx.rule.backward(_begin_backward(ctx), signal)
         _release(ctx)
         return grad, None, None
 
@@ -123,7 +130,7 @@ class _ModuleRule(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         rule: Rule = ctx.rule
-        call: RuleCall = ctx.call
+        call = _begin_backward(ctx)
         _check_versions(rule, call, ctx.versions, f"module {call.name or '<root>'!r}")
         call.grad_output = grad_output
         with torch.enable_grad():
@@ -194,7 +201,7 @@ class _OpRuleFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[Any, ...]:
-        call: RuleCall = ctx.call
+        call = _begin_backward(ctx)
         _check_versions(ctx.rule, call, ctx.versions, f"operation {call.name!r}")
         call.grad_output = grad_output
         grads = tuple(ctx.rule.backward(call, grad_output))

@@ -70,6 +70,9 @@ class RuleCall:
         branch_free: The pass is being traced into a graph (an ONNX export): the rule must not
             branch on tensor values (``if bool(...)``), e.g. compute a fallback everywhere and
             select it with ``torch.where``.
+        last_backward: Set by the engine during backward: no other backward pass will read
+            ``state`` (the graph is not kept), so the rule may write into its tensors, e.g.
+            multiply the signal into a kept ratio instead of allocating a new tensor.
     """
 
     module: nn.Module | None
@@ -84,6 +87,7 @@ class RuleCall:
     kwargs: dict[str, Any] = field(default_factory=dict, repr=False)
     sources: tuple[RuleCall | None, ...] = field(default=(), repr=False)
     branch_free: bool = False
+    last_backward: bool = False
 
 
 class Rule(ABC):

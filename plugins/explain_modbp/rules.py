@@ -55,6 +55,11 @@ def _ratio(
     return ratio.nan_to_num_(0.0, 0.0, 0.0)
 
 
+def _times_ratio(call: RuleCall, grad_output: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
+    """``grad_output ⊙ ratio``; written into the kept ratio when no other backward reads it."""
+    return ratio.mul_(grad_output) if call.last_backward else grad_output * ratio
+
+
 class _RelevanceForm(AffineRule):
     """A rule written for relevance at the output: the signal ``s`` is the relevance ``z ⊙ s``."""
 
@@ -80,7 +85,7 @@ class _ModifiedWeightsWithRatio(_ModifiedWeights):
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:
         layer, x, _ = self.affine(call)
         weight, _, ratio = call.state
-        return (layer.transpose(grad_output * ratio, x, weight),)
+        return (layer.transpose(_times_ratio(call, grad_output, ratio), x, weight),)
 
 
 class Epsilon(AffineRule):
@@ -113,7 +118,7 @@ class Epsilon(AffineRule):
         if ratio.dtype == torch.bool:
             signal = torch.where(ratio, grad_output, 0.0)
         else:
-            signal = grad_output * ratio
+            signal = _times_ratio(call, grad_output, ratio)
         return (layer.transpose(signal, x),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
@@ -200,7 +205,7 @@ class Gamma(_SignAware):
         return signed, rising, _ratio(z, denominator, overwrite=True)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        return (self._propagate(call, grad_output * call.state[2]),)
+        return (self._propagate(call, _times_ratio(call, grad_output, call.state[2])),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
@@ -282,8 +287,8 @@ class AlphaBeta(_SignAware):
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio_pos, ratio_neg = call.state[1]
-        s_neg = grad_output * ratio_neg if ratio_neg is not None else None
-        return (self._propagate(call, grad_output * ratio_pos, s_neg),)
+        s_neg = _times_ratio(call, grad_output, ratio_neg) if ratio_neg is not None else None
+        return (self._propagate(call, _times_ratio(call, grad_output, ratio_pos), s_neg),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
