@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from explain_core import explain
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, ModelRunError
 from explain_modbp import PatternMismatchError
 from explain_modbp.pattern import Patterns, fit_patterns
 
@@ -127,6 +127,10 @@ def test_patterns_of_another_architecture_and_missing_patterns_are_errors(tmp_pa
         Patterns.load(tmp_path / "other.safetensors")
     with pytest.raises(InvalidInputError, match="estimator"):
         fit_patterns(model, x, estimator="quadratic")
+    with pytest.raises(ModelRunError, match=r"pattern data are torch.float32 .* torch.float64"):
+        fit_patterns(model, x.float())  # found by the zoo: a raw error from inside conv2d
+    with pytest.raises(InvalidInputError, match="pattern data contain NaN"):
+        fit_patterns(model, x.clone().fill_(float("nan")))
     assert_same_state(before, state_fingerprint(model))
 
 

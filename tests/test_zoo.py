@@ -2,10 +2,12 @@
 
 The method × architecture table in ``docs/zoo.md`` is this test's output: it is computed here and
 must equal the page (``EXPLAIN_WRITE_ZOO_TABLE=1 pytest tests/test_zoo.py`` rewrites it). Exact
-checks where a method has an exact property: LRP-0 and CP-LRP conserve on the bias-free twin
-(every bias, BatchNorm shift and norm offset zero), DeepLIFT's maps sum to ``f(x) − f(0)``; every
-other map must be finite (an all-zero one is marked), its rules being tested layer by layer
-elsewhere.
+checks where a method has an exact property: LRP-0, CP-LRP and AttnLRP conserve on the bias-free
+twin (every bias, BatchNorm shift and norm offset zero), DeepLIFT's maps sum to ``f(x) − f(0)``,
+the gradient methods equal autograd's; every LRP preset, Excitation BP, Contrastive LRP, Guided
+BP, Deconv, RectGrad and SmoothGrad equal an independent float64 reference
+(``tests/zoo_references.py``), Integrated Gradients Captum's. Every other map must be finite (an
+all-zero one is marked), its rules being tested layer by layer elsewhere.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from zoo import ZOO, method_outcome
+import zoo_references
+from zoo import ZOO, method_outcome, randomise_batchnorm
 
+from explain_core import explain
 from explain_core.plugin_manager import get_registry
 
 PAGE = Path(__file__).resolve().parents[1] / "docs" / "zoo.md"
@@ -65,3 +69,22 @@ def test_the_re_creations_follow_torchvisions_structure(name):
         },
     }[name]
     assert expected <= kinds
+
+
+def test_the_references_tell_the_rules_apart():
+    """A reference that any map would match could not fail: each one rejects its neighbours."""
+    torch.manual_seed(0)
+    model = randomise_batchnorm(ZOO["resnet50"]()).double().eval()
+    x = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)).double()
+
+    def far(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return bool((a - b).abs().max() > 1e-3 * b.abs().max())
+
+    z_plus = zoo_references.reference_relevance(model, x, "lrp.zplus", 1)
+    assert far(explain(model, x, "lrp.epsilon_plus", 1).attribution, z_plus)  # ε on the head
+    epsilon = zoo_references.reference_relevance(model, x, "lrp.epsilon", 1)
+    assert far(explain(model, x, "lrp.epsilon", 1, epsilon=0.1).attribution, epsilon)
+    guided = zoo_references.reference_rectified(model, x, "guided", 1)
+    assert far(explain(model, x, "deconv", 1).attribution, guided)
+    noisier = zoo_references.reference_smoothgrad(model, x, 1, noise_level=0.3)
+    assert far(explain(model, x, "smoothgrad", 1).attribution, noisier)

@@ -9,11 +9,13 @@ test suite (the real models, at 224×224, are checked by ``benchmarks/check_torc
 
 from __future__ import annotations
 
+import copy
 import re
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+import zoo_references
 from torch import nn
 
 from explain_core import explain
@@ -529,9 +531,12 @@ class ExplainedRegion(nn.Module):
 # --- what each method does on a model ---
 
 # Exact properties: conservation on the bias-free twin, or DeepLIFT's summation to delta.
-CONSERVING = ("lrp.z", "lrp.cp")
+CONSERVING = ("lrp.z", "lrp.cp", "lrp.attn")
 SUMMING = ("deeplift.rescale", "deeplift.reveal_cancel")
-AUTOGRAD = ("gradient", "input_x_gradient")
+# Equal to torch's own gradient of the explained logit (times the input); dynamic.contributions
+# is Input×Gradient on models without dynamic-linear layers.
+AUTOGRAD = ("gradient", "input_x_gradient", "dynamic.contributions")
+RECTIFIED = {"guided_bp": "guided", "deconv": "deconv", "rectgrad": "rectgrad"}
 
 
 def _options(method: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
@@ -602,7 +607,42 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         scale = checked.output[:, 1].abs().max()
         assert checked.delta.abs().max() <= 1e-9 * scale + 1e-15, (method, name, checked.delta)
         return "✓ conserves"
+    reference = _float64_reference(method, model, x, options)
+    if reference is not None:  # the method on a float64 copy against an independent reference
+        ours = explain(copy.deepcopy(model).double(), x.double(), method, 1, **options)
+        scale = reference.abs().max()
+        captum = method == "integrated_gradients"
+        tolerance = 1e-6 if captum else 1e-9  # Captum makes its path's points in float32
+        assert (ours.attribution - reference).abs().max() <= tolerance * scale, (method, name)
+        cell = "✓ equals Captum" if captum else "✓ equals float64 reference"
+        return cell if scale > 0 else f"{cell} (all zero)"
     return "runs" if result.attribution.abs().sum() > 0 else "runs (all zero)"
+
+
+def _float64_reference(
+    method: str, model: nn.Module, x: torch.Tensor, options: dict
+) -> torch.Tensor | None:
+    """An independent float64 reference for ``method``'s map on ``model`` (class 1), if any."""
+    if method in zoo_references.PRESETS:
+        return zoo_references.reference_relevance(model, x, method, 1)
+    if method == "lrp.contrastive":
+        return zoo_references.reference_contrastive_lrp(model, x, 1)
+    if method in RECTIFIED:
+        return zoo_references.reference_rectified(model, x, RECTIFIED[method], 1)
+    if method in ("patternnet", "pattern_attribution"):  # the backward, given the patterns
+        patterns = options["patterns"].patterns
+        attribution = method == "pattern_attribution"
+        return zoo_references.reference_pattern(model, x, patterns, attribution, 1)
+    if method == "smoothgrad":
+        return zoo_references.reference_smoothgrad(model, x, 1)
+    if method == "integrated_gradients":  # the peer library: midpoint rule, 20 steps
+        from captum.attr import IntegratedGradients
+
+        twin = copy.deepcopy(model).double()
+        return IntegratedGradients(twin).attribute(
+            x.double(), target=1, n_steps=20, method="riemann_middle"
+        )
+    return None
 
 
 # --- the zoo --------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ from explain_core.interfaces.relevance import AffineRule, RuleCall, safe_divide
 from explain_core.model_guard import require_eval_mode
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
+from explain_core.validation import check_inputs
 from explain_modbp.composites import gradient_composite
 from explain_modbp.errors import PatternMismatchError
 from explain_modbp.methods import one_hot
@@ -197,7 +198,9 @@ def fit_patterns(
         batch_size: Batch size when ``data`` is a tensor.
 
     Raises:
-        InvalidInputError: For an unknown estimator or empty data.
+        InvalidInputError: For an unknown estimator, empty data, or a batch that is not a
+            finite floating-point tensor on the model's device.
+        ModelRunError: For a batch of another dtype than the model's.
     """
     if estimator not in ("linear", "two_component"):
         raise InvalidInputError(f"estimator must be 'linear' or 'two_component'; got {estimator!r}")
@@ -209,6 +212,7 @@ def fit_patterns(
     for index, batch in enumerate(_batches(data, batch_size)):
         if max_batches is not None and index >= max_batches:
             break
+        batch = check_inputs(batch, model, name="pattern data")  # dtype, device, finite
         with torch.no_grad():
             forward = engine.forward(model, batch, grad=False)
         for name, record in forward.records.items():

@@ -1,0 +1,512 @@
+"""Float64 references for the zoo's table that share no code with the engine or the methods.
+
+LRP: the gradient trick on a copy.
+
+Each ruled layer of a deep copy of the model returns its own output value, but with the gradient
+of a function whose vector-Jacobian product is the rule (Zennit's approach, written here from the
+rules' equations in ``plugins/explain_modbp/rules.py``'s table): ``out = z + f(x) − f(x)``, the
+first and last terms detached. Relevance at the input is ``x ⊙ ∂out/∂x`` (``∂out/∂x`` itself for
+the input-layer rules w², flat and z^B, which return relevance). What the engine finds by tracing
+is found here by forward hooks on the copy's modules, one kind of module at a time:
+
+- Linear/Conv/ConvTranspose: the composite's rule; a BatchNorm whose input is such a layer's
+  output is merged into it (the rule sees ``W·s`` and ``(b − μ)·s + β``), any other BatchNorm is
+  the per-channel map ``a·x + b`` with the composite's lone-BatchNorm rule;
+- element-wise activations other than ReLU pass relevance: ``out = x ⊙ (f(x)/x)`` held constant;
+- squeeze-excitation gates (the modules named ``scale_activation``) are held constant;
+- LayerNorm holds its normalising scale constant;
+- ReLU, pooling, additions, concatenations, permutes and upsampling keep their gradient.
+
+Only the module structure of ``tests/zoo.py`` is covered (its SE blocks name their gate
+``scale_activation``); the engine's own tests cover models written otherwise.
+
+Guided BP, Deconv and RectGrad: every ReLU call (module or functional) of the forward replaced,
+through a torch function mode, by one whose backward is the papers' rectified gradient.
+SmoothGrad: the average gradient over the noisy copies the method documents (its seeded
+generator, one draw per copy). Contrastive LRP: the paper's Eq. 15 over two z⁺ references.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+Linear = Callable[..., torch.Tensor]
+"""The layer's linear map applied with another weight (and bias): ``lin(x, W[, b])``."""
+
+
+def _ratio(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator``, 0 where the denominator is 0."""
+    safe = torch.where(denominator == 0, torch.ones_like(denominator), denominator)
+    return torch.where(denominator == 0, torch.zeros_like(numerator), numerator / safe)
+
+
+def _stabilised(d: torch.Tensor, epsilon: float) -> torch.Tensor:
+    return torch.where(d >= 0, d + epsilon, d - epsilon)
+
+
+# --- the rules: f(x) whose vector-Jacobian product is the rule's signal map -----------------
+
+
+@dataclass
+class Zero:
+    """LRP-0: ``s_in = Wᵀ(s ⊙ [z ≠ 0])``."""
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        return lin(x, weight) * (z != 0)
+
+
+@dataclass
+class Epsilon:
+    """LRP-ε: ``s_in = Wᵀ(s ⊙ z / (z + ε·sign z))``."""
+
+    epsilon: float = 1e-6
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        return lin(x, weight) * (z / _stabilised(z, self.epsilon))
+
+
+@dataclass
+class AlphaBeta:
+    """LRP-αβ for inputs of either sign, bias not counted: ``α·pos/d⁺ − β·neg/d⁻``."""
+
+    alpha: float = 2.0
+    beta: float = 1.0
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        xp, xn = x.clamp(min=0), x.clamp(max=0)
+        wp, wn = weight.clamp(min=0), weight.clamp(max=0)
+        positive = lin(xp, wp) + lin(xn, wn)
+        negative = lin(xp, wn) + lin(xn, wp)
+        result = self.alpha * positive * _ratio(z, positive.detach())
+        if self.beta:
+            result = result - self.beta * negative * _ratio(z, negative.detach())
+        return result
+
+
+def z_plus() -> AlphaBeta:
+    return AlphaBeta(1.0, 0.0)
+
+
+@dataclass
+class Gamma:
+    """Generalised LRP-γ: the contributions agreeing in sign with ``z`` amplified by ``1 + γ``."""
+
+    gamma: float = 0.25
+    epsilon: float = 1e-6
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        up_w = weight + self.gamma * weight.clamp(min=0)
+        down_w = weight + self.gamma * weight.clamp(max=0)
+        up_b = down_b = None
+        if bias is not None:
+            up_b = bias + self.gamma * bias.clamp(min=0)
+            down_b = bias + self.gamma * bias.clamp(max=0)
+        xp, xn = x.clamp(min=0), x.clamp(max=0)
+        up = lin(xp, up_w, up_b) + lin(xn, down_w)  # a bias has no gradient: kept in f
+        down = lin(xp, down_w, down_b) + lin(xn, up_w)
+        rising = z >= 0
+        denominator = _stabilised(torch.where(rising, up, down).detach(), self.epsilon)
+        return torch.where(rising, up, down) * _ratio(z, denominator)
+
+
+@dataclass
+class Excitation:
+    """Excitation BP's W⁺ rule: ``s_in = W⁺ᵀ(s ⊙ z / W⁺x)``."""
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        positive = lin(x, weight.clamp(min=0))
+        return positive * _ratio(z, positive.detach())
+
+
+@dataclass
+class ContrastiveExcitation:
+    """Contrastive Excitation BP's output layer (Zhang et al.): ``Z⁺ − N⁺``, ``N⁺`` from ``−W``."""
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        positive, flipped = lin(x, weight.clamp(min=0)), lin(x, (-weight).clamp(min=0))
+        return positive * _ratio(z, positive.detach()) - flipped * _ratio(z, flipped.detach())
+
+
+@dataclass
+class WSquare:
+    """Deep Taylor's w² (input layer): relevance ``Σ_j w²_ji / Σ_i' w²_ji' · R_j``."""
+
+    returns_relevance = True
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        squared = weight.square()
+        return lin(x, squared) * _ratio(z, lin(torch.ones_like(x), squared))
+
+
+@dataclass
+class Flat:
+    """The flat rule (input layer): w² with every weight 1."""
+
+    returns_relevance = True
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        ones = torch.ones_like(weight)
+        return lin(x, ones) * _ratio(z, lin(torch.ones_like(x), ones))
+
+
+@dataclass
+class ZBox:
+    """Deep Taylor's z^B (input layer): ``(x w − l w⁺ − h w⁻) / Σ(…)``, relevance at ``x, l, h``."""
+
+    low: float
+    high: float
+    returns_relevance = True
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        low = torch.full_like(x, self.low).requires_grad_(True)
+        high = torch.full_like(x, self.high).requires_grad_(True)
+        self.bounds = (low, high)
+        parts = lin(x, weight) - lin(low, weight.clamp(min=0)) - lin(high, weight.clamp(max=0))
+        return parts * _ratio(z, parts.detach())
+
+
+@dataclass
+class Pattern:
+    """PatternNet's backward with the pattern ``A`` of layer ``name``, PatternAttribution's with
+    ``A ⊙ W`` (Kindermans et al. 2018), for given patterns (their fitting is tested elsewhere)."""
+
+    patterns: dict[str, torch.Tensor]
+    attribution: bool
+
+    def __call__(self, lin: Linear, x, weight, bias, z, name=""):
+        pattern = self.patterns[name].to(weight)
+        return lin(x, pattern * weight if self.attribution else pattern)
+
+
+# --- the composites -------------------------------------------------------------------------
+
+
+@dataclass
+class Spec:
+    """Which rule each layer gets: the input layer, convolutions, dense layers, lone BatchNorms."""
+
+    conv: Callable
+    dense: Callable
+    lone_batchnorm: Callable
+    first: Callable | None = None
+    start: str = "logit"
+    returns_signal: bool = False  # the signal at the input, not the relevance
+    last: Callable | None = None  # the output layer's rule
+
+
+PRESETS: dict[str, Callable[[], Spec]] = {
+    "lrp.z": lambda: Spec(Zero(), Zero(), Zero()),
+    "lrp.epsilon": lambda: Spec(Epsilon(), Epsilon(), Epsilon()),
+    "lrp.zplus": lambda: Spec(z_plus(), z_plus(), Epsilon()),
+    "lrp.alpha_beta": lambda: Spec(AlphaBeta(), AlphaBeta(), Epsilon()),
+    "lrp.alpha2beta1": lambda: Spec(AlphaBeta(), AlphaBeta(), Epsilon()),
+    "lrp.gamma": lambda: Spec(Gamma(), Gamma(), Epsilon()),
+    "lrp.w2": lambda: Spec(z_plus(), z_plus(), Epsilon(), first=WSquare()),
+    "lrp.zb": lambda: Spec(z_plus(), z_plus(), Epsilon(), first=ZBox(0.0, 1.0)),
+    "lrp.flat": lambda: Spec(z_plus(), Epsilon(), Epsilon(), first=Flat()),
+    "lrp.epsilon_plus": lambda: Spec(z_plus(), Epsilon(), Epsilon()),
+    "lrp.custom": lambda: Spec(z_plus(), Epsilon(), Epsilon()),  # run with lrp_epsilon_plus()
+    "lrp.epsilon_gamma": lambda: Spec(Gamma(), Epsilon(), Epsilon()),
+    "lrp.epsilon_gamma_box": lambda: Spec(Gamma(), Epsilon(), Epsilon(), first=ZBox(0.0, 1.0)),
+    "lrp.cmp": lambda: Spec(z_plus(), Zero(), Zero()),
+    "excitation_bp": lambda: Spec(Excitation(), Excitation(), None, start="one"),
+    "excitation_bp.contrastive": lambda: Spec(
+        Excitation(), Excitation(), None, start="one", last=ContrastiveExcitation()
+    ),
+}
+"""The registered LRP methods' default rules (``rules.py``'s and ``composites.py``'s tables)."""
+
+
+# --- the copy with the rules attached --------------------------------------------------------
+
+_CONV = {
+    nn.Conv1d: F.conv1d,
+    nn.Conv2d: F.conv2d,
+    nn.Conv3d: F.conv3d,
+}
+_TRANSPOSED = {
+    nn.ConvTranspose1d: F.conv_transpose1d,
+    nn.ConvTranspose2d: F.conv_transpose2d,
+    nn.ConvTranspose3d: F.conv_transpose3d,
+}
+_PASSED = (nn.GELU, nn.SiLU, nn.Hardswish, nn.ELU, nn.Mish, nn.LeakyReLU, nn.PReLU, nn.Tanh)
+
+
+def _linear_map(module: nn.Module) -> Linear:
+    if isinstance(module, nn.Linear):
+        return lambda x, w, b=None: F.linear(x, w, b)
+    for kind, conv in _CONV.items():
+        if isinstance(module, kind):
+            m = module
+            return lambda x, w, b=None: conv(x, w, b, m.stride, m.padding, m.dilation, m.groups)
+    for kind, conv in _TRANSPOSED.items():
+        if isinstance(module, kind):
+            m = module
+            return lambda x, w, b=None: conv(
+                x, w, b, m.stride, m.padding, m.output_padding, m.groups, m.dilation
+            )
+    raise TypeError(type(module).__name__)
+
+
+def _out_channel_shape(module: nn.Module) -> tuple[int, ...]:
+    """How a per-output-channel factor broadcasts over the module's weight."""
+    dims = module.weight.dim()
+    if isinstance(module, tuple(_TRANSPOSED)):  # (in, out / groups, k…): outputs on axis 1
+        if module.groups != 1:
+            raise NotImplementedError("grouped transposed convolution followed by BatchNorm")
+        return (1, -1) + (1,) * (dims - 2)
+    return (-1,) + (1,) * (dims - 1)
+
+
+def _replace(z: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """The value ``z`` with the gradient of ``f``."""
+    return z.detach() + f - f.detach()
+
+
+class _Reference:
+    def __init__(self, model: nn.Module, spec: Spec) -> None:
+        self.model = copy.deepcopy(model).double().eval()
+        self.spec = spec
+        self.input: torch.Tensor | None = None
+        self.input_rule: Callable | None = None
+        # output id → (the output, its layer, the layer's input, its rule); the output is kept
+        # so that a later tensor with the same id is not taken for it
+        self.produced: dict[int, tuple] = {}
+        self.activation_inputs: dict[int, torch.Tensor] = {}
+        self.names = {id(module): name for name, module in self.model.named_modules()}
+        self.output_layer: nn.Module | None = None  # the last affine module called
+        for module in self.model.modules():
+            if isinstance(module, (nn.Linear, *_CONV, *_TRANSPOSED)):
+                module.register_forward_hook(self._affine)
+            elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.register_forward_hook(self._batchnorm)
+            elif isinstance(module, nn.LayerNorm):
+                module.register_forward_hook(self._layer_norm)
+            elif isinstance(module, _PASSED):
+                module.register_forward_pre_hook(self._keep_input)
+                module.register_forward_hook(self._passed)
+        for name, module in self.model.named_modules():
+            if name.endswith("scale_activation"):
+                module.register_forward_hook(lambda m, args, out: out.detach())
+
+    def _rule_for(self, module: nn.Module, x: torch.Tensor) -> Callable:
+        if module is self.output_layer and self.spec.last is not None:
+            return self.spec.last
+        if x is self.input and self.spec.first is not None:
+            self.input_rule = self.spec.first
+            return self.spec.first
+        return self.spec.dense if isinstance(module, nn.Linear) else self.spec.conv
+
+    def _affine(self, module, args, output):
+        x = args[0]
+        rule = self._rule_for(module, x)
+        bias = module.bias.detach() if module.bias is not None else None
+        weight = module.weight.detach()
+        f = rule(_linear_map(module), x, weight, bias, output.detach(), self.names[id(module)])
+        result = _replace(output, f)
+        self.produced[id(result)] = (result, module, x, rule)
+        return result
+
+    def _batchnorm(self, module, args, output):
+        x = args[0]
+        scale = module.weight.detach() / torch.sqrt(module.running_var + module.eps)
+        shift = module.bias.detach() - module.running_mean * scale
+        z = output.detach()
+        if id(x) in self.produced and self.produced[id(x)][0] is x:  # merged into its layer
+            _, layer, layer_x, rule = self.produced[id(x)]
+            weight = layer.weight.detach() * scale.reshape(_out_channel_shape(layer))
+            bias = layer.bias.detach() if layer.bias is not None else torch.zeros_like(shift)
+            name = self.names[id(layer)]
+            f = rule(_linear_map(layer), layer_x, weight, bias * scale + shift, z, name)
+            return _replace(output, f)
+        if self.spec.lone_batchnorm is None:
+            raise NotImplementedError("no rule for a BatchNorm that cannot be merged")
+        per_channel = (1, -1) + (1,) * (x.dim() - 2)
+
+        def lin(inputs: torch.Tensor, a: torch.Tensor, b: torch.Tensor | None = None):
+            return inputs * a.reshape(per_channel) + (0 if b is None else b.reshape(per_channel))
+
+        rule = self.spec.lone_batchnorm
+        return _replace(output, rule(lin, x, scale, shift, z, self.names[id(module)]))
+
+    def _layer_norm(self, module, args, output):
+        x = args[0]
+        channels_first = type(module) is not nn.LayerNorm  # tests/zoo.py's LayerNorm2d
+        if channels_first:
+            x = x.permute(0, 2, 3, 1)
+        axes = tuple(range(-len(module.normalized_shape), 0))
+        centred = x - x.mean(axes, keepdim=True)
+        scale = torch.sqrt(centred.detach().square().mean(axes, keepdim=True) + module.eps)
+        y = centred / scale * module.weight.detach() + module.bias.detach()
+        return y.permute(0, 3, 1, 2) if channels_first else y
+
+    def _keep_input(self, module, args):
+        # An in-place activation would overwrite its input: it gets a copy, the rule the original.
+        self.activation_inputs[id(module)] = args[0]
+        return (args[0].clone(), *args[1:])
+
+    def _passed(self, module, args, output):
+        x = self.activation_inputs.pop(id(module))
+        with torch.enable_grad():  # f'(x) where x = 0, f(x)/x elsewhere
+            probe = x.detach().clone().requires_grad_(True)
+            # .forward: without the hooks; on a copy: an in-place activation must not write a leaf
+            (slope,) = torch.autograd.grad(module.forward(probe.clone()).sum(), probe)
+        ratio = torch.where(x == 0, slope, output.detach() / torch.where(x == 0, 1.0, x.detach()))
+        return _replace(output, x * ratio)
+
+    def relevance(self, x: torch.Tensor, signal_for: Callable) -> torch.Tensor:
+        if self.spec.last is not None:  # a plain pass first, to find the output layer
+            self._find_output_layer(x.detach().double())
+        self.input = x.detach().double().clone().requires_grad_(True)
+        output = self.model(self.input)
+        signal = signal_for(output.detach())
+        if self.spec.start == "one":
+            signal = signal / output.detach()
+        inputs = [self.input]
+        if isinstance(self.input_rule, ZBox):
+            inputs += list(self.input_rule.bounds)
+        grads = torch.autograd.grad(output, inputs, signal)
+        if self.spec.returns_signal:
+            return grads[0]
+        if getattr(self.input_rule, "returns_relevance", False):
+            if isinstance(self.input_rule, ZBox):
+                return sum(t.detach() * g for t, g in zip(inputs, grads, strict=True))
+            return grads[0]
+        return self.input.detach() * grads[0]
+
+    def _find_output_layer(self, x: torch.Tensor) -> None:
+        called: list[nn.Module] = []
+        affine = [m for m in self.model.modules() if isinstance(m, (nn.Linear, *_CONV))]
+        handles = [m.register_forward_pre_hook(lambda m, a: called.append(m)) for m in affine]
+        spec, self.spec = self.spec, Spec(Zero(), Zero(), Zero())
+        with torch.no_grad():
+            self.model(x)
+        self.spec = spec
+        for handle in handles:
+            handle.remove()
+        self.output_layer = called[-1]
+
+
+def _one_hot(target: int) -> Callable:
+    def signal(output: torch.Tensor) -> torch.Tensor:
+        chosen = torch.zeros_like(output)
+        chosen[:, target] = 1.0
+        return chosen
+
+    return signal
+
+
+def reference_relevance(
+    model: nn.Module, x: torch.Tensor, method: str, target: int
+) -> torch.Tensor:
+    """The relevance ``method`` (a :data:`PRESETS` key) gives ``x`` for ``target``, in float64."""
+    return _Reference(model, PRESETS[method]()).relevance(x, _one_hot(target))
+
+
+def reference_pattern(
+    model: nn.Module,
+    x: torch.Tensor,
+    patterns: dict[str, torch.Tensor],
+    attribution: bool,
+    target: int,
+) -> torch.Tensor:
+    """PatternNet's (or PatternAttribution's) signal at the input for ``target``, in float64."""
+    rule = Pattern(patterns, attribution)
+    spec = Spec(rule, rule, rule, returns_signal=True)
+    return _Reference(model, spec).relevance(x, _one_hot(target))
+
+
+def reference_contrastive_lrp(model: nn.Module, x: torch.Tensor, target: int) -> torch.Tensor:
+    """Contrastive LRP (Gu et al. 2018, Eq. 15) over z⁺: ``max(0, n(R_target)) − n(R_others)``."""
+    for_target = _Reference(model, PRESETS["lrp.zplus"]()).relevance(x, _one_hot(target))
+
+    def others(output: torch.Tensor) -> torch.Tensor:
+        return 1.0 - _one_hot(target)(output)
+
+    for_others = _Reference(model, PRESETS["lrp.zplus"]()).relevance(x, others)
+
+    def normalised(relevance: torch.Tensor) -> torch.Tensor:
+        return relevance / relevance.sum(dim=tuple(range(1, relevance.dim())), keepdim=True)
+
+    return normalised(for_target).clamp(min=0) - normalised(for_others)
+
+
+# --- Guided BP, Deconv, RectGrad -------------------------------------------------------------
+
+
+class _RectifiedReLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mode: str, q: float) -> torch.Tensor:
+        y = x.clamp(min=0)
+        ctx.save_for_backward(y)
+        ctx.mode, ctx.q = mode, q
+        return y
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (y,) = ctx.saved_tensors
+        if ctx.mode == "guided":  # Springenberg et al.: [g]⁺ where the ReLU was active
+            return g.clamp(min=0) * (y > 0), None, None
+        if ctx.mode == "deconv":  # Zeiler & Fergus: [g]⁺
+            return g.clamp(min=0), None, None
+        # Kim et al.: g where y ⊙ g exceeds its q-th percentile (per sample and layer)
+        importance = (y * g).flatten(1)
+        threshold = torch.quantile(importance, ctx.q / 100, dim=1, keepdim=True)
+        return g * ((importance > threshold).reshape(g.shape) & (y > 0)), None, None
+
+
+_RELUS = {F.relu, torch.relu, torch.relu_, torch.Tensor.relu, torch.Tensor.relu_}
+
+
+class _RectifyReLUs(TorchFunctionMode):
+    def __init__(self, mode: str, q: float) -> None:
+        super().__init__()
+        self.mode, self.q = mode, q
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _RELUS:
+            return _RectifiedReLU.apply(args[0], self.mode, self.q)
+        return func(*args, **(kwargs or {}))
+
+
+def reference_rectified(
+    model: nn.Module, x: torch.Tensor, mode: str, target: int, q: float = 98.0
+) -> torch.Tensor:
+    """Guided BP (``"guided"``), Deconv (``"deconv"``) or RectGrad's signal at the input."""
+    copy_ = copy.deepcopy(model).double().eval()
+    inputs = x.detach().double().clone().requires_grad_(True)
+    with _RectifyReLUs(mode, q):
+        output = copy_(inputs)
+    (signal,) = torch.autograd.grad(output[:, target].sum(), inputs)
+    return signal
+
+
+# --- SmoothGrad ------------------------------------------------------------------------------
+
+
+def reference_smoothgrad(
+    model: nn.Module, x: torch.Tensor, target: int, samples: int = 25, noise_level: float = 0.15
+) -> torch.Tensor:
+    """Smilkov et al.'s average gradient over noisy copies, σ = level × each sample's range.
+
+    The noise is the documented one: a generator seeded with 0, one ``randn`` draw shaped like
+    the batch per copy.
+    """
+    copy_ = copy.deepcopy(model).double().eval()
+    x = x.detach().double()
+    spread = (x.flatten(1).amax(1) - x.flatten(1).amin(1)).reshape(-1, *(1,) * (x.dim() - 1))
+    generator = torch.Generator().manual_seed(0)
+    total = torch.zeros_like(x)
+    for _ in range(samples):
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+        noisy = (x + noise_level * spread * noise).requires_grad_(True)
+        (grad,) = torch.autograd.grad(copy_(noisy)[:, target].sum(), noisy)
+        total += grad
+    return total / samples
