@@ -611,10 +611,8 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
     if reference is not None:  # the method on a float64 copy against an independent reference
         ours = explain(copy.deepcopy(model).double(), x.double(), method, 1, **options)
         scale = reference.abs().max()
-        captum = method == "integrated_gradients"
-        tolerance = 1e-6 if captum else 1e-9  # Captum makes its path's points in float32
-        assert (ours.attribution - reference).abs().max() <= tolerance * scale, (method, name)
-        cell = "✓ equals Captum" if captum else "✓ equals float64 reference"
+        assert (ours.attribution - reference).abs().max() <= 1e-9 * scale, (method, name)
+        cell = "✓ equals float64 reference"
         return cell if scale > 0 else f"{cell} (all zero)"
     return "runs" if result.attribution.abs().sum() > 0 else "runs (all zero)"
 
@@ -635,13 +633,8 @@ def _float64_reference(
         return zoo_references.reference_pattern(model, x, patterns, attribution, 1)
     if method == "smoothgrad":
         return zoo_references.reference_smoothgrad(model, x, 1)
-    if method == "integrated_gradients":  # the peer library: midpoint rule, 20 steps
-        from captum.attr import IntegratedGradients
-
-        twin = copy.deepcopy(model).double()
-        return IntegratedGradients(twin).attribute(
-            x.double(), target=1, n_steps=20, method="riemann_middle"
-        )
+    if method == "integrated_gradients":
+        return zoo_references.reference_integrated_gradients(model, x, 1)
     return None
 
 
