@@ -11,18 +11,22 @@ Within one run the script times, interleaved round by round:
   adds — z⁺: ``W⁺∗a`` in the forward pass (as ``bench_modbp_speed.py`` measures on the VGG-style
   net); generalised γ: ``(W + γW⁺)∗a`` and ``(W + γW⁻)∗a``, and one more transposed
   convolution in the backward pass (its two signal parts);
-- Captum's LRP with its default rules (ε on every layer), for scale, where it runs.
+- Captum's LRP with its default rules (ε on every layer), for scale, where it runs;
+- with ``--torchvision`` (torchvision's own resnet50, in the throw-away environment of
+  ``benchmarks/check_torchvision_zoo.py`` with Zennit added): Zennit's EpsilonPlus and
+  EpsilonGammaBox with its ResNet canonizer, the same rules as the two composites.
 
 Each ratio is the median over rounds of the two candidates' times within one round (the order
 rotates from round to round): a slow spell of the shared machine cancels out.
 
 Peak memory: each candidate in a fresh process (nothing else run before it, glibc's mmap
 threshold at 64 KiB so that the resident set follows live memory), the largest resident set
-above the built model, sampled every millisecond. Zennit needs torchvision and runs in another
-environment (``benchmarks/crosscheck_zennit.py``); it is not timed here. Goals (issue 21): time
-≤ 1.05× the lower bound, peak memory ≤ 2× the gradient's.
+above the built model, sampled every millisecond. Goals (issue 21): time ≤ 1.05× the lower
+bound, peak memory ≤ 2× the gradient's.
 
     PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py  # ~10 min, 2 cores
+    PYTHONPATH=.:plugins:exporters:tests /tmp/tv-env/bin/python benchmarks/bench_resnet_lrp.py \
+        --torchvision  # with torchvision, zennit and captum installed there
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import statistics
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from harness import (
@@ -52,13 +57,26 @@ from explain_core import explain
 
 Z_PLUS_BOUND = "gradient + z⁺ convolutions (lower bound)"
 GAMMA_BOUND = "gradient + γ convolutions (lower bound)"
-BOUNDS = {"lrp.epsilon_plus": Z_PLUS_BOUND, "lrp.epsilon_gamma_box": GAMMA_BOUND}
+BOUNDS = {
+    "lrp.epsilon_plus": Z_PLUS_BOUND,
+    "lrp.epsilon_gamma_box": GAMMA_BOUND,
+    "zennit EpsilonPlus": Z_PLUS_BOUND,
+    "zennit EpsilonGammaBox": GAMMA_BOUND,
+}
 """Each composite's lower bound: one gradient plus the convolutions its rules add."""
 
 
-def build(batch: int, side: int) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+def build(
+    batch: int, side: int, torchvision: bool = False
+) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """The model (the re-creation, or torchvision's own), the inputs and the targets."""
     torch.manual_seed(0)
-    model = randomise_batchnorm(ResNet(depths=(3, 4, 6, 3), width=1.0, classes=1000)).eval()
+    if torchvision:
+        from torchvision.models import resnet50
+
+        model = randomise_batchnorm(resnet50(weights=None)).eval()
+    else:
+        model = randomise_batchnorm(ResNet(depths=(3, 4, 6, 3), width=1.0, classes=1000)).eval()
     x = torch.rand(batch, 3, side, side, generator=torch.Generator().manual_seed(1))
     target = torch.arange(batch) * 7 % 1000
     return model, x, target
@@ -90,13 +108,50 @@ def candidates(
         runs["captum LRP"] = captum_lrp
     except Exception as error:  # Captum missing or refusing a layer: said, not timed
         print(f"captum LRP does not run: {type(error).__name__}: {error}", file=sys.stderr)
+    runs.update(zennit_candidates(model, x, target))
     return runs
 
 
-def memory_worker(candidate: str, batch: int, side: int) -> None:
+def zennit_candidates(
+    model: nn.Module, x: torch.Tensor, target: torch.Tensor
+) -> dict[str, Callable]:
+    """Zennit's EpsilonPlus and EpsilonGammaBox with its ResNet canonizer, where it runs.
+
+    The canonizer knows torchvision's Bottleneck only: on the re-creation (another class) it
+    would leave the BatchNorms unmerged and compute something else, so it runs on the real model
+    (``--torchvision``, in the throw-away environment that has torchvision and Zennit).
+    """
+    try:
+        from torchvision.models.resnet import Bottleneck
+        from zennit.attribution import Gradient
+        from zennit.composites import EpsilonGammaBox, EpsilonPlus
+        from zennit.torchvision import ResNetCanonizer
+    except ImportError as error:
+        print(f"zennit does not run here: {error}", file=sys.stderr)
+        return {}
+    if not any(isinstance(module, Bottleneck) for module in model.modules()):
+        return {}
+    one_hot = torch.zeros(x.shape[0], 1000).scatter_(1, target[:, None], 1.0)
+
+    def run(composite: Any) -> Callable[[], torch.Tensor]:
+        def attribute() -> torch.Tensor:
+            with Gradient(model=model, composite=composite) as attributor:
+                return attributor(x, one_hot)[1]
+
+        return attribute
+
+    return {
+        "zennit EpsilonPlus": run(EpsilonPlus(canonizers=[ResNetCanonizer()])),
+        "zennit EpsilonGammaBox": run(
+            EpsilonGammaBox(low=0.0, high=1.0, canonizers=[ResNetCanonizer()])
+        ),
+    }
+
+
+def memory_worker(candidate: str, batch: int, side: int, torchvision: bool) -> None:
     """Print the peak resident set above the built model of one candidate, in this process."""
     torch.set_num_threads(2)
-    model, x, target = build(batch, side)
+    model, x, target = build(batch, side, torchvision)
     run = candidates(model, x, target, probe=False)[candidate]  # nothing ran before it
     before = PeakResidentSet().now()
     with PeakResidentSet() as peak:
@@ -104,9 +159,10 @@ def memory_worker(candidate: str, batch: int, side: int) -> None:
     print(json.dumps({"extra_bytes": peak.peak - before}))
 
 
-def peak_memory(candidate: str, batch: int, side: int) -> int:
+def peak_memory(candidate: str, batch: int, side: int, torchvision: bool) -> int:
     command = [sys.executable, __file__, "--memory-worker", candidate]
     command += ["--batch", str(batch), "--side", str(side)]
+    command += ["--torchvision"] * torchvision
     return json.loads(memory_worker_output(command))["extra_bytes"]
 
 
@@ -115,16 +171,24 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--side", type=int, default=224)
+    parser.add_argument(
+        "--torchvision",
+        action="store_true",
+        help="torchvision's own resnet50, and Zennit where installed (a throw-away environment)",
+    )
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_worker:
-        memory_worker(args.memory_worker, args.batch, args.side)
+        memory_worker(args.memory_worker, args.batch, args.side, args.torchvision)
         return
     torch.set_num_threads(2)
-    model, x, target = build(args.batch, args.side)
+    model, x, target = build(args.batch, args.side, args.torchvision)
     runs = candidates(model, x, target)
     times = interleaved_times(runs, args.rounds)
-    memory = {candidate: peak_memory(candidate, args.batch, args.side) for candidate in runs}
+    memory = {
+        candidate: peak_memory(candidate, args.batch, args.side, args.torchvision)
+        for candidate in runs
+    }
 
     rows = [
         {
@@ -141,20 +205,26 @@ def main() -> None:
     ]
     for row in rows:
         print(row, flush=True)
+    if args.torchvision:
+        model_said = "torchvision's own resnet50, in the throw-away environment"
+        zennit = "Zennit with its ResNet canonizer on the same model"
+    else:
+        model_said = "the re-creation of torchvision's resnet50 (tests/zoo.py)"
+        zennit = "Zennit needs torchvision: --torchvision times it in the throw-away environment"
+    script = "PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py"
     write_results(
-        "resnet50_lrp",
+        "resnet50_lrp_torchvision" if args.torchvision else "resnet50_lrp",
         title=f"LRP composites on ResNet-50 ({args.side}×{args.side}, batch {args.batch}) "
-        "against one gradient",
-        command="PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py",
+        "against one gradient" + (", torchvision's model and Zennit" if args.torchvision else ""),
+        command=script + " --torchvision" * args.torchvision,
         notes=(
-            f"The re-creation of torchvision's resnet50 (tests/zoo.py), random weights, 2 threads, "
+            f"{model_said[0].upper()}{model_said[1:]}, random weights, 2 threads, "
             f"{args.rounds} interleaved rounds (the order rotating); times: medians, ratios: "
             "medians of the ratios within each round; peak memory: the largest resident set "
             "above the built model, one fresh process per candidate. Goals: ≤ 1.05× the lower "
             "bound (one gradient plus the convolutions the composite's rule adds: W⁺∗a for z⁺; "
             "(W + γW⁺)∗a, (W + γW⁻)∗a and one more transposed convolution for γ), ≤ 2× the "
-            "gradient's "
-            "memory. Zennit needs torchvision: not in this environment."
+            f"gradient's memory. {zennit}."
         ),
         rows=rows,
     )
