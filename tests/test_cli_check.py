@@ -108,3 +108,24 @@ def test_help_lists_the_options(capsys) -> None:
     assert code == 0
     for option in ("--model", "--weights", "--method", "--dataset", "--out", "--option"):
         assert option in out
+
+
+def test_resize_and_normalize_prepare_the_inputs_as_for_attribute(project, capsys) -> None:
+    """The card of ``--normalize`` equals the card of inputs normalised beforehand."""
+    a = np.load("a.npy")
+    np.save("a_normalised.npy", (a - 0.5) / 0.25)
+    argv = [*_base(project, "gradient"), "--target", "3", "--seed", "1"]
+    code, _, err = run_cli([*argv, "a.npy", "--normalize", "0.5,0.25", "--out", "n.json"], capsys)
+    assert code == 0, err
+    code, _, err = run_cli([*argv, "a_normalised.npy", "--out", "by_hand.json"], capsys)
+    assert code == 0, err
+    card, by_hand = (
+        json.loads(Path("n.json").read_text()),
+        json.loads(Path("by_hand.json").read_text()),
+    )
+    for key in ("csc_first_layer", "random_logit_ssim", "randomisation_ssim_all"):
+        assert card[key] == pytest.approx(by_hand[key], abs=1e-6), key
+    # A 4×4 input the 8×8 model cannot take runs once resized.
+    code, out, err = run_cli([*_base(project), "small.npy", "--resize", "8,8"], capsys)
+    assert code == 0, err
+    assert "on 1 samples" in out

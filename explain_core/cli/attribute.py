@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from explain_core.cli import preprocessing
 from explain_core.cli.common import (
     add_model_arguments,
     add_option_argument,
@@ -16,7 +17,6 @@ from explain_core.cli.common import (
     output_path,
     run_model,
 )
-from explain_core.cli.preprocessing import choose, parse_normalize, parse_resize
 from explain_core.errors import InvalidInputError
 
 NAME = "attribute"
@@ -49,21 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--channels", type=int, choices=(1, 3), help="convert images to 1 or 3 channels"
     )
-    parser.add_argument(
-        "--resize",
-        type=parse_resize,
-        metavar="H,W",
-        help="resize the inputs to H×W (bilinear, antialiased) before the model; none: do not, "
-        "even where the factory declares a size",
-    )
-    parser.add_argument(
-        "--normalize",
-        type=parse_normalize,
-        metavar="MEAN,STD",
-        help="give the model (x − MEAN) / STD, after --resize; per channel: the means, then the "
-        "stds (e.g. 0.485,0.456,0.406,0.229,0.224,0.225); none: do not, even where the factory "
-        "declares it",
-    )
+    preprocessing.add_arguments(parser)
     add_option_argument(parser, "method option, repeatable (e.g. --option steps=32)")
 
 
@@ -106,13 +92,13 @@ def run(args: argparse.Namespace) -> int:
     ]
     samples = [sample for x in loaded for sample in (x.unbind(0) if x.dim() == 4 else [x])]
     batch = stack_inputs(samples, labels)
-    preprocessing, declared = choose(args, model)
+    steps, declared = preprocessing.choose(args, model)
     if declared is not None:
         note(
-            f"inputs {preprocessing.describe()}, as {declared} says (--resize and --normalize "
+            f"inputs {steps.describe()}, as {declared} says (--resize and --normalize "
             "replace it; none switches it off)"
         )
-    shown, model_input = preprocessing.apply(batch)
+    shown, model_input = steps.apply(batch)
     run_model(
         model,
         model_input,

@@ -14,12 +14,14 @@ from typing import Any
 
 import torch
 
+from explain_core.cli import preprocessing
 from explain_core.cli.common import (
     add_model_arguments,
     add_option_argument,
     check_not_overwriting,
     load_model,
     method_options,
+    note,
     output_path,
     run_model,
 )
@@ -35,8 +37,9 @@ HELP = "faithfulness card of one method on your model and data"
 DESCRIPTION = (
     "Compute a faithfulness card (completeness, CSC at the first layer, random-logit SSIM, "
     "randomisation SSIM) for one registered method on a model built from package.module:factory "
-    "with its weights, on image/.npy files or a bundled data set. Prints a table; --out also "
-    "writes it as JSON."
+    "with its weights, on image/.npy files or a bundled data set, resized and normalised as "
+    "--resize and --normalize (or the factory's explain_preprocessing) say. Prints a table; --out "
+    "also writes it as JSON."
 )
 
 
@@ -59,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--channels", type=int, choices=(1, 3), help="convert images to 1 or 3 channels"
     )
+    preprocessing.add_arguments(parser)
     add_option_argument(parser, "method option, repeatable (e.g. --option epsilon=0.25)")
     parser.add_argument(
         "--vectors", type=int, default=5, help="random vectors per sample for CSC (default: 5)"
@@ -84,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
         )
     model = load_model(args)
     images, labels = _load_data(args)
+    steps, declared = preprocessing.choose(args, model)
+    if declared is not None:
+        note(
+            f"inputs {steps.describe()}, as {declared} says (--resize and --normalize "
+            "replace it; none switches it off)"
+        )
+    _, images = steps.apply(images)  # the card is about the model on what it sees
     outputs = run_model(model, images, min_outputs=2, hint=_size_hint(args))
     if args.dataset:
         targets = labels
@@ -141,7 +152,10 @@ def _load_data(args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor | N
 def _size_hint(args: argparse.Namespace) -> str:
     if args.dataset:
         return "set --image-size to the side the model was built for"
-    return "give inputs of the size the model was built for (--channels converts images)"
+    return (
+        "give inputs of the size the model was built for (--resize H,W resizes them; --channels "
+        "converts images to 1 or 3 channels)"
+    )
 
 
 def _write_json(path: Path, card: dict[str, Any]) -> None:

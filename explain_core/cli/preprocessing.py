@@ -1,4 +1,4 @@
-"""``--resize`` and ``--normalize`` of ``explain attribute``, or the model factory's own settings.
+"""``--resize`` and ``--normalize`` of ``explain attribute`` and ``check``, or the factory's own.
 
 The order is torchvision's: the input (an image read into [0, 1], or a ``.npy`` array as stored)
 is resized to ``H × W`` (bilinear, antialiased when shrinking), then normalised per channel,
@@ -38,6 +38,7 @@ __all__ = [
     "ATTRIBUTE",
     "OFF",
     "Preprocessing",
+    "add_arguments",
     "choose",
     "from_model",
     "parse_normalize",
@@ -267,8 +268,27 @@ def _floats(values: Any) -> tuple[float, ...]:
     return tuple(float(v) for v in (values if isinstance(values, Sequence) else [values]))
 
 
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``--resize`` and ``--normalize`` options of a subcommand that feeds a model images."""
+    parser.add_argument(
+        "--resize",
+        type=parse_resize,
+        metavar="H,W",
+        help="resize the inputs to H×W (bilinear, antialiased) before the model; none: do not, "
+        "even where the factory declares a size",
+    )
+    parser.add_argument(
+        "--normalize",
+        type=parse_normalize,
+        metavar="MEAN,STD",
+        help="give the model (x − MEAN) / STD, after --resize; per channel: the means, then the "
+        "stds (e.g. 0.485,0.456,0.406,0.229,0.224,0.225); none: do not, even where the factory "
+        "declares it",
+    )
+
+
 def choose(args: argparse.Namespace, model: Any) -> tuple[Preprocessing, str | None]:
-    """The preprocessing of ``explain attribute``: the options over the factory's declaration.
+    """The preprocessing a command uses: its options over the factory's declaration.
 
     Returns:
         The preprocessing and, where the factory's declaration is used, where it came from.
