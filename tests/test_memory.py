@@ -110,6 +110,7 @@ class _Watched(Epsilon):
         super().__init__(0.01)
         self.calls: list[weakref.ref] = []
         self.alive: list[list[bool]] = []
+        self.last: list[bool] = []  # call.last_backward as each backward saw it
 
     def forward(self, call):
         self.calls.append(weakref.ref(call))
@@ -117,6 +118,7 @@ class _Watched(Epsilon):
 
     def backward(self, call, grad_output):
         self.alive.append([ref() is not None for ref in self.calls])
+        self.last.append(call.last_backward)
         return super().backward(call, grad_output)
 
 
@@ -145,7 +147,9 @@ def test_a_kept_graph_keeps_the_rules_tensors_for_another_pass():
     forward = ModifiedBackprop(Composite([(nn.Linear, rule)])).forward(model, x)
     first = forward.backward(start, retain_graph=True).input_signal
     assert rule.alive == [[True] * 3] * 3
+    assert rule.last == [False] * 3  # the ratios must survive: nothing is written into them
     second = forward.backward(start).input_signal
+    assert rule.last == [False] * 3 + [True] * 3  # the last pass may write into them
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     expected = explain(model, x, "lrp.epsilon", target=torch.tensor([0, 2]), epsilon=0.01)
     torch.testing.assert_close(x * first, expected.attribution)
