@@ -10,7 +10,7 @@ runs in a throw-away environment (REFERENCE §4):
 Each cell is what ``tests/zoo.py``'s ``method_outcome`` reports, with the same exact checks as
 the test suite's table of the re-creations (``docs/zoo.md``): LRP-0, CP-LRP and AttnLRP conserve
 on the bias-free twin, DeepLIFT sums to ``f(x) − f(0)``, the gradient methods equal autograd's,
-every other method but DeepLIFT's ablation equals its float64 reference
+every other method equals its float64 reference
 (``tests/zoo_references.py``), every map is finite, refusals are one line naming the operation
 and module. It writes ``benchmarks/results/torchvision_zoo.md`` and says where the real models'
 outcomes differ from the re-creations' table.

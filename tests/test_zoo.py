@@ -5,9 +5,9 @@ must equal the page (``EXPLAIN_WRITE_ZOO_TABLE=1 pytest tests/test_zoo.py`` rewr
 checks where a method has an exact property: LRP-0, CP-LRP and AttnLRP conserve on the bias-free
 twin (every bias, BatchNorm shift and norm offset zero), DeepLIFT's maps sum to ``f(x) − f(0)``,
 the gradient methods equal autograd's; every LRP preset, Excitation BP, Contrastive LRP, Guided
-BP, Deconv, RectGrad and SmoothGrad equal an independent float64 reference
-(``tests/zoo_references.py``), Integrated Gradients Captum's. Every other map must be finite (an
-all-zero one is marked), its rules being tested layer by layer elsewhere.
+BP, Deconv, RectGrad, PatternNet, PatternAttribution, SmoothGrad, Integrated Gradients and
+DeepLIFT (all three rules) equal an independent float64 reference (``tests/zoo_references.py``).
+Every map must be finite (an all-zero one is marked).
 """
 
 from __future__ import annotations
@@ -86,5 +86,7 @@ def test_the_references_tell_the_rules_apart():
     assert far(explain(model, x, "lrp.epsilon", 1, epsilon=0.1).attribution, epsilon)
     guided = zoo_references.reference_rectified(model, x, "guided", 1)
     assert far(explain(model, x, "deconv", 1).attribution, guided)
+    decoupled = zoo_references.reference_deeplift(model, x, "ablation", 1)
+    assert far(explain(model, x, "deeplift.reveal_cancel", 1).attribution, decoupled)
     noisier = zoo_references.reference_smoothgrad(model, x, 1, noise_level=0.3)
     assert far(explain(model, x, "smoothgrad", 1).attribution, noisier)

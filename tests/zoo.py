@@ -593,6 +593,7 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         gain = result.output[:, 1] - model(torch.zeros_like(x))[:, 1].detach()
         total = result.attribution.sum((1, 2, 3))
         assert torch.allclose(total, gain, rtol=1e-3, atol=1e-5), (method, name)
+        _assert_equals_reference(method, model, x, options)  # and its float64 reference
         return "✓ sums to f(x) − f(0)"
     if method in AUTOGRAD:  # the reference: torch's own gradient of the explained logit
         inputs = x.clone().requires_grad_(True)
@@ -607,14 +608,21 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         scale = checked.output[:, 1].abs().max()
         assert checked.delta.abs().max() <= 1e-9 * scale + 1e-15, (method, name, checked.delta)
         return "✓ conserves"
-    reference = _float64_reference(method, model, x, options)
-    if reference is not None:  # the method on a float64 copy against an independent reference
-        ours = explain(copy.deepcopy(model).double(), x.double(), method, 1, **options)
-        scale = reference.abs().max()
-        assert (ours.attribution - reference).abs().max() <= 1e-9 * scale, (method, name)
-        cell = "✓ equals float64 reference"
-        return cell if scale > 0 else f"{cell} (all zero)"
+    if _float64_reference(method, model, x, options) is not None:
+        zero = not _assert_equals_reference(method, model, x, options)
+        return "✓ equals float64 reference" + " (all zero)" * zero
     return "runs" if result.attribution.abs().sum() > 0 else "runs (all zero)"
+
+
+def _assert_equals_reference(method: str, model: nn.Module, x: torch.Tensor, options: dict) -> bool:
+    """Assert ``method`` on a float64 copy equals its reference; return whether it is non-zero."""
+    reference = _float64_reference(method, model, x, options)
+    assert reference is not None, method
+    ours = explain(copy.deepcopy(model).double(), x.double(), method, 1, **options)
+    scale = reference.abs().max()
+    name = type(model).__name__
+    assert (ours.attribution - reference).abs().max() <= 1e-9 * scale, (method, name)
+    return bool(scale > 0)
 
 
 def _float64_reference(
@@ -635,6 +643,8 @@ def _float64_reference(
         return zoo_references.reference_smoothgrad(model, x, 1)
     if method == "integrated_gradients":
         return zoo_references.reference_integrated_gradients(model, x, 1)
+    if method.startswith("deeplift."):
+        return zoo_references.reference_deeplift(model, x, method.removeprefix("deeplift."), 1)
     return None
 
 

@@ -24,12 +24,16 @@ Guided BP, Deconv and RectGrad: every ReLU call (module or functional) of the fo
 through a torch function mode, by one whose backward is the papers' rectified gradient.
 Integrated Gradients: the midpoint rule of its integral. SmoothGrad: the average gradient over
 the noisy copies the method documents (its seeded generator, one draw per copy). Contrastive
-LRP: the paper's Eq. 15 over two z⁺ references.
+LRP: the paper's Eq. 15 over two z⁺ references. DeepLIFT: the copy run on the inputs and the
+zero reference stacked, every ReLU and max pooling replaced (through a torch function mode) by
+one whose backward is the rule's multiplier, and for RevealCancel and its ablation every affine
+layer's Δz split into the parts of Eq. 13, carried through additions.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -531,3 +535,226 @@ def reference_smoothgrad(
         (grad,) = torch.autograd.grad(copy_(noisy)[:, target].sum(), noisy)
         total += grad
     return total / samples
+
+
+# --- DeepLIFT ---------------------------------------------------------------------------------
+
+_EPS = 1e-10
+
+
+def _secant(delta_in: torch.Tensor, delta_out: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """A ReLU's ``Δy/Δx``, its derivative at the input where ``|Δx| < 1e-10``."""
+    flat = delta_in.abs() < _EPS
+    return torch.where(flat, (at > 0).to(at), delta_out / torch.where(flat, 1.0, delta_in))
+
+
+class _RescaledReLU(torch.autograd.Function):
+    """ReLU on both halves; backward ``g ⊙ m`` to the input half, nothing to the reference."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+        ctx.multiplier = multiplier
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        m = ctx.multiplier
+        return torch.cat([g[: len(m)] * m, torch.zeros_like(g[len(m) :])]), None
+
+
+class _SplitReLU(torch.autograd.Function):
+    """ReLU on both halves; backward ``g ⊙ m⁺`` to the positive part, ``g ⊙ m⁻`` to the negative."""
+
+    @staticmethod
+    def forward(ctx, x, positive, negative, m_pos, m_neg):
+        ctx.m_pos, ctx.m_neg = m_pos, m_neg
+        return x.clamp(min=0)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g[: len(ctx.m_pos)]
+        return None, g * ctx.m_pos, g * ctx.m_neg, None, None
+
+
+class _RescaledMaxPool(torch.autograd.Function):
+    """Max pooling whose ``Δy`` per window goes to the input's winner (up to the larger of the two
+    maxima) and to the reference's winner (the rest), divided by each position's ``Δx``."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, batch: int, kwargs: dict) -> torch.Tensor:
+        out, indices = F.max_pool2d(x, **kwargs, return_indices=True)
+        ctx.batch, ctx.shape, ctx.indices = batch, x.shape, indices
+        out_in, out_ref = out[:batch], out[batch:]
+        top = torch.maximum(out_in, out_ref)
+        ctx.parts = (top - out_ref, out_in - top)
+        ctx.delta_in = x[:batch] - x[batch:]
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        batch, (c, *spatial) = ctx.batch, ctx.shape[1:]
+        g = g[:batch]
+
+        def scatter(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+            flat = torch.zeros(batch, c, math.prod(spatial), dtype=g.dtype)
+            return flat.scatter_add_(2, indices.flatten(2), values.flatten(2)).reshape(
+                batch, c, *spatial
+            )
+
+        to_input, to_reference = ctx.parts
+        winners_in, winners_ref = ctx.indices[:batch], ctx.indices[batch:]
+        split = scatter(g * to_input, winners_in) + scatter(g * to_reference, winners_ref)
+        delta = ctx.delta_in
+        flat = delta.abs() < _EPS
+        grad = torch.where(flat, scatter(g, winners_in), split / torch.where(flat, 1.0, delta))
+        return torch.cat([grad, torch.zeros_like(grad)]), None, None
+
+
+_ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__}
+_ADDS |= {torch.Tensor.__iadd__, torch.Tensor.__radd__}
+_MAX_POOLS = {"max_pool2d", "_max_pool2d", "max_pool2d_with_indices"}
+_POOL_KEYS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+
+
+class _DeepLiftReference(TorchFunctionMode):
+    """Shrikumar et al.'s DeepLIFT on a copy run on ``[x; x⁰]``: Rescale, RevealCancel (Eq. 13)
+    or its decoupled ablation, with Captum's max-pool rule."""
+
+    def __init__(self, model: nn.Module, rule: str, batch: int) -> None:
+        super().__init__()
+        self.model = copy.deepcopy(model).double().eval()
+        self.rule, self.batch = rule, batch
+        self.parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.consumed: dict[int, torch.Tensor] = {}
+        self.produced: dict[int, tuple] = {}
+        self.hooks = 0  # inside a hook: the reference's own operations pass through
+        for module in self.model.modules():
+            if isinstance(module, (nn.Linear, *_CONV, *_TRANSPOSED)):
+                module.register_forward_hook(self._hooked(self._affine))
+            elif isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.register_forward_hook(self._hooked(self._batchnorm))
+
+    def _hooked(self, hook: Callable) -> Callable:
+        def run(module, args, output):
+            self.hooks += 1
+            try:
+                hook(module, args, output)
+            finally:
+                self.hooks -= 1
+
+        return run
+
+    # the parts of an affine layer's Δz, from its input's Δx split by sign
+    def _register_parts(self, output, x, lin: Linear, weight) -> None:
+        if self.rule == "rescale":
+            return
+        b = self.batch
+        delta = x[:b] - x[b:]
+        dpos, dneg = delta * (delta > 0), delta * (delta < 0)
+        wp, wn = weight.clamp(min=0), weight.clamp(max=0)
+        pp, nn_ = lin(dpos, wp), lin(dneg, wn)
+        pn, np_ = lin(dpos, wn), lin(dneg, wp)
+        if self.rule == "ablation":  # Eq. 13's values; the signal along W⁺ for r⁺, W⁻ for r⁻
+            positive = pp + nn_.detach()
+            negative = (pn + np_).detach() + nn_ - nn_.detach()
+        else:
+            positive, negative = pp + nn_, pn + np_
+        self.parts[id(output)] = (output, positive, negative)
+
+    def _affine(self, module, args, output):
+        x = args[0]
+        self.produced[id(output)] = (output, module, x)
+        self._register_parts(output, x, _linear_map(module), module.weight.detach())
+
+    def _batchnorm(self, module, args, output):
+        x = args[0]
+        scale = module.weight.detach() / torch.sqrt(module.running_var + module.eps)
+        if id(x) in self.produced and self.produced[id(x)][0] is x:  # merged into its layer
+            _, layer, layer_x = self.produced[id(x)]
+            weight = layer.weight.detach() * scale.reshape(_out_channel_shape(layer))
+            self._register_parts(output, layer_x, _linear_map(layer), weight)
+            return
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        self._register_parts(output, x, lambda t, a: t * a.reshape(shape), scale)
+
+    def _is_activation(self, value) -> bool:
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() > 0
+            and value.shape[0] == 2 * self.batch
+            and value.grad_fn is not None
+        )
+
+    def _split(self, tensor: torch.Tensor, pop: bool = False):
+        entry = self.parts.get(id(tensor))
+        fresh = entry is not None and entry[0] is tensor
+        fresh = fresh and self.consumed.get(id(tensor)) is not tensor
+        if pop:
+            self.consumed[id(tensor)] = tensor
+        if fresh:
+            return entry[1], entry[2]
+        delta = tensor[: self.batch] - tensor[self.batch :]
+        return delta * (delta > 0), delta * (delta < 0)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.hooks:
+            return func(*args, **kwargs)
+        if func in _RELUS and self._is_activation(args[0]):
+            return self._relu(args[0])
+        name = getattr(func, "__name__", "")
+        if name in _MAX_POOLS and self._is_activation(args[0]) and not kwargs.get("return_indices"):
+            pool = dict(zip(_POOL_KEYS, args[1:], strict=False))
+            pool.update({k: v for k, v in kwargs.items() if k in _POOL_KEYS})
+            return _RescaledMaxPool.apply(args[0], self.batch, pool)
+        result = func(*args, **kwargs)
+        if func in _ADDS and self.rule != "rescale" and self._is_activation(result):
+            operands = [a for a in args[:2] if self._is_activation(a)]
+            if operands and "alpha" not in kwargs:
+                parts = [self._split(a) for a in operands]
+                positive = sum(p for p, _ in parts)
+                negative = sum(n for _, n in parts)
+                self.parts[id(result)] = (result, positive, negative)
+        return result
+
+    def _relu(self, x: torch.Tensor) -> torch.Tensor:
+        b = self.batch
+        at, reference = x[:b].detach(), x[b:].detach()
+        if self.rule == "rescale":
+            delta_in = x[:b].detach() - reference
+            delta_out = at.clamp(min=0) - reference.clamp(min=0)
+            return _RescaledReLU.apply(x, _secant(delta_in, delta_out, at))
+        positive, negative = self._split(x, pop=True)
+        p, n = positive.detach(), negative.detach()
+
+        def f(t: torch.Tensor) -> torch.Tensor:
+            return t.clamp(min=0)
+
+        dy_pos = 0.5 * (f(reference + p) - f(reference)) + 0.5 * (
+            f(reference + n + p) - f(reference + n)
+        )
+        dy_neg = 0.5 * (f(reference + n) - f(reference)) + 0.5 * (
+            f(reference + p + n) - f(reference + p)
+        )
+        m_pos, m_neg = _secant(p, dy_pos, at), _secant(n, dy_neg, at)
+        return _SplitReLU.apply(x, positive, negative, m_pos, m_neg)
+
+    def attribution(self, x: torch.Tensor, target: int) -> torch.Tensor:
+        x = x.detach().double()
+        both = torch.cat([x, torch.zeros_like(x)]).requires_grad_(True)
+        with self:
+            output = self.model(both)
+        b = self.batch
+        start = torch.zeros_like(output[:b])
+        start[:, target] = 1.0
+        entry = self.parts.get(id(output))
+        if entry is not None and entry[0] is output and self.consumed.get(id(output)) is None:
+            (signal,) = torch.autograd.grad(entry[1:], both, (start, start))
+        else:
+            (signal,) = torch.autograd.grad(output, both, torch.cat([start, start * 0]))
+        return x * signal[:b]
+
+
+def reference_deeplift(model: nn.Module, x: torch.Tensor, rule: str, target: int) -> torch.Tensor:
+    """DeepLIFT (``"rescale"``, ``"reveal_cancel"`` or ``"ablation"``) from the zero reference."""
+    return _DeepLiftReference(model, rule, x.shape[0]).attribution(x, target)
