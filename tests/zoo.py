@@ -593,7 +593,9 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         gain = result.output[:, 1] - model(torch.zeros_like(x))[:, 1].detach()
         total = result.attribution.sum((1, 2, 3))
         assert torch.allclose(total, gain, rtol=1e-3, atol=1e-5), (method, name)
-        _assert_equals_reference(method, model, x, options)  # and its float64 reference
+        reference = _float64_reference(method, model, x, options)
+        assert reference is not None, method
+        _assert_equals(reference, method, model, x, options)  # and its float64 reference
         return "✓ sums to f(x) − f(0)"
     if method in AUTOGRAD:  # the reference: torch's own gradient of the explained logit
         inputs = x.clone().requires_grad_(True)
@@ -608,16 +610,17 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         scale = checked.output[:, 1].abs().max()
         assert checked.delta.abs().max() <= 1e-9 * scale + 1e-15, (method, name, checked.delta)
         return "✓ conserves"
-    if _float64_reference(method, model, x, options) is not None:
-        zero = not _assert_equals_reference(method, model, x, options)
+    reference = _float64_reference(method, model, x, options)
+    if reference is not None:
+        zero = not _assert_equals(reference, method, model, x, options)
         return "✓ equals float64 reference" + " (all zero)" * zero
     return "runs" if result.attribution.abs().sum() > 0 else "runs (all zero)"
 
 
-def _assert_equals_reference(method: str, model: nn.Module, x: torch.Tensor, options: dict) -> bool:
-    """Assert ``method`` on a float64 copy equals its reference; return whether it is non-zero."""
-    reference = _float64_reference(method, model, x, options)
-    assert reference is not None, method
+def _assert_equals(
+    reference: torch.Tensor, method: str, model: nn.Module, x: torch.Tensor, options: dict
+) -> bool:
+    """Assert ``method`` on a float64 copy equals ``reference``; return whether it is non-zero."""
     ours = explain(copy.deepcopy(model).double(), x.double(), method, 1, **options)
     scale = reference.abs().max()
     name = type(model).__name__

@@ -260,6 +260,16 @@ def _linear_map(module: nn.Module) -> Linear:
     raise TypeError(type(module).__name__)
 
 
+def _batchnorm_scale(module: nn.Module) -> torch.Tensor:
+    """A BatchNorm's per-channel factor ``γ / √(v + ε)`` at inference."""
+    return module.weight.detach() / torch.sqrt(module.running_var + module.eps)
+
+
+def _merged_weight(layer: nn.Module, scale: torch.Tensor) -> torch.Tensor:
+    """``layer``'s weight with a BatchNorm's per-output-channel ``scale`` merged in."""
+    return layer.weight.detach() * scale.reshape(_out_channel_shape(layer))
+
+
 def _out_channel_shape(module: nn.Module) -> tuple[int, ...]:
     """How a per-output-channel factor broadcasts over the module's weight."""
     dims = module.weight.dim()
@@ -321,12 +331,12 @@ class _Reference:
 
     def _batchnorm(self, module, args, output):
         x = args[0]
-        scale = module.weight.detach() / torch.sqrt(module.running_var + module.eps)
+        scale = _batchnorm_scale(module)
         shift = module.bias.detach() - module.running_mean * scale
         z = output.detach()
         if id(x) in self.produced and self.produced[id(x)][0] is x:  # merged into its layer
             _, layer, layer_x, rule = self.produced[id(x)]
-            weight = layer.weight.detach() * scale.reshape(_out_channel_shape(layer))
+            weight = _merged_weight(layer, scale)
             bias = layer.bias.detach() if layer.bias is not None else torch.zeros_like(shift)
             name = self.names[id(layer)]
             f = rule(_linear_map(layer), layer_x, weight, bias * scale + shift, z, name)
@@ -668,10 +678,10 @@ class _DeepLiftReference(TorchFunctionMode):
 
     def _batchnorm(self, module, args, output):
         x = args[0]
-        scale = module.weight.detach() / torch.sqrt(module.running_var + module.eps)
+        scale = _batchnorm_scale(module)
         if id(x) in self.produced and self.produced[id(x)][0] is x:  # merged into its layer
             _, layer, layer_x = self.produced[id(x)]
-            weight = layer.weight.detach() * scale.reshape(_out_channel_shape(layer))
+            weight = _merged_weight(layer, scale)
             self._register_parts(output, layer_x, _linear_map(layer), weight)
             return
         shape = (1, -1) + (1,) * (x.dim() - 2)

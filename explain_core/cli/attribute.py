@@ -13,7 +13,6 @@ from explain_core.cli.common import (
     check_not_overwriting,
     load_model,
     method_options,
-    note,
     output_path,
     run_model,
 )
@@ -92,13 +91,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     samples = [sample for x in loaded for sample in (x.unbind(0) if x.dim() == 4 else [x])]
     batch = stack_inputs(samples, labels)
-    steps, declared = preprocessing.choose(args, model)
-    if declared is not None:
-        note(
-            f"inputs {steps.describe()}, as {declared} says (--resize and --normalize "
-            "replace it; none switches it off)"
-        )
-    shown, model_input = steps.apply(batch)
+    shown, model_input = preprocessing.prepare(args, model, batch)
     run_model(
         model,
         model_input,

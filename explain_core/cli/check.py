@@ -21,7 +21,6 @@ from explain_core.cli.common import (
     check_not_overwriting,
     load_model,
     method_options,
-    note,
     output_path,
     run_model,
 )
@@ -88,13 +87,7 @@ def run(args: argparse.Namespace) -> int:
         )
     model = load_model(args)
     images, labels = _load_data(args)
-    steps, declared = preprocessing.choose(args, model)
-    if declared is not None:
-        note(
-            f"inputs {steps.describe()}, as {declared} says (--resize and --normalize "
-            "replace it; none switches it off)"
-        )
-    _, images = steps.apply(images)  # the card is about the model on what it sees
+    _, images = preprocessing.prepare(args, model, images)  # the card: what the model sees
     outputs = run_model(model, images, min_outputs=2, hint=_size_hint(args))
     if args.dataset:
         targets = labels

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from explain_core.cli.common import note
 from explain_core.errors import InvalidInputError, ModelLoadError
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "from_model",
     "parse_normalize",
     "parse_resize",
+    "prepare",
 ]
 
 ATTRIBUTE = "explain_preprocessing"
@@ -310,3 +312,18 @@ def choose(args: argparse.Namespace, model: Any) -> tuple[Preprocessing, str | N
         ),
         used,
     )
+
+
+def prepare(args: argparse.Namespace, model: Any, batch: Any) -> tuple[Any, Any]:
+    """``batch`` prepared as :func:`choose` says, with a note where the factory's settings apply.
+
+    Returns:
+        ``(shown, model_input)`` as :meth:`Preprocessing.apply`.
+    """
+    steps, declared = choose(args, model)
+    if declared is not None:
+        note(
+            f"inputs {steps.describe()}, as {declared} says (--resize and --normalize "
+            "replace it; none switches it off)"
+        )
+    return steps.apply(batch)
