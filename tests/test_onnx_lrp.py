@@ -198,11 +198,11 @@ def test_custom_composite_with_a_lone_batchnorm_exports(tmp_path):
     assert relative_difference(relevance, preset.numpy()) > 1e-3
 
 
-class _LSTMClassifier(nn.Module):
-    def __init__(self) -> None:
+class _RecurrentClassifier(nn.Module):
+    def __init__(self, layer: type[nn.Module]) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.rnn = nn.LSTM(4, 8, batch_first=True, num_layers=2)
+        self.rnn = layer(4, 8, batch_first=True, num_layers=2)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -210,12 +210,13 @@ class _LSTMClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
-def test_an_lstm_classifier_exports_its_lrp_and_runs_in_a_plain_session(tmp_path):
+@pytest.mark.parametrize("layer", [nn.LSTM, nn.RNN])
+def test_a_recurrent_classifier_exports_its_lrp_and_runs_in_a_plain_session(tmp_path, layer):
     import onnxruntime
 
-    model = _LSTMClassifier().eval()
+    model = _RecurrentClassifier(layer).eval()
     x = torch.rand(4, 6, 4, generator=torch.Generator().manual_seed(1))
-    result = export_onnx(model, x, tmp_path / "lstm.onnx", explain="lrp.epsilon_plus")
+    result = export_onnx(model, x, tmp_path / "recurrent.onnx", explain="lrp.epsilon_plus")
     assert result.parity.passed
     session = onnxruntime.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
     held_back = torch.rand(3, 6, 4, generator=torch.Generator().manual_seed(2))

@@ -1,8 +1,9 @@
-"""LSTM and GRU layers in the relevance engine: the written-out cells, LRP-LSTM and refusals.
+"""LSTM, GRU and Elman RNN layers in the relevance engine: the written-out cells, LRP, refusals.
 
 References: the fused kernels (the written-out cells compute the same), LRP for LSTMs by hand
 after Arras et al. 2017 (ε on the linear maps, signal-take-all at the gate products, the tanh of
-the candidate and of the cell passed through), and conservation on bias-free models.
+the candidate and of the cell passed through), LRP and DeepLIFT's Rescale rule for an Elman RNN by
+hand, and conservation on bias-free models.
 """
 
 from __future__ import annotations
@@ -11,8 +12,17 @@ import pytest
 import torch
 from torch import nn
 
-from explain_core import UnsupportedModelError, explain
-from explain_core.engine.recurrent import gru, lstm
+from explain_core import ExplainError, UnsupportedModelError, explain
+from explain_core.engine.recurrent import gru, lstm, rnn_relu, rnn_tanh
+from explain_core.plugin_manager import get_registry
+
+LAYERS = {
+    "lstm": nn.LSTM,
+    "gru": nn.GRU,
+    "rnn_tanh": nn.RNN,
+    "rnn_relu": lambda *args, **options: nn.RNN(*args, nonlinearity="relu", **options),
+}
+"""Each recurrent kind → its layer's constructor."""
 
 
 class Classifier(nn.Module):
@@ -59,16 +69,16 @@ CELL_OPTIONS = {
 }
 CASES = [
     pytest.param(kind, options, id=f"{kind}-{name}")
-    for kind in ("lstm", "gru")
+    for kind in LAYERS
     for name, options in CELL_OPTIONS.items()
-    if kind == "lstm" or "proj_size" not in options  # GRUs have no projections
+    if kind == "lstm" or "proj_size" not in options  # only LSTMs have projections
 ]
 
 
 @pytest.mark.parametrize(("kind", "options"), CASES)
 def test_the_written_out_cells_compute_what_the_fused_kernels_do(kind, options):
     torch.manual_seed(0)
-    layer = (nn.LSTM if kind == "lstm" else nn.GRU)(4, 5, **options).double()
+    layer = LAYERS[kind](4, 5, **options).double()
     x = sequences(options.get("batch_first", False))
     cells = layer.num_layers * (2 if layer.bidirectional else 1)
     width = getattr(layer, "proj_size", 0) or layer.hidden_size
@@ -82,7 +92,8 @@ def test_the_written_out_cells_compute_what_the_fused_kernels_do(kind, options):
             expected = (fused, h_n, c_n)
         else:
             fused, h_n = layer(x, h0)
-            written = gru(x, h0, layer._flat_weights, *common)
+            written_out = {"gru": gru, "rnn_tanh": rnn_tanh, "rnn_relu": rnn_relu}[kind]
+            written = written_out(x, h0, layer._flat_weights, *common)
             expected = (fused, h_n)
     for got, want in zip(written, expected, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
@@ -140,10 +151,120 @@ def test_lrp_for_lstms_is_arras_et_al(method):
     torch.testing.assert_close(got, lrp_lstm_by_hand(model, x, 2, eps), rtol=1e-9, atol=1e-12)
 
 
+def elman_by_hand(
+    model: Classifier, x: torch.Tensor, reference: torch.Tensor, target: int, rule: str, eps: float
+) -> torch.Tensor:
+    """LRP-ε (``rule="lrp"``) or DeepLIFT-Rescale (``"deeplift"``) for a one-layer tanh RNN.
+
+    ``h_t = tanh(z_t)``, ``z_t = W [x_t; h_{t−1}] + b``, read at its last step by the head. LRP:
+    ε at the linear maps, relevance through the tanh unchanged. DeepLIFT: the multipliers of
+    Shrikumar et al. 2017 — the weights at the linear maps, ``Δtanh / Δz`` at the tanh (its
+    derivative where ``Δz = 0``); the map is ``Δx ⊙ m_x``.
+    """
+    rnn, head = model.rnn, model.head
+    w = torch.cat([rnn.weight_ih_l0, rnn.weight_hh_l0], dim=1)
+    b = rnn.bias_ih_l0 + rnn.bias_hh_l0
+
+    def run(inputs_x: torch.Tensor) -> tuple[list[tuple[torch.Tensor, ...]], torch.Tensor]:
+        h = inputs_x.new_zeros(inputs_x.shape[0], rnn.hidden_size)
+        saved = []
+        for t in range(inputs_x.shape[1]):
+            inputs = torch.cat([inputs_x[:, t], h], dim=1)
+            z = inputs @ w.T + b
+            h = torch.tanh(z)
+            saved.append((inputs, z))
+        return saved, h
+
+    saved, h = run(x)
+    width = x.shape[2]
+    if rule == "lrp":
+        y = h @ head.weight.T + head.bias
+        score = y[:, target, None]
+        relevance = h * (score / _stabilised(score, eps) * head.weight[target])
+        maps = torch.zeros_like(x)
+        for t in reversed(range(x.shape[1])):
+            inputs, z = saved[t]  # the tanh passes relevance to z
+            relevance_in = inputs * ((relevance / _stabilised(z, eps)) @ w)
+            maps[:, t], relevance = relevance_in[:, :width], relevance_in[:, width:]
+        return maps
+    saved_ref, _ = run(reference)
+    multiplier = head.weight[target].expand(x.shape[0], -1)  # at the last h
+    maps = torch.zeros_like(x)
+    for t in reversed(range(x.shape[1])):
+        (inputs, z), (_, z_ref) = saved[t], saved_ref[t]
+        delta = z - z_ref
+        slope = torch.where(
+            delta.abs() > 1e-12, (torch.tanh(z) - torch.tanh(z_ref)) / delta, 1 - torch.tanh(z) ** 2
+        )
+        multiplier_in = (multiplier * slope) @ w
+        maps[:, t] = (x[:, t] - reference[:, t]) * multiplier_in[:, :width]
+        multiplier = multiplier_in[:, width:]
+    return maps
+
+
+def test_lrp_and_deeplift_on_an_elman_rnn_are_their_equations_by_hand():
+    torch.manual_seed(6)
+    model = Classifier(nn.RNN(4, 5, batch_first=True)).double().eval()
+    x = sequences()
+    zero = torch.zeros_like(x)
+    got = explain(model, x, "lrp.epsilon", 2, epsilon=0.01).attribution
+    expected = elman_by_hand(model, x, zero, 2, "lrp", 0.01)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    result = explain(model, x, "deeplift.rescale", 2)
+    torch.testing.assert_close(
+        result.attribution, elman_by_hand(model, x, zero, 2, "deeplift", 0.0), rtol=1e-9, atol=1e-12
+    )
+    with torch.no_grad():  # and, as DeepLIFT must, it sums to f(x) − f(0)
+        difference = model(x)[:, 2] - model(zero)[:, 2]
+    torch.testing.assert_close(result.attribution.sum((1, 2)), difference, rtol=1e-9, atol=1e-12)
+
+
+def guided_bp_by_hand(
+    model: Classifier, x: torch.Tensor, target: int, forward_mask: bool = True
+) -> torch.Tensor:
+    """Guided BP through a one-layer ReLU RNN: each ReLU passes positive signal where ``z > 0``.
+
+    Without ``forward_mask``: Deconv (positive signal wherever ``z`` is).
+    """
+    rnn, head = model.rnn, model.head
+    w = torch.cat([rnn.weight_ih_l0, rnn.weight_hh_l0], dim=1)
+    b = rnn.bias_ih_l0 + rnn.bias_hh_l0
+    h = x.new_zeros(x.shape[0], rnn.hidden_size)
+    pre_activations = []
+    for t in range(x.shape[1]):
+        z = torch.cat([x[:, t], h], dim=1) @ w.T + b
+        h = torch.relu(z)
+        pre_activations.append(z)
+    signal = head.weight[target].expand(x.shape[0], -1)
+    maps = torch.zeros_like(x)
+    for t in reversed(range(x.shape[1])):
+        passed = signal.clamp(min=0)
+        if forward_mask:
+            passed = passed * (pre_activations[t] > 0)
+        signal_in = passed @ w
+        maps[:, t], signal = signal_in[:, : x.shape[2]], signal_in[:, x.shape[2] :]
+    return maps
+
+
+def test_guided_bp_and_deconv_take_a_relu_rnn_and_refuse_a_tanh_rnn_by_name():
+    torch.manual_seed(8)
+    relu_model = Classifier(LAYERS["rnn_relu"](4, 5, batch_first=True)).double().eval()
+    x = sequences()
+    for method, forward_mask in [("guided_bp", True), ("deconv", False)]:
+        expected = guided_bp_by_hand(relu_model, x, 1, forward_mask)
+        assert expected.abs().sum() > 0
+        got = explain(relu_model, x, method, 1).attribution
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
+    tanh_model = Classifier(nn.RNN(4, 5, batch_first=True)).double().eval()
+    refusal = r"'tanh' in module 'rnn' \(RNN\) is an activation"
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        explain(tanh_model, x, "guided_bp", 0)
+
+
 @pytest.mark.parametrize(("kind", "options"), [c for c in CASES if "bias" not in c.values[1]])
 def test_lrp_zero_conserves_on_bias_free_recurrent_nets(kind, options):
     torch.manual_seed(2)
-    layer = (nn.LSTM if kind == "lstm" else nn.GRU)(4, 5, bias=False, **options)
+    layer = LAYERS[kind](4, 5, bias=False, **options)
     model = Classifier(layer, bias=False).double().eval()
     result = explain(model, sequences(), "lrp.z", 0)  # the model transposes if it must
     assert result.attribution.abs().sum() > 0
@@ -182,9 +303,10 @@ def test_gradient_methods_run_and_the_rest_refuse_clearly(kind):
             explain(model, x, method, 0)
 
 
-def test_packed_sequences_are_refused_with_the_way_out():
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+def test_packed_sequences_are_refused_with_the_way_out(kind):
     torch.manual_seed(5)
-    rnn = nn.LSTM(4, 5, batch_first=True).double().eval()
+    rnn = LAYERS[kind](4, 5, batch_first=True).double().eval()
 
     class Packed(nn.Module):
         def __init__(self) -> None:
@@ -193,8 +315,33 @@ def test_packed_sequences_are_refused_with_the_way_out():
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             packed = nn.utils.rnn.pack_padded_sequence(x, [5] * len(x), batch_first=True)
-            _, (h, _) = self.rnn(packed)
+            _, state = self.rnn(packed)
+            h = state[0] if isinstance(state, tuple) else state  # an LSTM's is (h, c)
             return self.head(h[-1])
 
     with pytest.raises(UnsupportedModelError, match=r"PackedSequence.*pad the sequences"):
         explain(Packed().eval(), sequences(), "lrp.epsilon", 0)
+
+
+@pytest.mark.parametrize("kind", list(LAYERS))
+def test_every_method_gives_a_finite_map_or_one_clear_error(kind):
+    # the refusals named in docs/recurrent.md; the maps' values are checked by the tests above
+    torch.manual_seed(9)
+    layer = LAYERS[kind](4, 5, num_layers=2, bidirectional=True, batch_first=True)
+    model = Classifier(layer).double().eval()
+    x = sequences()
+    outcomes = {}
+    for method in sorted(get_registry()):
+        try:
+            attribution = explain(model, x, method, 1).attribution
+        except ExplainError as error:
+            outcomes[method] = type(error).__name__
+        else:
+            assert torch.isfinite(attribution).all(), method
+            outcomes[method] = "map"
+    gated = kind in ("lstm", "gru")
+    assert outcomes["lrp.epsilon"] == outcomes["lrp.epsilon_plus"] == "map"
+    assert outcomes["integrated_gradients"] == "map"
+    assert outcomes["deeplift.rescale"] == ("UnsupportedModelError" if gated else "map")
+    relu_only = "map" if kind == "rnn_relu" else "UnsupportedModelError"
+    assert outcomes["guided_bp"] == outcomes["deconv"] == outcomes["rectgrad"] == relu_only

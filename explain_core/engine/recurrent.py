@@ -1,8 +1,9 @@
-"""LSTM and GRU layers written out step by step, so that rules see their gates and products.
+"""Recurrent layers written out step by step, so that rules see their gates and products.
 
-``nn.LSTM`` and ``nn.GRU`` reach the engine as single fused operations (``torch.lstm``,
-``torch.gru``). Inside the engine's pass they are computed instead as the operations they stand
-for, per layer, direction and time step, with the layer's own weights:
+``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` reach the engine as single fused operations
+(``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``). Inside the engine's pass
+they are computed instead as the operations they stand for, per layer, direction and time step,
+with the layer's own weights:
 
 - LSTM: ``z = W [x_t; h_{t−1}] + b`` (one linear map, as Arras et al. 2017 write it), the gates
   ``i, f, o = σ(z_i), σ(z_f), σ(z_o)``, the candidate ``g = tanh(z_g)``,
@@ -10,6 +11,8 @@ for, per layer, direction and time step, with the layer's own weights:
 - GRU: ``r, z = σ(W_r x + b_r + U_r h), σ(…)``, ``n = tanh(W_n x + b_n + r ⊙ (U_n h + b_hn))``
   and ``h_t = n + z ⊙ (h_{t−1} − n)``, which is ``(1 − z) ⊙ n + z ⊙ h_{t−1}`` written so that the
   gate ``z`` multiplies one tensor.
+- Elman RNN: ``h_t = act(W [x_t; h_{t−1}] + b)`` with ``act`` tanh or ReLU (one linear map, as for
+  the LSTM).
 
 The composite's rules then apply to them as to a cell written by hand: LRP's presets hold the
 sigmoid gates constant (all relevance to the signal: "signal-take-all"), pass relevance through
@@ -26,7 +29,7 @@ import torch.nn.functional as F
 
 from explain_core.errors import UnsupportedModelError
 
-__all__ = ["gru", "lstm"]
+__all__ = ["gru", "lstm", "rnn_relu", "rnn_tanh"]
 
 
 def _check(kind: str, packed: bool, dropout: float, train: bool) -> None:
@@ -119,6 +122,17 @@ def _gru_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: 
     return (n + z * (h - n),)
 
 
+def _elman_step(activation: Callable[[torch.Tensor], torch.Tensor]) -> Step:
+    def step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: State) -> State:
+        w_ih, w_hh, b_ih, b_hh, _ = weights
+        (h,) = state
+        weight = torch.cat([w_ih, w_hh], dim=1)  # type: ignore[list-item]
+        bias = None if b_ih is None else b_ih + b_hh
+        return (activation(F.linear(torch.cat([x, h], dim=-1), weight, bias)),)
+
+    return step
+
+
 def lstm(
     input: torch.Tensor,
     hx: Sequence[torch.Tensor] | torch.Tensor,
@@ -171,3 +185,71 @@ def gru(
     initial = [(hx[i],) for i in range(cells)]
     x, last = _unrolled(x, weights, initial, _gru_step, num_layers, bidirectional)
     return _sequence_first(x, batch_first), torch.stack([h for (h,) in last])
+
+
+def _elman(
+    kind: str,
+    step: Step,
+    input: torch.Tensor,
+    hx: torch.Tensor,
+    params: Sequence[torch.Tensor] | torch.Tensor,
+    has_biases: bool,
+    num_layers: int,
+    dropout: float,
+    train: bool,
+    bidirectional: bool,
+    batch_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(kind, isinstance(params, torch.Tensor), dropout, train)
+    cells = num_layers * (2 if bidirectional else 1)
+    weights = _layer_weights(params, has_biases, cells)  # type: ignore[arg-type]
+    x = _sequence_first(input, batch_first)
+    initial = [(hx[i],) for i in range(cells)]
+    x, last = _unrolled(x, weights, initial, step, num_layers, bidirectional)
+    return _sequence_first(x, batch_first), torch.stack([h for (h,) in last])
+
+
+def rnn_tanh(
+    input: torch.Tensor,
+    hx: torch.Tensor,
+    params: Sequence[torch.Tensor] | torch.Tensor,
+    has_biases: bool = True,
+    num_layers: int = 1,
+    dropout: float = 0.0,
+    train: bool = False,
+    bidirectional: bool = False,
+    batch_first: bool = False,
+    *rest: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.rnn_tanh`` (``nn.RNN``) as its cell equation: ``(output, h_n)``.
+
+    Raises:
+        UnsupportedModelError: For packed sequences or dropout in training mode.
+    """
+    return _elman(
+        "RNN", _elman_step(torch.tanh), input, hx, params, has_biases, num_layers, dropout,
+        train, bidirectional, batch_first,
+    )  # fmt: skip
+
+
+def rnn_relu(
+    input: torch.Tensor,
+    hx: torch.Tensor,
+    params: Sequence[torch.Tensor] | torch.Tensor,
+    has_biases: bool = True,
+    num_layers: int = 1,
+    dropout: float = 0.0,
+    train: bool = False,
+    bidirectional: bool = False,
+    batch_first: bool = False,
+    *rest: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.rnn_relu`` (``nn.RNN(nonlinearity="relu")``) as its cell equation.
+
+    Raises:
+        UnsupportedModelError: For packed sequences or dropout in training mode.
+    """
+    return _elman(
+        "RNN", _elman_step(torch.relu), input, hx, params, has_biases, num_layers, dropout,
+        train, bidirectional, batch_first,
+    )  # fmt: skip
