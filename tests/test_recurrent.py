@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from explain_core import ExplainError, UnsupportedModelError, explain
-from explain_core.engine.recurrent import gru, lstm, rnn_relu, rnn_tanh
+from explain_core.engine.recurrent import CELLS, gru, lstm, rnn_relu, rnn_tanh
 from explain_core.plugin_manager import get_registry
 
 LAYERS = {
@@ -345,3 +345,75 @@ def test_every_method_gives_a_finite_map_or_one_clear_error(kind):
     assert outcomes["deeplift.rescale"] == ("UnsupportedModelError" if gated else "map")
     relu_only = "map" if kind == "rnn_relu" else "UnsupportedModelError"
     assert outcomes["guided_bp"] == outcomes["deconv"] == outcomes["rectgrad"] == relu_only
+
+
+CELL_LAYERS = {
+    "lstm": nn.LSTMCell,
+    "gru": nn.GRUCell,
+    "rnn_tanh": nn.RNNCell,
+    "rnn_relu": lambda *args, **options: nn.RNNCell(*args, nonlinearity="relu", **options),
+}
+"""Each recurrent kind → its one-step cell's constructor."""
+
+
+class CellLoop(nn.Module):
+    """A cell stepped over the sequence by hand, read at its last step (as decoders are written)."""
+
+    def __init__(self, cell: nn.Module, hidden: int = 5) -> None:
+        super().__init__()
+        self.cell, self.hidden = cell, hidden
+        self.head = nn.Linear(hidden, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], self.hidden)
+        state: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = (
+            (h, h) if isinstance(self.cell, nn.LSTMCell) else h
+        )
+        for t in range(x.shape[1]):
+            state = self.cell(x[:, t], state)
+        return self.head(state[0] if isinstance(state, tuple) else state)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind", list(CELL_LAYERS))
+def test_the_written_out_one_step_cells_compute_what_the_fused_cells_do(kind, bias):
+    torch.manual_seed(10)
+    cell = CELL_LAYERS[kind](4, 5, bias=bias).double()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    h = torch.randn(3, 5, dtype=torch.float64)
+    state = (h, torch.randn(3, 5, dtype=torch.float64)) if kind == "lstm" else h
+    operation = {"lstm": "lstm_cell", "gru": "gru_cell"}.get(kind, f"{kind}_cell")
+    with torch.no_grad():
+        fused = cell(x, state)
+        weights = (cell.weight_ih, cell.weight_hh, cell.bias_ih, cell.bias_hh)
+        written = CELLS[operation](x, state, *weights)
+    if kind != "lstm":  # one state tensor, not an (h, c) pair
+        written, fused = (written,), (fused,)
+    for got, want in zip(written, fused, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.z", "deeplift.rescale"])
+@pytest.mark.parametrize("kind", list(CELL_LAYERS))
+def test_a_cell_stepped_by_hand_is_explained_as_the_layer_with_its_weights(kind, method):
+    # The known equivalence: the cell stepped over the sequence is the one-layer recurrent layer;
+    # the layer's maps are checked against the papers' equations above.
+    torch.manual_seed(11)
+    layer = LAYERS[kind](4, 5, batch_first=True)
+    layered = Classifier(layer).double().eval()
+    stepped = CellLoop(CELL_LAYERS[kind](4, 5)).double().eval()
+    with torch.no_grad():
+        for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
+            getattr(stepped.cell, name).copy_(getattr(layer, f"{name}_l0"))
+        stepped.head.load_state_dict(layered.head.state_dict())
+    x = sequences()
+    if method.startswith("deeplift") and kind in ("lstm", "gru"):  # gates: refused alike
+        for model in (layered, stepped):
+            with pytest.raises(UnsupportedModelError, match="'mul' in module"):
+                explain(model, x, method, 2)
+        return
+    expected = explain(layered, x, method, 2).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(
+        explain(stepped, x, method, 2).attribution, expected, rtol=1e-9, atol=1e-12
+    )

@@ -1,7 +1,8 @@
 """Fused attention written out in its math form, so that rules see its operations.
 
-(Fused recurrent layers, ``torch.lstm``, ``torch.gru`` and ``torch.rnn_tanh``/``rnn_relu``, are
-written out in :mod:`~explain_core.engine.recurrent` and registered here too.)
+(Fused recurrent layers and cells, ``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``/``rnn_relu``
+and ``torch.lstm_cell`` …, are written out in :mod:`~explain_core.engine.recurrent` and registered
+here too.)
 
 ``F.scaled_dot_product_attention`` (every backend) and ``F.multi_head_attention_forward`` (what
 ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call) reach the engine as single
@@ -195,6 +196,7 @@ DECOMPOSED: dict[str, Callable[..., Any]] = {
     "gru": recurrent.gru,
     "rnn_tanh": recurrent.rnn_tanh,
     "rnn_relu": recurrent.rnn_relu,
+    **recurrent.CELLS,
 }
 """Operation kind → its math form."""
 

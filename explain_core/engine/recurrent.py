@@ -1,9 +1,10 @@
 """Recurrent layers written out step by step, so that rules see their gates and products.
 
 ``nn.LSTM``, ``nn.GRU`` and ``nn.RNN`` reach the engine as single fused operations
-(``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``). Inside the engine's pass
-they are computed instead as the operations they stand for, per layer, direction and time step,
-with the layer's own weights:
+(``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``, ``torch.rnn_relu``), and so do their cells
+``nn.LSTMCell``, ``nn.GRUCell`` and ``nn.RNNCell`` (``torch.lstm_cell`` …, one time step). Inside
+the engine's pass they are computed instead as the operations they stand for, per layer,
+direction and time step, with the layer's own weights:
 
 - LSTM: ``z = W [x_t; h_{t−1}] + b`` (one linear map, as Arras et al. 2017 write it), the gates
   ``i, f, o = σ(z_i), σ(z_f), σ(z_o)``, the candidate ``g = tanh(z_g)``,
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 
 from explain_core.errors import UnsupportedModelError
 
-__all__ = ["gru", "lstm", "rnn_relu", "rnn_tanh"]
+__all__ = ["CELLS", "gru", "lstm", "rnn_relu", "rnn_tanh"]
 
 
 def _check(kind: str, packed: bool, dropout: float, train: bool) -> None:
@@ -253,3 +254,30 @@ def rnn_relu(
         "RNN", _elman_step(torch.relu), input, hx, params, has_biases, num_layers, dropout,
         train, bidirectional, batch_first,
     )  # fmt: skip
+
+
+def _cell(step: Step, state_size: int) -> Callable[..., tuple[torch.Tensor, ...] | torch.Tensor]:
+    """A fused one-step cell (``torch.lstm_cell`` …) as ``step``, with its argument order."""
+
+    def cell(
+        input: torch.Tensor,
+        hx: Sequence[torch.Tensor] | torch.Tensor,
+        w_ih: torch.Tensor,
+        w_hh: torch.Tensor,
+        b_ih: torch.Tensor | None = None,
+        b_hh: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        state = tuple(hx) if state_size > 1 else (hx,)
+        new = step((w_ih, w_hh, b_ih, b_hh, None), input, state)  # type: ignore[arg-type]
+        return new if state_size > 1 else new[0]
+
+    return cell
+
+
+CELLS: dict[str, Callable[..., tuple[torch.Tensor, ...] | torch.Tensor]] = {
+    "lstm_cell": _cell(_lstm_step, 2),
+    "gru_cell": _cell(_gru_step, 1),
+    "rnn_tanh_cell": _cell(_elman_step(torch.tanh), 1),
+    "rnn_relu_cell": _cell(_elman_step(torch.relu), 1),
+}
+"""Fused cells (``nn.LSTMCell``, ``nn.GRUCell``, ``nn.RNNCell``) → their equations."""
