@@ -134,6 +134,29 @@ def _elman_step(activation: Callable[[torch.Tensor], torch.Tensor]) -> Step:
     return step
 
 
+def _layers(
+    step: Step,
+    input: torch.Tensor,
+    initial: State,
+    params: Sequence[torch.Tensor],
+    has_biases: bool,
+    num_layers: int,
+    bidirectional: bool,
+    batch_first: bool,
+) -> tuple[torch.Tensor, State]:
+    """A fused layer's output and final states from its initial ones (``(h_0,)``, ``(h_0, c_0)``).
+
+    Each state tensor is stacked over layers and directions, as the fused operations take them.
+    """
+    cells = num_layers * (2 if bidirectional else 1)
+    weights = _layer_weights(params, has_biases, cells)
+    states = [tuple(state[i] for state in initial) for i in range(cells)]
+    x = _sequence_first(input, batch_first)
+    x, last = _unrolled(x, weights, states, step, num_layers, bidirectional)
+    final = tuple(torch.stack(states) for states in zip(*last, strict=True))
+    return _sequence_first(x, batch_first), final
+
+
 def lstm(
     input: torch.Tensor,
     hx: Sequence[torch.Tensor] | torch.Tensor,
@@ -152,108 +175,50 @@ def lstm(
         UnsupportedModelError: For packed sequences or dropout in training mode.
     """
     _check("LSTM", isinstance(hx, torch.Tensor), dropout, train)
-    h0, c0 = hx
-    cells = num_layers * (2 if bidirectional else 1)
-    weights = _layer_weights(params, has_biases, cells)
-    initial = [(h0[i], c0[i]) for i in range(cells)]
-    x = _sequence_first(input, batch_first)
-    x, last = _unrolled(x, weights, initial, _lstm_step, num_layers, bidirectional)
-    h_n, c_n = (torch.stack(states) for states in zip(*last, strict=True))
-    return _sequence_first(x, batch_first), h_n, c_n
+    output, (h_n, c_n) = _layers(
+        _lstm_step, input, tuple(hx), params, has_biases, num_layers, bidirectional, batch_first
+    )
+    return output, h_n, c_n
 
 
-def gru(
-    input: torch.Tensor,
-    hx: torch.Tensor,
-    params: Sequence[torch.Tensor] | torch.Tensor,
-    has_biases: bool = True,
-    num_layers: int = 1,
-    dropout: float = 0.0,
-    train: bool = False,
-    bidirectional: bool = False,
-    batch_first: bool = False,
-    *rest: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.gru`` as its cell equations: ``(output, h_n)``.
+SingleStateLayer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _single_state(kind: str, operation: str, step: Step) -> SingleStateLayer:
+    """A fused layer whose state is one tensor (``torch.gru``, ``torch.rnn_tanh`` …) as ``step``.
+
+    With the fused operation's argument order; it returns ``(output, h_n)``.
 
     Raises:
         UnsupportedModelError: For packed sequences or dropout in training mode.
     """
-    _check("GRU", isinstance(params, torch.Tensor), dropout, train)
-    cells = num_layers * (2 if bidirectional else 1)
-    weights = _layer_weights(params, has_biases, cells)  # type: ignore[arg-type]
-    x = _sequence_first(input, batch_first)
-    initial = [(hx[i],) for i in range(cells)]
-    x, last = _unrolled(x, weights, initial, _gru_step, num_layers, bidirectional)
-    return _sequence_first(x, batch_first), torch.stack([h for (h,) in last])
+
+    def layer(
+        input: torch.Tensor,
+        hx: torch.Tensor,
+        params: Sequence[torch.Tensor] | torch.Tensor,
+        has_biases: bool = True,
+        num_layers: int = 1,
+        dropout: float = 0.0,
+        train: bool = False,
+        bidirectional: bool = False,
+        batch_first: bool = False,
+        *rest: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        _check(kind, isinstance(params, torch.Tensor), dropout, train)
+        output, (h_n,) = _layers(
+            step, input, (hx,), params, has_biases, num_layers, bidirectional, batch_first
+        )
+        return output, h_n
+
+    layer.__name__ = operation
+    layer.__doc__ = f"``torch.{operation}`` as its cell equations: ``(output, h_n)``."
+    return layer
 
 
-def _elman(
-    kind: str,
-    step: Step,
-    input: torch.Tensor,
-    hx: torch.Tensor,
-    params: Sequence[torch.Tensor] | torch.Tensor,
-    has_biases: bool,
-    num_layers: int,
-    dropout: float,
-    train: bool,
-    bidirectional: bool,
-    batch_first: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    _check(kind, isinstance(params, torch.Tensor), dropout, train)
-    cells = num_layers * (2 if bidirectional else 1)
-    weights = _layer_weights(params, has_biases, cells)  # type: ignore[arg-type]
-    x = _sequence_first(input, batch_first)
-    initial = [(hx[i],) for i in range(cells)]
-    x, last = _unrolled(x, weights, initial, step, num_layers, bidirectional)
-    return _sequence_first(x, batch_first), torch.stack([h for (h,) in last])
-
-
-def rnn_tanh(
-    input: torch.Tensor,
-    hx: torch.Tensor,
-    params: Sequence[torch.Tensor] | torch.Tensor,
-    has_biases: bool = True,
-    num_layers: int = 1,
-    dropout: float = 0.0,
-    train: bool = False,
-    bidirectional: bool = False,
-    batch_first: bool = False,
-    *rest: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.rnn_tanh`` (``nn.RNN``) as its cell equation: ``(output, h_n)``.
-
-    Raises:
-        UnsupportedModelError: For packed sequences or dropout in training mode.
-    """
-    return _elman(
-        "RNN", _elman_step(torch.tanh), input, hx, params, has_biases, num_layers, dropout,
-        train, bidirectional, batch_first,
-    )  # fmt: skip
-
-
-def rnn_relu(
-    input: torch.Tensor,
-    hx: torch.Tensor,
-    params: Sequence[torch.Tensor] | torch.Tensor,
-    has_biases: bool = True,
-    num_layers: int = 1,
-    dropout: float = 0.0,
-    train: bool = False,
-    bidirectional: bool = False,
-    batch_first: bool = False,
-    *rest: object,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.rnn_relu`` (``nn.RNN(nonlinearity="relu")``) as its cell equation.
-
-    Raises:
-        UnsupportedModelError: For packed sequences or dropout in training mode.
-    """
-    return _elman(
-        "RNN", _elman_step(torch.relu), input, hx, params, has_biases, num_layers, dropout,
-        train, bidirectional, batch_first,
-    )  # fmt: skip
+gru = _single_state("GRU", "gru", _gru_step)
+rnn_tanh = _single_state("RNN", "rnn_tanh", _elman_step(torch.tanh))
+rnn_relu = _single_state("RNN", "rnn_relu", _elman_step(torch.relu))
 
 
 def _cell(step: Step, state_size: int) -> Callable[..., tuple[torch.Tensor, ...] | torch.Tensor]:
