@@ -25,8 +25,8 @@ through a torch function mode, by one whose backward is the papers' rectified gr
 Integrated Gradients: the midpoint rule of its integral. SmoothGrad: the average gradient over
 the noisy copies the method documents (its seeded generator, one draw per copy). Contrastive
 LRP: the paper's Eq. 15 over two z⁺ references. DeepLIFT: the copy run on the inputs and the
-zero reference stacked, every ReLU and max pooling replaced (through a torch function mode) by
-one whose backward is the rule's multiplier, and for RevealCancel and its ablation every affine
+zero reference stacked, every element-wise activation (ReLU, ReLU6, SiLU, tanh …) and max
+pooling replaced (through a torch function mode) by one whose backward is the rule's multiplier, and for RevealCancel and its ablation every affine
 layer's Δz split into the parts of Eq. 13, carried through additions.
 """
 
@@ -552,38 +552,81 @@ def reference_smoothgrad(
 _EPS = 1e-10
 
 
-def _secant(delta_in: torch.Tensor, delta_out: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """A ReLU's ``Δy/Δx``, its derivative at the input where ``|Δx| < 1e-10``."""
+def _secant(
+    delta_in: torch.Tensor, delta_out: torch.Tensor, derivative: torch.Tensor
+) -> torch.Tensor:
+    """An activation's ``Δy/Δx``; its ``derivative`` at the input where ``|Δx| < 1e-10``."""
     flat = delta_in.abs() < _EPS
-    return torch.where(flat, (at > 0).to(at), delta_out / torch.where(flat, 1.0, delta_in))
+    return torch.where(flat, derivative, delta_out / torch.where(flat, 1.0, delta_in))
 
 
-class _RescaledReLU(torch.autograd.Function):
-    """ReLU on both halves; backward ``g ⊙ m`` to the input half, nothing to the reference."""
+Activation = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _derivative(f: Activation, at: torch.Tensor) -> torch.Tensor:
+    """The element-wise ``f``'s derivative at ``at`` (autograd's, as the gradient methods')."""
+    with torch.enable_grad():
+        point = at.detach().requires_grad_(True)
+        (slope,) = torch.autograd.grad(f(point).sum(), point)
+    return slope
+
+
+def _clamp(low: float | None, high: float | None) -> Activation:
+    return lambda t: t.clamp(low, high)
+
+
+# Each element-wise activation a forward may call → its function, out of place, from the call's
+# arguments after the input (keyword or positional, in the torch function's order).
+_ACTIVATIONS: dict[Callable, Callable[..., Activation]] = {
+    F.relu: lambda inplace=False: _clamp(0.0, None),
+    torch.relu: lambda: _clamp(0.0, None),
+    torch.relu_: lambda: _clamp(0.0, None),
+    torch.Tensor.relu: lambda: _clamp(0.0, None),
+    torch.Tensor.relu_: lambda: _clamp(0.0, None),
+    F.relu6: lambda inplace=False: _clamp(0.0, 6.0),
+    F.hardtanh: lambda min_val=-1.0, max_val=1.0, inplace=False: _clamp(min_val, max_val),
+    F.leaky_relu: lambda negative_slope=0.01, inplace=False: (
+        lambda t: torch.where(t >= 0, t, t * negative_slope)
+    ),
+    F.elu: lambda alpha=1.0, inplace=False: lambda t: torch.where(t > 0, t, alpha * t.expm1()),
+    F.silu: lambda inplace=False: lambda t: t * torch.sigmoid(t),
+    F.gelu: lambda approximate="none": lambda t: F.gelu(t, approximate=approximate),
+    F.hardswish: lambda inplace=False: lambda t: t * (t + 3).clamp(0, 6) / 6,
+    F.hardsigmoid: lambda inplace=False: lambda t: (t + 3).clamp(0, 6) / 6,
+    F.mish: lambda inplace=False: lambda t: t * torch.tanh(F.softplus(t)),
+    torch.tanh: lambda: torch.tanh,
+    torch.Tensor.tanh: lambda: torch.tanh,
+    torch.sigmoid: lambda: torch.sigmoid,
+    torch.Tensor.sigmoid: lambda: torch.sigmoid,
+}
+
+
+class _RescaledActivation(torch.autograd.Function):
+    """``f`` on both halves; backward ``g ⊙ m`` to the input half, nothing to the reference."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, multiplier: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, f: Activation, multiplier: torch.Tensor) -> torch.Tensor:
         ctx.multiplier = multiplier
-        return x.clamp(min=0)
+        return f(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         m = ctx.multiplier
-        return torch.cat([g[: len(m)] * m, torch.zeros_like(g[len(m) :])]), None
+        return torch.cat([g[: len(m)] * m, torch.zeros_like(g[len(m) :])]), None, None
 
 
-class _SplitReLU(torch.autograd.Function):
-    """ReLU on both halves; backward ``g ⊙ m⁺`` to the positive part, ``g ⊙ m⁻`` to the negative."""
+class _SplitActivation(torch.autograd.Function):
+    """``f`` on both halves; backward ``g ⊙ m⁺`` to the positive part, ``g ⊙ m⁻`` to the other."""
 
     @staticmethod
-    def forward(ctx, x, positive, negative, m_pos, m_neg):
+    def forward(ctx, x, f, positive, negative, m_pos, m_neg):
         ctx.m_pos, ctx.m_neg = m_pos, m_neg
-        return x.clamp(min=0)
+        return f(x)
 
     @staticmethod
     def backward(ctx, g):
         g = g[: len(ctx.m_pos)]
-        return None, g * ctx.m_pos, g * ctx.m_neg, None, None
+        return None, None, g * ctx.m_pos, g * ctx.m_neg, None, None
 
 
 class _RescaledMaxPool(torch.autograd.Function):
@@ -710,8 +753,8 @@ class _DeepLiftReference(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.hooks:
             return func(*args, **kwargs)
-        if func in _RELUS and self._is_activation(args[0]):
-            return self._relu(args[0])
+        if func in _ACTIVATIONS and args and self._is_activation(args[0]):
+            return self._activation(args[0], _ACTIVATIONS[func](*args[1:], **kwargs))
         name = getattr(func, "__name__", "")
         if name in _MAX_POOLS and self._is_activation(args[0]) and not kwargs.get("return_indices"):
             pool = dict(zip(_POOL_KEYS, args[1:], strict=False))
@@ -727,27 +770,24 @@ class _DeepLiftReference(TorchFunctionMode):
                 self.parts[id(result)] = (result, positive, negative)
         return result
 
-    def _relu(self, x: torch.Tensor) -> torch.Tensor:
+    def _activation(self, x: torch.Tensor, f: Activation) -> torch.Tensor:
         b = self.batch
         at, reference = x[:b].detach(), x[b:].detach()
+        derivative = _derivative(f, at)
         if self.rule == "rescale":
             delta_in = x[:b].detach() - reference
-            delta_out = at.clamp(min=0) - reference.clamp(min=0)
-            return _RescaledReLU.apply(x, _secant(delta_in, delta_out, at))
+            delta_out = f(at) - f(reference)
+            return _RescaledActivation.apply(x, f, _secant(delta_in, delta_out, derivative))
         positive, negative = self._split(x, pop=True)
         p, n = positive.detach(), negative.detach()
-
-        def f(t: torch.Tensor) -> torch.Tensor:
-            return t.clamp(min=0)
-
         dy_pos = 0.5 * (f(reference + p) - f(reference)) + 0.5 * (
             f(reference + n + p) - f(reference + n)
         )
         dy_neg = 0.5 * (f(reference + n) - f(reference)) + 0.5 * (
             f(reference + p + n) - f(reference + p)
         )
-        m_pos, m_neg = _secant(p, dy_pos, at), _secant(n, dy_neg, at)
-        return _SplitReLU.apply(x, positive, negative, m_pos, m_neg)
+        m_pos, m_neg = _secant(p, dy_pos, derivative), _secant(n, dy_neg, derivative)
+        return _SplitActivation.apply(x, f, positive, negative, m_pos, m_neg)
 
     def attribution(self, x: torch.Tensor, target: int) -> torch.Tensor:
         x = x.detach().double()
