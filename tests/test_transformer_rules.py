@@ -527,3 +527,53 @@ class _UnscaledGradient(Rule):
 
     def backward(self, call, grad_output):
         return Gradient().backward(call, grad_output)
+
+
+class ShiftedWindows(nn.Module):
+    """Swin- and MaxViT-style attention: tokens rolled, ``einsum`` products, ``swapaxes``.
+
+    ``written="plainly"`` computes the same with a slicing roll, ``@`` and ``transpose``.
+    """
+
+    def __init__(self, written: str = "swin", bias: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.written = written
+        self.qkv = nn.Linear(8, 24, bias=bias)
+        self.proj = nn.Linear(8, 8, bias=bias)
+        self.head = nn.Linear(8, 3, bias=bias)
+
+    def roll(self, x: torch.Tensor, shift: int) -> torch.Tensor:
+        if self.written == "swin":
+            return torch.roll(x, shift, dims=1)
+        return torch.cat([x[:, -shift:], x[:, :-shift]], dim=1)  # either sign of shift
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (batch, tokens, 8)
+        shifted = self.roll(x, 2)
+        q, k, v = self.qkv(shifted).chunk(3, dim=-1)
+        if self.written == "swin":
+            scores = torch.einsum("bid,bjd->bij", q, k) / math.sqrt(8)
+            mixed = torch.einsum("bij,bjd->bid", scores.softmax(-1), v)
+            mixed = mixed.swapaxes(1, 2).swapaxes(1, 2)
+        else:
+            scores = q @ k.transpose(1, 2) / math.sqrt(8)
+            mixed = (scores.softmax(-1) @ v).transpose(1, 2).transpose(1, 2)
+        out = x + self.roll(self.proj(mixed), -2)
+        return self.head(out.mean(1))
+
+
+@pytest.mark.parametrize("method", ["lrp.attn", "lrp.cp"])
+def test_einsum_roll_and_swapaxes_are_explained_as_matmul_slicing_and_transpose(method):
+    # A known equivalence: the same network written with the operations the engine knew before
+    # (whose rules the tests above compare with the papers' equations).
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    swin = ShiftedWindows("swin").double().eval()
+    plain = ShiftedWindows("plainly").double().eval()
+    expected = explain(plain, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(swin, x, method, 1).attribution, expected)
+    bias_free = ShiftedWindows("swin", bias=False).double().eval()
+    if method == "lrp.cp":  # and CP-LRP still conserves
+        torch.testing.assert_close(
+            explain(bias_free, x, method, 1).delta, torch.zeros(2, dtype=torch.float64)
+        )

@@ -11,9 +11,9 @@ Linear                 the gradient (``epsilon=0``) or LRP-ε        the same
 ``rms_norm``           the scale held constant                      the same
 GELU, SiLU, tanh, …    ``R_x = R_y`` (``f(x)/x``, LRP's pass rule)  the same
 ``softmax``            the gradient: ``R_x = x ⊙ (R_s − s·ΣR_s)``   held constant (no signal)
-``matmul``, ``bmm``    the uniform rule: half of the relevance to   the gradient (with the
-of two activations     each factor (:class:`Uniform`)               attention weights constant,
-                                                                    all relevance goes to V)
+``matmul``, ``bmm``,   the uniform rule: half of the relevance to   the gradient (with the
+``einsum`` of two      each factor (:class:`Uniform`)               attention weights constant,
+activations                                                         all relevance goes to V)
 ``mul`` of two         the uniform rule                             the activated gate held
 activations                                                         constant (:class:`HoldGate`)
 =====================  ===========================================  ===========================
@@ -56,7 +56,7 @@ __all__ = [
     "lrp_cp",
 ]
 
-PRODUCTS = ("matmul", "bmm", "mul")
+PRODUCTS = ("matmul", "bmm", "einsum", "mul")
 """Operation kinds that multiply two activations in attention models (``QKᵀ``, ``A·V``, gates)."""
 
 
@@ -121,7 +121,7 @@ def lrp_cp(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
     # with the activated gate constant: all relevance to up. Both conserve.
     rules_ = [
         (Op("softmax"), Constant()),
-        (Op("matmul", "bmm"), Gradient()),
+        (Op("matmul", "bmm", "einsum"), Gradient()),
         (Op("mul"), HoldGate(otherwise=Uniform())),
     ]
     return Composite([*_shared(epsilon, gamma), *rules_], name="lrp.cp")
