@@ -70,6 +70,14 @@ def _documented() -> dict[tuple[str, str], str]:
     return table
 
 
+def _without_zero_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """Linear layers initialised to zero (ViT's head) drawn at random: else every map is 0."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not module.weight.any():
+            torch.nn.init.normal_(module.weight, std=0.02)
+    return model
+
+
 def main() -> None:
     """Run the methods on the real models and write the table."""
     import torchvision
@@ -101,7 +109,7 @@ def main() -> None:
         for name in args.models:
 
             def make(name: str = name) -> torch.nn.Module:
-                return getattr(torchvision.models, name)(weights=None)
+                return _without_zero_layers(getattr(torchvision.models, name)(weights=None))
 
             cell = method_outcome(method, make, image)
             cells.append(cell)

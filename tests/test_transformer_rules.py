@@ -577,3 +577,20 @@ def test_einsum_roll_and_swapaxes_are_explained_as_matmul_slicing_and_transpose(
         torch.testing.assert_close(
             explain(bias_free, x, method, 1).delta, torch.zeros(2, dtype=torch.float64)
         )
+
+
+@pytest.mark.parametrize("model", ["encoder", "shifted windows"])
+def test_the_zoo_reference_for_attn_lrp_agrees_and_tells_it_from_cp_lrp(model):
+    # benchmarks/check_torchvision_zoo.py checks the real ViT, Swin and MaxViT with it
+    import zoo_references
+
+    if model == "encoder":
+        network, x = encoder(norm_first=True), torch.randn(2, 5, 8, dtype=torch.float64)
+    else:
+        network = ShiftedWindows("swin").double().eval()
+        x = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    reference, attention = zoo_references.reference_attn_lrp(network, x, 1)
+    assert attention
+    torch.testing.assert_close(explain(network, x, "lrp.attn", 1).attribution, reference)
+    cp = explain(network, x, "lrp.cp", 1).attribution
+    assert (cp - reference).abs().max() > 1e-3 * reference.abs().max()

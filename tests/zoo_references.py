@@ -26,21 +26,26 @@ Integrated Gradients: the midpoint rule of its integral. SmoothGrad: the average
 the noisy copies the method documents (its seeded generator, one draw per copy). Contrastive
 LRP: the paper's Eq. 15 over two z⁺ references. DeepLIFT: the copy run on the inputs and the
 zero reference stacked, every element-wise activation (ReLU, ReLU6, SiLU, tanh …) and max
-pooling replaced (through a torch function mode) by one whose backward is the rule's multiplier, and for RevealCancel and its ablation every affine
-layer's Δz split into the parts of Eq. 13, carried through additions.
+pooling replaced (through a torch function mode) by one whose backward is the rule's multiplier,
+and for RevealCancel and its ablation every affine layer's Δz split into the parts of Eq. 13,
+carried through additions. AttnLRP on attention models: the papers' Gradient×Input form on the
+copy, through a torch function mode (see :func:`reference_attn_lrp`).
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 Linear = Callable[..., torch.Tensor]
 """The layer's linear map applied with another weight (and bias): ``lin(x, W[, b])``."""
@@ -808,3 +813,142 @@ class _DeepLiftReference(TorchFunctionMode):
 def reference_deeplift(model: nn.Module, x: torch.Tensor, rule: str, target: int) -> torch.Tensor:
     """DeepLIFT (``"rescale"``, ``"reveal_cancel"`` or ``"ablation"``) from the zero reference."""
     return _DeepLiftReference(model, rule, x.shape[0]).attribution(x, target)
+
+
+# --- AttnLRP on attention models -------------------------------------------------------------
+
+_PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", "mul", "__mul__"}
+_PRODUCTS |= {"__rmul__"}
+_SOFTMAX = {"softmax", "_softmax"}
+# Element-wise activations in the order of their call's arguments after the input.
+_PASSED_ACTIVATIONS = {"gelu", "silu", "relu", "sigmoid", "tanh", "hardswish", "hardsigmoid"}
+_PASSED_ACTIVATIONS |= {"elu", "leaky_relu", "mish", "relu6", "hardtanh", "relu_"}
+
+
+class _AttnLRPReference(TorchFunctionMode):
+    """AttnLRP (Achtibat et al. 2024) in its Gradient×Input form on a float64 copy.
+
+    Every operation on input-dependent tensors runs as written but: a product of two or more of
+    them (``@``, ``bmm``, ``baddbmm``, ``einsum``, ``*``) is the average of the product with all
+    but one factor detached (the uniform rule); ``layer_norm`` divides by its σ detached; an
+    element-wise activation returns ``x ⊙ (f(x)/x)`` detached (``f'(0)`` at 0); softmax keeps
+    its gradient. ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) is written out
+    as its projections, products and softmax (self-attention without masks: torchvision's ViT).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = copy.deepcopy(model).double().eval()
+        self.dependent: dict[int, torch.Tensor] = {}
+        self.softmax_seen = False
+
+    def _is_dependent(self, value: Any) -> bool:
+        return isinstance(value, torch.Tensor) and self.dependent.get(id(value)) is value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        flat, spec = tree_flatten((args, kwargs))
+        positions = [i for i, value in enumerate(flat) if self._is_dependent(value)]
+        if not positions:
+            return func(*args, **kwargs)
+        if name == "multi_head_attention_forward":
+            with self:  # written out: its operations seen one by one
+                result = _self_attention(*args, **kwargs)
+        elif name in _PRODUCTS and len(positions) > 1:
+            result = self._uniform(func, flat, spec, positions)
+        elif name == "layer_norm":
+            result = _layer_norm_fixed_sigma(*args, **kwargs)
+        elif name.rstrip("_") in _PASSED_ACTIVATIONS:
+            result = _pass_through(flat[positions[0]], _out_of_place(func, args, kwargs))
+        else:
+            self.softmax_seen |= name in _SOFTMAX
+            result = func(*args, **kwargs)
+        for value in tree_flatten(result)[0]:
+            if isinstance(value, torch.Tensor):
+                self.dependent[id(value)] = value
+        return result
+
+    @staticmethod
+    def _uniform(func: Callable, flat: list, spec: Any, positions: list[int]) -> torch.Tensor:
+        total = None
+        for kept in positions:
+            filled = list(flat)
+            for position in positions:
+                if position != kept:
+                    filled[position] = flat[position].detach()
+            call_args, call_kwargs = tree_unflatten(filled, spec)
+            term = func(*call_args, **call_kwargs)
+            total = term if total is None else total + term
+        return total / len(positions)
+
+
+_ATTENTION_ARGUMENTS = inspect.signature(F.multi_head_attention_forward)
+
+
+def _self_attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """``F.multi_head_attention_forward`` (sequence first) written out, for self-attention."""
+    given = _ATTENTION_ARGUMENTS.bind(*args, **kwargs).arguments
+    unsupported = ("bias_k", "bias_v", "key_padding_mask", "attn_mask", "q_proj_weight")
+    if any(given.get(option) is not None for option in unsupported) or given.get("is_causal"):
+        raise NotImplementedError("the reference writes out plain self-attention only")
+    x, heads = given["query"], given["num_heads"]
+    steps, batch, width = x.shape
+    q, k, v = F.linear(x, given["in_proj_weight"], given["in_proj_bias"]).chunk(3, dim=-1)
+
+    def split(t: torch.Tensor) -> torch.Tensor:  # (batch·heads, steps, width / heads)
+        return t.reshape(steps, batch * heads, width // heads).transpose(0, 1)
+
+    q, k, v = split(q), split(k), split(v)
+    weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(width // heads), dim=-1)
+    mixed = (weights @ v).transpose(0, 1).reshape(steps, batch, width)
+    return F.linear(mixed, given["out_proj_weight"], given["out_proj_bias"]), None
+
+
+def _layer_norm_fixed_sigma(
+    input: torch.Tensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    dims = tuple(range(-len(tuple(normalized_shape)), 0))
+    centred = input - input.mean(dims, keepdim=True)
+    sigma = torch.sqrt(input.var(dims, unbiased=False, keepdim=True) + eps)
+    out = centred / sigma.detach()
+    if weight is not None:
+        out = out * weight
+    return out if bias is None else out + bias
+
+
+def _out_of_place(func: Callable, args: tuple, kwargs: dict) -> Activation:
+    """The activation ``func`` computes with its call's parameters, never in place."""
+    name = getattr(func, "__name__", "")
+    if name.endswith("_"):  # relu_, Tensor.sigmoid_ …: no parameters
+        return getattr(torch, name.rstrip("_"))
+    rest = tuple(False if value is True else value for value in args[1:])  # inplace=True
+    options = {**kwargs, "inplace": False} if "inplace" in kwargs else kwargs
+    return lambda t: func(t, *rest, **options)
+
+
+def _pass_through(x: torch.Tensor, f: Activation) -> torch.Tensor:
+    """``x ⊙ (f(x)/x)`` with the ratio held constant (``f'(0)`` where ``x = 0``)."""
+    at = x.detach()
+    with torch.no_grad():
+        zero = at == 0
+        ratio = torch.where(zero, _derivative(f, at), f(at) / torch.where(zero, 1.0, at))
+    return x * ratio
+
+
+def reference_attn_lrp(model: nn.Module, x: torch.Tensor, target: int) -> tuple[torch.Tensor, bool]:
+    """AttnLRP's map of class ``target``, and whether the model has an input-dependent softmax.
+
+    Without one (a CNN) AttnLRP conserves on a bias-free model, which the zoo checks instead.
+    """
+    reference = _AttnLRPReference(model)
+    inputs = x.detach().double().requires_grad_(True)
+    reference.dependent[id(inputs)] = inputs
+    with reference:
+        output = reference.model(inputs)
+    (grad,) = torch.autograd.grad(output[:, target].sum(), inputs)
+    return inputs.detach() * grad, reference.softmax_seen
