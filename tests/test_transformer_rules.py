@@ -594,3 +594,38 @@ def test_the_zoo_reference_for_attn_lrp_agrees_and_tells_it_from_cp_lrp(model):
     torch.testing.assert_close(explain(network, x, "lrp.attn", 1).attribution, reference)
     cp = explain(network, x, "lrp.cp", 1).attribution
     assert (cp - reference).abs().max() > 1e-3 * reference.abs().max()
+
+
+class CosineAttention(nn.Module):
+    """Swin V2's scaled cosine attention: ``F.normalize`` of queries and keys."""
+
+    def __init__(self, detached: str = "") -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.detached = detached  # "cp": the papers' CP-LRP form written by hand
+        self.qkv, self.head = nn.Linear(8, 24), nn.Linear(8, 3)
+
+    def normalize(self, t: torch.Tensor) -> torch.Tensor:
+        if self.detached:
+            return t / t.norm(dim=-1, keepdim=True).clamp_min(1e-12).detach()
+        return F.normalize(t, dim=-1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax(10 * self.normalize(q) @ self.normalize(k).transpose(1, 2), -1)
+        if self.detached:
+            weights = weights.detach()
+        return self.head((weights @ v).mean(1))
+
+
+def test_cosine_attention_holds_the_norms_constant():
+    import zoo_references
+
+    x = torch.randn(2, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    model = CosineAttention().double().eval()
+    by_hand = CosineAttention("cp").double().eval()
+    inputs = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(by_hand(inputs)[:, 1].sum(), inputs)
+    torch.testing.assert_close(explain(model, x, "lrp.cp", 1).attribution, x * grad)
+    reference, _ = zoo_references.reference_attn_lrp(model, x, 1)
+    torch.testing.assert_close(explain(model, x, "lrp.attn", 1).attribution, reference)

@@ -830,7 +830,8 @@ class _AttnLRPReference(TorchFunctionMode):
 
     Every operation on input-dependent tensors runs as written but: a product of two or more of
     them (``@``, ``bmm``, ``baddbmm``, ``einsum``, ``*``) is the average of the product with all
-    but one factor detached (the uniform rule); ``layer_norm`` divides by its σ detached; an
+    but one factor detached (the uniform rule); ``layer_norm`` divides by its σ detached and
+    ``normalize`` by its norm detached; an
     element-wise activation returns ``x ⊙ (f(x)/x)`` detached (``f'(0)`` at 0); softmax keeps
     its gradient. ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) is written out
     as its projections, products and softmax (self-attention without masks: torchvision's ViT).
@@ -859,6 +860,11 @@ class _AttnLRPReference(TorchFunctionMode):
             result = self._uniform(func, flat, spec, positions)
         elif name == "layer_norm":
             result = _layer_norm_fixed_sigma(*args, **kwargs)
+        elif name == "normalize":  # Swin V2's cosine attention: the norm held constant
+            bound = inspect.signature(F.normalize).bind(*args, **kwargs).arguments
+            x = bound["input"]
+            norm = x.norm(bound.get("p", 2.0), bound.get("dim", 1), keepdim=True)
+            result = x / norm.clamp_min(bound.get("eps", 1e-12)).detach()
         elif name.rstrip("_") in _PASSED_ACTIVATIONS:
             result = _pass_through(flat[positions[0]], _out_of_place(func, args, kwargs))
         else:

@@ -1,10 +1,10 @@
 """Normalisation layers with their normalising scale held constant (AttnLRP's identity rule).
 
-``layer_norm``, ``group_norm``, per-sample ``instance_norm`` and ``rms_norm`` divide by a scale
-computed from their input. Held constant, the layer is linear in its input, and relevance passes
-through it as through any linear map (the mean subtraction stays). An ``instance_norm`` that uses
-running statistics (eval mode with ``track_running_stats``) is an affine map already, and the
-rule is exact for it.
+``layer_norm``, ``group_norm``, per-sample ``instance_norm``, ``rms_norm`` and ``normalize``
+(Swin V2's cosine attention) divide by a scale computed from their input. Held constant, the layer
+is linear in its input, and relevance passes through it as through any linear map (the mean
+subtraction stays). An ``instance_norm`` that uses running statistics (eval mode with
+``track_running_stats``) is an affine map already, and the rule is exact for it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from explain_core.interfaces.relevance import Rule, RuleCall
 
 __all__ = ["NORM_OPS", "NormScale"]
 
-NORM_OPS = ("layer_norm", "rms_norm", "group_norm", "instance_norm")
+NORM_OPS = ("layer_norm", "rms_norm", "group_norm", "instance_norm", "normalize")
 """The normalisation operations :class:`NormScale` explains."""
 
 _SIGNATURES = {
@@ -26,6 +26,7 @@ _SIGNATURES = {
     "rms_norm": inspect.signature(F.rms_norm),
     "group_norm": inspect.signature(F.group_norm),
     "instance_norm": inspect.signature(F.instance_norm),
+    "normalize": inspect.signature(F.normalize),
 }
 
 
@@ -36,7 +37,8 @@ class NormScale(Rule):
     ``s_x = C(γ ⊙ s_y / σ)``, ``C`` the centering over the normalised dimensions; β absorbs
     relevance. ``group_norm``: the same per group of channels (and positions); ``instance_norm``
     per channel over positions, or with running statistics ``s_x = γ ⊙ s_y / √(v + ε)``.
-    ``rms_norm``: ``y = γ ⊙ x / rms(x)``, ``s_x = γ ⊙ s_y / rms``, so ``R_x = R_y`` element-wise.
+    ``rms_norm``: ``y = γ ⊙ x / rms(x)``, ``s_x = γ ⊙ s_y / rms``, so ``R_x = R_y`` element-wise;
+    ``normalize``: ``y = x / max(‖x‖_p, ε)``, ``s_x = s_y / max(‖x‖_p, ε)``, likewise.
     """
 
     output_in_backward = False
@@ -49,6 +51,9 @@ class NormScale(Rule):
             eps = torch.finfo(x.dtype).eps
         weight = bound.get("weight")
         weight = None if weight is None else weight.detach()
+        if call.name == "normalize":
+            norm = x.norm(bound.get("p", 2.0), bound.get("dim", 1), keepdim=True)
+            return None, norm.clamp_min(bound.get("eps", 1e-12)), None, None
         if call.name == "rms_norm":
             dims = tuple(range(-len(bound["normalized_shape"]), 0))
             return weight, torch.sqrt(x.square().mean(dims, keepdim=True) + eps), None, None
