@@ -689,7 +689,9 @@ def randomise_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
 
 def bias_free(model: nn.Module) -> nn.Module:
     """The same model without biases on its signal path: every bias, BatchNorm shift and
-    LayerNorm/GroupNorm offset zero (a squeeze-excitation gate's own biases do not matter).
+    LayerNorm/GroupNorm offset zero (a squeeze-excitation gate's own biases do not matter), and
+    the constants a vision transformer adds to its tokens (class token, position embeddings;
+    biases added to attention scores before the softmax do not matter either).
     """
     with torch.no_grad():
         for module in model.modules():
@@ -701,4 +703,9 @@ def bias_free(model: nn.Module) -> nn.Module:
                 and module.bias is not None
             ):
                 module.bias.zero_()
+            elif isinstance(module, nn.MultiheadAttention) and module.in_proj_bias is not None:
+                module.in_proj_bias.zero_()
+        for name, parameter in model.named_parameters():
+            if name.rsplit(".", 1)[-1] in ("class_token", "pos_embedding"):  # torchvision's ViT
+                parameter.zero_()
     return model
