@@ -572,6 +572,8 @@ def test_einsum_roll_and_swapaxes_are_explained_as_matmul_slicing_and_transpose(
     expected = explain(plain, x, method, 1).attribution
     assert expected.abs().sum() > 0
     torch.testing.assert_close(explain(swin, x, method, 1).attribution, expected)
+    with pytest.raises(UnsupportedModelError, match=r"'einsum'.*explain with AttnLRP or CP-LRP"):
+        explain(swin, x, "lrp.epsilon", 1)  # a CNN preset: refused, pointing to these methods
     bias_free = ShiftedWindows("swin", bias=False).double().eval()
     if method == "lrp.cp":  # and CP-LRP still conserves
         torch.testing.assert_close(

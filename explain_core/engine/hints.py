@@ -41,7 +41,8 @@ _OP_ALTERNATIVES = {
 
 # Operations of attention models, which AttnLRP and CP-LRP give rules.
 _ATTENTION_OPS = frozenset(
-    {"layer_norm", "rms_norm", "softmax", "matmul", "bmm", "mul", "scaled_dot_product_attention"}
+    {"layer_norm", "rms_norm", "normalize", "softmax", "matmul", "bmm", "einsum", "mul"}
+    | {"scaled_dot_product_attention"}
 )
 ATTENTION_HINT = (
     "For an attention model (a transformer), explain with AttnLRP or CP-LRP, whose composites "
