@@ -134,60 +134,15 @@ def _elman_step(activation: Callable[[torch.Tensor], torch.Tensor]) -> Step:
     return step
 
 
-def _layers(
-    step: Step,
-    input: torch.Tensor,
-    initial: State,
-    params: Sequence[torch.Tensor],
-    has_biases: bool,
-    num_layers: int,
-    bidirectional: bool,
-    batch_first: bool,
-) -> tuple[torch.Tensor, State]:
-    """A fused layer's output and final states from its initial ones (``(h_0,)``, ``(h_0, c_0)``).
-
-    Each state tensor is stacked over layers and directions, as the fused operations take them.
-    """
-    cells = num_layers * (2 if bidirectional else 1)
-    weights = _layer_weights(params, has_biases, cells)
-    states = [tuple(state[i] for state in initial) for i in range(cells)]
-    x = _sequence_first(input, batch_first)
-    x, last = _unrolled(x, weights, states, step, num_layers, bidirectional)
-    final = tuple(torch.stack(states) for states in zip(*last, strict=True))
-    return _sequence_first(x, batch_first), final
+FusedLayer = Callable[..., tuple[torch.Tensor, ...]]
 
 
-def lstm(
-    input: torch.Tensor,
-    hx: Sequence[torch.Tensor] | torch.Tensor,
-    params: Sequence[torch.Tensor],
-    has_biases: bool = True,
-    num_layers: int = 1,
-    dropout: float = 0.0,
-    train: bool = False,
-    bidirectional: bool = False,
-    batch_first: bool = False,
-    *rest: object,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``torch.lstm`` as its cell equations: ``(output, h_n, c_n)``.
+def _fused_layer(kind: str, operation: str, step: Step, states: int) -> FusedLayer:
+    """A fused recurrent layer (``torch.lstm``, ``torch.gru`` …) written out as ``step``.
 
-    Raises:
-        UnsupportedModelError: For packed sequences or dropout in training mode.
-    """
-    _check("LSTM", isinstance(hx, torch.Tensor), dropout, train)
-    output, (h_n, c_n) = _layers(
-        _lstm_step, input, tuple(hx), params, has_biases, num_layers, bidirectional, batch_first
-    )
-    return output, h_n, c_n
-
-
-SingleStateLayer = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def _single_state(kind: str, operation: str, step: Step) -> SingleStateLayer:
-    """A fused layer whose state is one tensor (``torch.gru``, ``torch.rnn_tanh`` …) as ``step``.
-
-    With the fused operation's argument order; it returns ``(output, h_n)``.
+    With the fused operation's argument order; ``hx`` is the initial state (``(h_0, c_0)`` for
+    an LSTM's two states), each tensor stacked over layers and directions. It returns
+    ``(output, h_n)`` or ``(output, h_n, c_n)``, as the operation does.
 
     Raises:
         UnsupportedModelError: For packed sequences or dropout in training mode.
@@ -195,7 +150,7 @@ def _single_state(kind: str, operation: str, step: Step) -> SingleStateLayer:
 
     def layer(
         input: torch.Tensor,
-        hx: torch.Tensor,
+        hx: Sequence[torch.Tensor] | torch.Tensor,
         params: Sequence[torch.Tensor] | torch.Tensor,
         has_biases: bool = True,
         num_layers: int = 1,
@@ -204,21 +159,29 @@ def _single_state(kind: str, operation: str, step: Step) -> SingleStateLayer:
         bidirectional: bool = False,
         batch_first: bool = False,
         *rest: object,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        _check(kind, isinstance(params, torch.Tensor), dropout, train)
-        output, (h_n,) = _layers(
-            step, input, (hx,), params, has_biases, num_layers, bidirectional, batch_first
-        )
-        return output, h_n
+    ) -> tuple[torch.Tensor, ...]:
+        # Packed, the operation takes (data, batch_sizes, hx, params, …): one tensor more first
+        packed = isinstance(hx, torch.Tensor) if states > 1 else isinstance(params, torch.Tensor)
+        _check(kind, packed, dropout, train)
+        initial = tuple(hx) if states > 1 else (hx,)
+        cells = num_layers * (2 if bidirectional else 1)
+        weights = _layer_weights(params, has_biases, cells)  # type: ignore[arg-type]
+        per_cell = [tuple(state[i] for state in initial) for i in range(cells)]
+        x = _sequence_first(input, batch_first)  # type: ignore[arg-type]
+        x, last = _unrolled(x, weights, per_cell, step, num_layers, bidirectional)
+        final = (torch.stack(state) for state in zip(*last, strict=True))
+        return _sequence_first(x, batch_first), *final
 
     layer.__name__ = operation
-    layer.__doc__ = f"``torch.{operation}`` as its cell equations: ``(output, h_n)``."
+    finals = "h_n, c_n" if states > 1 else "h_n"
+    layer.__doc__ = f"``torch.{operation}`` as its cell equations: ``(output, {finals})``."
     return layer
 
 
-gru = _single_state("GRU", "gru", _gru_step)
-rnn_tanh = _single_state("RNN", "rnn_tanh", _elman_step(torch.tanh))
-rnn_relu = _single_state("RNN", "rnn_relu", _elman_step(torch.relu))
+lstm = _fused_layer("LSTM", "lstm", _lstm_step, states=2)
+gru = _fused_layer("GRU", "gru", _gru_step, states=1)
+rnn_tanh = _fused_layer("RNN", "rnn_tanh", _elman_step(torch.tanh), states=1)
+rnn_relu = _fused_layer("RNN", "rnn_relu", _elman_step(torch.relu), states=1)
 
 
 def _cell(step: Step, state_size: int) -> Callable[..., tuple[torch.Tensor, ...] | torch.Tensor]:
