@@ -530,7 +530,7 @@ class _UnscaledGradient(Rule):
 
 
 class ShiftedWindows(nn.Module):
-    """Swin- and MaxViT-style attention: tokens rolled, ``einsum`` products, ``swapaxes``.
+    """Swin- and MaxViT-style attention: tokens rolled, ``einsum`` products, axes swapped.
 
     ``written="plainly"`` computes the same with a slicing roll, ``@`` and ``transpose``.
     """
@@ -554,7 +554,8 @@ class ShiftedWindows(nn.Module):
         if self.written == "swin":
             scores = torch.einsum("bid,bjd->bij", q, k) / math.sqrt(8)
             mixed = torch.einsum("bij,bjd->bid", scores.softmax(-1), v)
-            mixed = mixed.swapaxes(1, 2).swapaxes(1, 2)
+            mixed = mixed.swapaxes(1, 2).swapdims(1, 2).moveaxis(1, 2).moveaxis(2, 1)
+            mixed = mixed.flip(1).flip(1)
         else:
             scores = q @ k.transpose(1, 2) / math.sqrt(8)
             mixed = (scores.softmax(-1) @ v).transpose(1, 2).transpose(1, 2)

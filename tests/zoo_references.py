@@ -581,7 +581,8 @@ def _clamp(low: float | None, high: float | None) -> Activation:
 
 
 # Each element-wise activation a forward may call → its function, out of place, from the call's
-# arguments after the input (keyword or positional, in the torch function's order).
+# arguments after the input (keyword or positional, in the torch function's order). DeepLIFT
+# rescales them, AttnLRP passes relevance through them.
 _ACTIVATIONS: dict[Callable, Callable[..., Activation]] = {
     F.relu: lambda inplace=False: _clamp(0.0, None),
     torch.relu: lambda: _clamp(0.0, None),
@@ -820,9 +821,6 @@ def reference_deeplift(model: nn.Module, x: torch.Tensor, rule: str, target: int
 _PRODUCTS = {"matmul", "__matmul__", "__rmatmul__", "bmm", "baddbmm", "einsum", "mul", "__mul__"}
 _PRODUCTS |= {"__rmul__"}
 _SOFTMAX = {"softmax", "_softmax"}
-# Element-wise activations in the order of their call's arguments after the input.
-_PASSED_ACTIVATIONS = {"gelu", "silu", "relu", "sigmoid", "tanh", "hardswish", "hardsigmoid"}
-_PASSED_ACTIVATIONS |= {"elu", "leaky_relu", "mish", "relu6", "hardtanh", "relu_"}
 
 
 class _AttnLRPReference(TorchFunctionMode):
@@ -865,8 +863,8 @@ class _AttnLRPReference(TorchFunctionMode):
             x = bound["input"]
             norm = x.norm(bound.get("p", 2.0), bound.get("dim", 1), keepdim=True)
             result = x / norm.clamp_min(bound.get("eps", 1e-12)).detach()
-        elif name.rstrip("_") in _PASSED_ACTIVATIONS:
-            result = _pass_through(flat[positions[0]], _out_of_place(func, args, kwargs))
+        elif func in _ACTIVATIONS:  # DeepLIFT's table: each activation, out of place
+            result = _pass_through(flat[positions[0]], _ACTIVATIONS[func](*args[1:], **kwargs))
         else:
             self.softmax_seen |= name in _SOFTMAX
             result = func(*args, **kwargs)
@@ -925,16 +923,6 @@ def _layer_norm_fixed_sigma(
     if weight is not None:
         out = out * weight
     return out if bias is None else out + bias
-
-
-def _out_of_place(func: Callable, args: tuple, kwargs: dict) -> Activation:
-    """The activation ``func`` computes with its call's parameters, never in place."""
-    name = getattr(func, "__name__", "")
-    if name.endswith("_"):  # relu_, Tensor.sigmoid_ …: no parameters
-        return getattr(torch, name.rstrip("_"))
-    rest = tuple(False if value is True else value for value in args[1:])  # inplace=True
-    options = {**kwargs, "inplace": False} if "inplace" in kwargs else kwargs
-    return lambda t: func(t, *rest, **options)
 
 
 def _pass_through(x: torch.Tensor, f: Activation) -> torch.Tensor:

@@ -101,15 +101,22 @@ def _unrolled(
     return x, last
 
 
-def _lstm_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: State) -> State:
-    w_ih, w_hh, b_ih, b_hh, w_hr = weights
-    h, c = state
-    # one linear map over [x_t; h_{t-1}]: the gates' pre-activations as Arras et al. write them
+def _joint_linear(
+    weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, h: torch.Tensor
+) -> torch.Tensor:
+    """``W [x_t; h_{t−1}] + b``: one linear map, as Arras et al. write the LSTM's gates."""
+    w_ih, w_hh, b_ih, b_hh, _ = weights
     weight = torch.cat([w_ih, w_hh], dim=1)  # type: ignore[list-item]
     bias = None if b_ih is None else b_ih + b_hh
-    i, f, g, o = F.linear(torch.cat([x, h], dim=-1), weight, bias).chunk(4, dim=-1)
+    return F.linear(torch.cat([x, h], dim=-1), weight, bias)
+
+
+def _lstm_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: State) -> State:
+    h, c = state
+    i, f, g, o = _joint_linear(weights, x, h).chunk(4, dim=-1)
     c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
     h = torch.sigmoid(o) * torch.tanh(c)
+    w_hr = weights[4]
     return (h if w_hr is None else F.linear(h, w_hr)), c
 
 
@@ -125,11 +132,8 @@ def _gru_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: 
 
 def _elman_step(activation: Callable[[torch.Tensor], torch.Tensor]) -> Step:
     def step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: State) -> State:
-        w_ih, w_hh, b_ih, b_hh, _ = weights
         (h,) = state
-        weight = torch.cat([w_ih, w_hh], dim=1)  # type: ignore[list-item]
-        bias = None if b_ih is None else b_ih + b_hh
-        return (activation(F.linear(torch.cat([x, h], dim=-1), weight, bias)),)
+        return (activation(_joint_linear(weights, x, h)),)
 
     return step
 
@@ -184,7 +188,7 @@ rnn_tanh = _fused_layer("RNN", "rnn_tanh", _elman_step(torch.tanh), states=1)
 rnn_relu = _fused_layer("RNN", "rnn_relu", _elman_step(torch.relu), states=1)
 
 
-def _cell(step: Step, state_size: int) -> Callable[..., tuple[torch.Tensor, ...] | torch.Tensor]:
+def _cell(step: Step, states: int) -> Callable[..., tuple[torch.Tensor, ...] | torch.Tensor]:
     """A fused one-step cell (``torch.lstm_cell`` …) as ``step``, with its argument order."""
 
     def cell(
@@ -195,9 +199,9 @@ def _cell(step: Step, state_size: int) -> Callable[..., tuple[torch.Tensor, ...]
         b_ih: torch.Tensor | None = None,
         b_hh: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...] | torch.Tensor:
-        state = tuple(hx) if state_size > 1 else (hx,)
+        state = tuple(hx) if states > 1 else (hx,)
         new = step((w_ih, w_hh, b_ih, b_hh, None), input, state)  # type: ignore[arg-type]
-        return new if state_size > 1 else new[0]
+        return new if states > 1 else new[0]
 
     return cell
 
