@@ -11,6 +11,7 @@ run again during the backward pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -174,50 +175,44 @@ class AffineLayer:
             like = signal.new_empty(1).expand(like)  # input can pick a faster kernel
         return self._convolution_backward(signal, like, weight, wrt_input=True)
 
-    def forward_split(
+    def forward_stacked(
         self,
-        positive_x: torch.Tensor,
-        negative_x: torch.Tensor,
-        for_positive: torch.Tensor,
-        for_negative: torch.Tensor,
+        inputs: Sequence[torch.Tensor],
+        weights: Sequence[torch.Tensor],
         bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``for_positive ∗ x⁺ + for_negative ∗ x⁻ + bias``: a rule's signed-input denominator.
+        """``Σ_k weights[k] ∗ inputs[k] + bias``: a rule's denominator over several inputs.
 
         One convolution (or matrix product) over the inputs and weights stacked along the
-        input channels, where the layer is ungrouped: half the passes over the output of two
-        (an image's first layer, with its 3 input channels, costs about as much as either).
+        input channels, where the layer is ungrouped: one pass over the output, not one per
+        term (an image's first layer, with its 3 input channels, costs about as much as
+        a single term).
         """
         if self.kind in ("scale", "conv_transpose") or self.groups != 1:
-            return self.forward(positive_x, for_positive, bias) + self.forward(
-                negative_x, for_negative
-            )
+            total = self.forward(inputs[0], weights[0], bias)
+            for x, weight in zip(inputs[1:], weights[1:], strict=True):
+                total = total.add_(self.forward(x, weight))
+            return total
         axis = -1 if self.kind == "linear" else 1
-        stacked = torch.cat([positive_x, negative_x], dim=axis)
-        return self.forward(stacked, torch.cat([for_positive, for_negative], dim=1), bias)
+        stacked = torch.cat(list(inputs), dim=axis)
+        return self.forward(stacked, torch.cat(list(weights), dim=1), bias)
 
-    def transpose_pair(
-        self,
-        signal: torch.Tensor,
-        like: torch.Tensor,
-        first: torch.Tensor,
-        second: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(firstᵀ · signal, secondᵀ · signal)``, computed as one transposed product.
+    def transpose_stacked(
+        self, signal: torch.Tensor, like: torch.Tensor, weights: Sequence[torch.Tensor]
+    ) -> tuple[torch.Tensor, ...]:
+        """``(weights[0]ᵀ · signal, weights[1]ᵀ · signal, …)``, as one transposed product.
 
-        Where the layer is ungrouped the two weights are stacked along the input channels, so
-        the signal is read once (see :meth:`forward_split`).
+        Where the layer is ungrouped the weights are stacked along the input channels, so the
+        signal is read once (see :meth:`forward_stacked`).
         """
         if self.kind in ("scale", "conv_transpose") or self.groups != 1:
-            return self.transpose(signal, like, first), self.transpose(signal, like, second)
-        stacked = torch.cat([first, second], dim=1)
+            return tuple(self.transpose(signal, like, weight) for weight in weights)
+        stacked = torch.cat(list(weights), dim=1)
         if self.kind == "linear":
-            both = signal @ stacked
-            return both.chunk(2, dim=-1)  # type: ignore[return-value]
+            return (signal @ stacked).chunk(len(weights), dim=-1)
         shape = list(like.shape)
-        shape[1] *= 2  # the stacked input channels
-        both = self.transpose(signal, torch.Size(shape), stacked)
-        return both.chunk(2, dim=1)  # type: ignore[return-value]
+        shape[1] *= len(weights)  # the stacked input channels
+        return self.transpose(signal, torch.Size(shape), stacked).chunk(len(weights), dim=1)
 
     def correlate(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """``Σ y_j ⊗ x_patch`` over batch and positions, shaped like the weight.

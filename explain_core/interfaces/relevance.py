@@ -213,7 +213,7 @@ class Gradient(Rule):
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
     """``numerator / denominator`` with 0 where the denominator is 0."""
     zero = denominator == 0
-    return numerator / denominator.masked_fill(zero, 1.0) * ~zero
+    return torch.div(numerator, denominator.masked_fill(zero, 1.0)).masked_fill_(zero, 0.0)
 
 
 class ModifiedGradient(ABC):

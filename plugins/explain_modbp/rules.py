@@ -142,7 +142,7 @@ def _amplified(tensor: torch.Tensor | None, gamma: float, sign: int) -> torch.Te
     if tensor is None:
         return None
     part = tensor.clamp(min=0) if sign > 0 else tensor.clamp(max=0)
-    return tensor + gamma * part
+    return torch.add(tensor, part, alpha=gamma)
 
 
 class _SignAware(AffineRule):
@@ -197,58 +197,106 @@ class Gamma(_SignAware):
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        # Kept for backward: the sign form, each output's sign (a bool) and the ratio z / d;
-        # the amplified weights are cheap to make again, the denominators are not needed.
+        # Kept for backward: the sign form, each output's sign (a bool), the ratio z / |d| and
+        # the weights the transposed products use (made once: no second pass over the weights).
         signed = self.generalised and not nonnegative
         rising = z >= 0 if self.generalised else None
-        denominator = self._denominator(layer, x, rising, signed)
-        return signed, rising, _ratio(z, denominator, overwrite=True)
+        weights = self._weights(layer)
+        denominator = self._denominator(layer, x, rising, signed, weights)
+        ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no division by zero
+        return signed, rising, ratio, self._backward_weights(weights, signed)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         return (self._propagate(call, _times_ratio(call, grad_output, call.state[2])),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
-        signed, rising, _ = call.state
-        return (
-            self._propagate(
-                call, safe_divide(relevance, self._denominator(layer, x, rising, signed))
-            ),
-        )
+        signed, rising = call.state[:2]
+        denominator = self._denominator(layer, x, rising, signed, self._weights(layer))
+        return (self._propagate(call, safe_divide(relevance, denominator)),)
 
-    def _weights(self, layer: AffineLayer, sign: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return _amplified(layer.weight, self.gamma, sign), _amplified(layer.bias, self.gamma, sign)
+    def _weights(self, layer: AffineLayer) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
+        """``(W + γW⁺, b + γb⁺)``, and when generalised ``(−(W + γW⁻), −(b + γb⁻))``."""
+        up = (_amplified(layer.weight, self.gamma, 1), _amplified(layer.bias, self.gamma, 1))
+        if not self.generalised:
+            return (up,)
+        negated = layer.weight.neg(), layer.bias.neg() if layer.bias is not None else None
+        return up, (_amplified(negated[0], self.gamma, 1), _amplified(negated[1], self.gamma, 1))
+
+    def _backward_weights(
+        self, weights: tuple[tuple[torch.Tensor, torch.Tensor | None], ...], signed: bool
+    ) -> tuple[torch.Tensor, ...]:
+        """What :meth:`_propagate` transposes with, for its form (see there)."""
+        if not self.generalised:
+            return (weights[0][0],)
+        (up, _), (negative_down, _) = weights
+        return (up, negative_down.neg()) if signed else (negative_down, up - negative_down)
 
     def _denominator(
-        self, layer: AffineLayer, x: torch.Tensor, rising: torch.Tensor | None, signed: bool
+        self,
+        layer: AffineLayer,
+        x: torch.Tensor,
+        rising: torch.Tensor | None,
+        signed: bool,
+        weights: tuple[tuple[torch.Tensor, torch.Tensor | None], ...],
     ) -> torch.Tensor:
-        up, bias_up = self._weights(layer, 1)
+        """The stabilised denominators: ``d`` (not generalised) or ``|d|`` (generalised).
+
+        Generalised, ``d`` has the sign of ``z`` and ``|d| >= ε``: ``|d|`` is ``d_up + ε`` where
+        ``z >= 0`` and ``−d_down + ε`` elsewhere, made by one convolution each (``ε`` rides in
+        the bias), then one clamp to ``ε`` (which only catches rounding where the exact value
+        is ``>= ε``). :meth:`_propagate` puts the sign back.
+        """
+        (up, bias_up), *rest = weights
         if rising is None:  # not generalised: w + γw⁺ for every sign
             return _stabilise(layer.forward(x, up, bias_up), self.epsilon)
-        down, bias_down = self._weights(layer, -1)
+        ((negative_down, negative_bias_down),) = rest
+        channels = rising.shape[-1 if layer.kind == "linear" else 1]
+        bias_up = _shifted(bias_up, self.epsilon, channels, x)
+        bias_down = _shifted(negative_bias_down, self.epsilon, channels, x)
         if not signed:
-            d_up, d_down = layer.forward(x, up, bias_up), layer.forward(x, down, bias_down)
-        else:
+            d_up = layer.forward(x, up, bias_up)
+            d_down = layer.forward(x, negative_down, bias_down)
+        else:  # −d_down = (−down) ∗ x⁺ + (−up) ∗ x⁻ − b_down
             xp, xn = x.clamp(min=0), x.clamp(max=0)
-            d_up = layer.forward_split(xp, xn, up, down, bias_up)
-            d_down = layer.forward_split(xp, xn, down, up, bias_down)
-        return _stabilise(torch.where(rising, d_up, d_down), self.epsilon)
+            d_up = layer.forward_stacked((xp, xn), (up, negative_down.neg()), bias_up)
+            d_down = layer.forward_stacked((xp, xn), (negative_down, up.neg()), bias_down)
+        # In place (out=): a new tensor of this size costs more in page faults than the pass.
+        return torch.where(rising, d_up, d_down, out=d_up).clamp_(min=self.epsilon)
 
     def _propagate(self, call: RuleCall, s: torch.Tensor) -> torch.Tensor:
+        """The signal at the input from ``s``, the signal over the denominator's magnitude.
+
+        Generalised, ``s = R / |d|`` is ``R / d`` where ``z >= 0`` and ``−R / d`` elsewhere, so
+        the input signal ``upᵀs_up + downᵀs_down`` (``s_up``, ``s_down``: ``R / d`` on the rising
+        and the falling outputs) is ``(−down)ᵀs + (up + down)ᵀs_rising`` (``s_rising``: ``s`` on
+        the rising outputs, else 0).
+        """
         layer, x, _ = self.affine(call)
-        signed, rising, _ = call.state
-        up = _amplified(layer.weight, self.gamma, 1)
+        signed, rising, _, weights = call.state
         if rising is None:
-            return layer.transpose(s, x, up)
-        down = _amplified(layer.weight, self.gamma, -1)
-        s_up = torch.where(rising, s, 0.0)
-        s_down = s - s_up
-        if not signed:
-            return layer.transpose(s_up, x, up) + layer.transpose(s_down, x, down)
-        up_for_positive, up_for_negative = layer.transpose_pair(s_up, x, up, down)
-        down_for_positive, down_for_negative = layer.transpose_pair(s_down, x, down, up)
+            return layer.transpose(s, x, weights[0])
+        if not signed:  # s is this rule's own tensor: s_rising is written into it
+            negative_down, total = weights
+            signal = layer.transpose(s, x, negative_down)
+            s_rising = torch.where(rising, s, s.new_zeros(()), out=s)
+            return signal.add_(layer.transpose(s_rising, x, total))
+        s_rising = torch.where(rising, s, 0.0)
+        up, down = weights
+        s_down = s_rising - s  # R / d on the falling outputs
+        up_for_positive, up_for_negative = layer.transpose_stacked(s_rising, x, (up, down))
+        down_for_positive, down_for_negative = layer.transpose_stacked(s_down, x, (down, up))
         for_positive_x = up_for_positive + down_for_positive
         return torch.where(x > 0, for_positive_x, up_for_negative + down_for_negative)
+
+
+def _shifted(
+    bias: torch.Tensor | None, shift: float, channels: int, like: torch.Tensor
+) -> torch.Tensor:
+    """``bias + shift`` (``shift`` for each of ``channels`` where there is no bias)."""
+    if bias is None:
+        return like.new_full((channels,), shift)
+    return bias + shift
 
 
 class AlphaBeta(_SignAware):
@@ -279,11 +327,12 @@ class AlphaBeta(_SignAware):
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        # Kept for backward: the sign form and the ratios z / z⁺ (and z / z⁻); the clamped
-        # weights are cheap to make again, the denominators are not needed.
-        pos, neg = self._denominators(layer, x, nonnegative)
+        # Kept for backward: the sign form, the ratios z / z⁺ (and z / z⁻) and the clamped
+        # weights (made once: no second pass over the weights); not the denominators.
+        weights = self._weights(layer, nonnegative)
+        pos, neg = self._denominators(layer, x, nonnegative, weights)
         ratio_neg = _ratio(z, neg, self.beta, overwrite=True) if neg is not None else None
-        return nonnegative, (_ratio(z, pos, self.alpha, overwrite=True), ratio_neg)
+        return nonnegative, (_ratio(z, pos, self.alpha, overwrite=True), ratio_neg), weights
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio_pos, ratio_neg = call.state[1]
@@ -292,7 +341,8 @@ class AlphaBeta(_SignAware):
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
-        pos, neg = self._denominators(layer, x, call.state[0])
+        nonnegative, _, weights = call.state
+        pos, neg = self._denominators(layer, x, nonnegative, weights)
         s_pos = safe_divide(relevance, pos)
         if self.alpha != 1:
             s_pos = s_pos * self.alpha
@@ -308,37 +358,43 @@ class AlphaBeta(_SignAware):
         return positive, negative
 
     def _denominators(
-        self, layer: AffineLayer, x: torch.Tensor, nonnegative: bool
+        self,
+        layer: AffineLayer,
+        x: torch.Tensor,
+        nonnegative: bool,
+        weights: tuple[torch.Tensor, torch.Tensor | None],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``z⁺`` and ``z⁻`` (``None`` without β)."""
-        positive, negative = self._weights(layer, nonnegative)
+        positive, negative = weights
         has_bias = self.bias and layer.bias is not None
         bias_pos = layer.bias.clamp(min=0) if has_bias else None
         bias_neg = layer.bias.clamp(max=0) if has_bias and self.beta else None
         if nonnegative:
             pos = layer.forward(x, positive, bias_pos)
             neg = layer.forward(x, negative, bias_neg) if self.beta else None
-        else:
-            xp, xn = x.clamp(min=0), x.clamp(max=0)
-            pos = layer.forward_split(xp, xn, positive, negative, bias_pos)
-            neg = layer.forward_split(xp, xn, negative, positive, bias_neg) if self.beta else None
-        return pos, neg
+            return pos, neg
+        assert negative is not None
+        xp, xn = x.clamp(min=0), x.clamp(max=0)
+        pos = layer.forward_stacked((xp, xn), (positive, negative), bias_pos)
+        if not self.beta:
+            return pos, None
+        return pos, layer.forward_stacked((xp, xn), (negative, positive), bias_neg)
 
     def _propagate(
         self, call: RuleCall, s_pos: torch.Tensor, s_neg: torch.Tensor | None
     ) -> torch.Tensor:
         layer, x, _ = self.affine(call)
-        nonnegative = call.state[0]
-        positive, negative = self._weights(layer, nonnegative)
+        nonnegative, _, (positive, negative) = call.state
         if nonnegative:
             signal = layer.transpose(s_pos, x, positive)
             if s_neg is not None:
-                signal = signal - layer.transpose(s_neg, x, negative)
+                signal = signal.sub_(layer.transpose(s_neg, x, negative))
             return signal
-        for_positive_x, for_negative_x = layer.transpose_pair(s_pos, x, positive, negative)
+        assert negative is not None
+        for_positive_x, for_negative_x = layer.transpose_stacked(s_pos, x, (positive, negative))
         if s_neg is not None:
-            negative_for_positive, negative_for_negative = layer.transpose_pair(
-                s_neg, x, negative, positive
+            negative_for_positive, negative_for_negative = layer.transpose_stacked(
+                s_neg, x, (negative, positive)
             )
             for_positive_x = for_positive_x - negative_for_positive
             for_negative_x = for_negative_x - negative_for_negative
@@ -382,7 +438,7 @@ class Flat(_ModifiedWeights):
         return ones, layer.ones_forward(x, ones)
 
 
-class ZBox(_RelevanceForm):
+class ZBox(AffineRule):
     """Deep Taylor's z^B rule for inputs bounded by ``low <= x <= high`` (input layer only).
 
     Args:
@@ -395,6 +451,7 @@ class ZBox(_RelevanceForm):
     """
 
     returns_relevance = True
+    output_in_backward = False
 
     def __init__(self, low: float | torch.Tensor | None, high: float | torch.Tensor | None) -> None:
         if low is None or high is None:
@@ -422,8 +479,8 @@ class ZBox(_RelevanceForm):
                 f"{tuple(x.shape)}; give a number or a tensor shaped like one sample or the batch"
             ) from None
 
-    def forward(self, call: RuleCall) -> tuple[torch.Tensor, ...]:  # noqa: D102
-        layer, x, _ = self.affine(call)
+    def forward(self, call: RuleCall) -> tuple:  # noqa: D102
+        layer, x, z = self.affine(call)
         low, high = self._bound(self.low, x, "low"), self._bound(self.high, x, "high")
         tolerance = 1e-6 * (1 + float(x.abs().max()))
         if bool((x < low - tolerance).any() or (x > high + tolerance).any()):
@@ -431,21 +488,26 @@ class ZBox(_RelevanceForm):
                 "the inputs leave the z^B bounds (low <= x <= high must hold); got inputs in "
                 f"[{float(x.min()):.4g}, {float(x.max()):.4g}], check low= and high="
             )
-        positive, negative = layer.weight.clamp(min=0), layer.weight.clamp(max=0)
-        denominator = (
-            layer.forward(x) - layer.forward(low, positive) - layer.forward(high, negative)
-        )
-        return low, high, positive, negative, denominator
+        # Kept for backward: the bounds, the weights (W, −W⁺, −W⁻) and the ratio z / d.
+        weights = (layer.weight, -layer.weight.clamp(min=0), -layer.weight.clamp(max=0))
+        denominator = layer.forward_stacked((x, low, high), weights)
+        return low, high, weights, _ratio(z, denominator, overwrite=True)
+
+    def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        return (self._propagate(call, _times_ratio(call, grad_output, call.state[3])),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
-        low, high, positive, negative, denominator = call.state
-        s = safe_divide(relevance, denominator)
-        return (
-            x * layer.transpose(s, x)
-            - low * layer.transpose(s, x, positive)
-            - high * layer.transpose(s, x, negative),
-        )
+        low, high, weights, _ = call.state
+        denominator = layer.forward_stacked((x, low, high), weights)
+        return (self._propagate(call, safe_divide(relevance, denominator)),)
+
+    def _propagate(self, call: RuleCall, s: torch.Tensor) -> torch.Tensor:
+        """``x ⊙ Wᵀs − l ⊙ W⁺ᵀs − h ⊙ W⁻ᵀs`` for ``s = R / d``: one transposed product."""
+        layer, x, _ = self.affine(call)
+        low, high, weights, _ = call.state
+        for_x, for_low, for_high = layer.transpose_stacked(s, x, weights)
+        return (x * for_x).addcmul_(low, for_low).addcmul_(high, for_high)
 
 
 class Excitation(_ModifiedWeightsWithRatio):
