@@ -197,23 +197,31 @@ class Gamma(_SignAware):
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        # Kept for backward: the sign form, each output's sign (a bool), the ratio z / |d| and
-        # the weights the transposed products use (made once: no second pass over the weights).
+        # Kept for backward: the sign form, the ratio z / |d| (generalised: its sign is the
+        # output's, so no mask is kept) and the weights the transposed products use (made
+        # once: no second pass over the weights).
         signed = self.generalised and not nonnegative
-        rising = z >= 0 if self.generalised else None
         weights = self._weights(layer)
-        denominator = self._denominator(layer, x, rising, signed, weights)
+        denominator = self._denominator(layer, x, signed, weights)
         ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no division by zero
-        return signed, rising, ratio, self._backward_weights(weights, signed)
+        return signed, ratio, self._backward_weights(weights, signed)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        return (self._propagate(call, _times_ratio(call, grad_output, call.state[2])),)
+        ratio = call.state[1]
+        if not self.generalised:
+            return (self._propagate(call, _times_ratio(call, grad_output, ratio)),)
+        rising = ratio.clamp(min=0).mul_(grad_output)  # before the ratio is overwritten
+        return (self._propagate(call, _times_ratio(call, grad_output, ratio), rising),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
-        signed, rising = call.state[:2]
-        denominator = self._denominator(layer, x, rising, signed, self._weights(layer))
-        return (self._propagate(call, safe_divide(relevance, denominator)),)
+        signed = call.state[0]
+        weights = self._weights(layer)
+        s = safe_divide(relevance, self._denominator(layer, x, signed, weights))
+        if not self.generalised:
+            return (self._propagate(call, s),)
+        rising = layer.forward(x, bias=layer.bias) >= 0
+        return (self._propagate(call, s, torch.where(rising, s, 0.0)),)
 
     def _weights(self, layer: AffineLayer) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
         """``(W + γW⁺, b + γb⁺)``, and when generalised ``(−(W + γW⁻), −(b + γb⁻))``."""
@@ -236,24 +244,23 @@ class Gamma(_SignAware):
         self,
         layer: AffineLayer,
         x: torch.Tensor,
-        rising: torch.Tensor | None,
         signed: bool,
         weights: tuple[tuple[torch.Tensor, torch.Tensor | None], ...],
     ) -> torch.Tensor:
         """The stabilised denominators: ``d`` (not generalised) or ``|d|`` (generalised).
 
-        Generalised, ``d`` has the sign of ``z`` and ``|d| >= ε``: ``|d|`` is ``d_up + ε`` where
-        ``z >= 0`` and ``−d_down + ε`` elsewhere, made by one convolution each (``ε`` rides in
-        the bias), then one clamp to ``ε`` (which only catches rounding where the exact value
-        is ``>= ε``). :meth:`_propagate` puts the sign back.
+        Generalised, ``d`` is ``d_up`` where ``z >= 0`` and ``d_down`` elsewhere, and
+        ``d_up + d_down = (2 + γ) z`` (the amplified parts add up to ``γz``), so
+        ``|d| = max(d_up, −d_down)``: no mask of the outputs' signs is needed. ``ε`` rides in
+        the biases of the two convolutions; the clamp to ``ε`` only catches rounding where the
+        exact value is ``>= ε``.
         """
         (up, bias_up), *rest = weights
-        if rising is None:  # not generalised: w + γw⁺ for every sign
+        if not self.generalised:  # w + γw⁺ for every sign
             return _stabilise(layer.forward(x, up, bias_up), self.epsilon)
         ((negative_down, negative_bias_down),) = rest
-        channels = rising.shape[-1 if layer.kind == "linear" else 1]
-        bias_up = _shifted(bias_up, self.epsilon, channels, x)
-        bias_down = _shifted(negative_bias_down, self.epsilon, channels, x)
+        bias_up = _shifted(bias_up, self.epsilon, layer, up)
+        bias_down = _shifted(negative_bias_down, self.epsilon, layer, up)
         if not signed:
             d_up = layer.forward(x, up, bias_up)
             d_down = layer.forward(x, negative_down, bias_down)
@@ -262,26 +269,26 @@ class Gamma(_SignAware):
             d_up = layer.forward_stacked((xp, xn), (up, negative_down.neg()), bias_up)
             d_down = layer.forward_stacked((xp, xn), (negative_down, up.neg()), bias_down)
         # In place (out=): a new tensor of this size costs more in page faults than the pass.
-        return torch.where(rising, d_up, d_down, out=d_up).clamp_(min=self.epsilon)
+        return torch.maximum(d_up, d_down, out=d_up).clamp_(min=self.epsilon)
 
-    def _propagate(self, call: RuleCall, s: torch.Tensor) -> torch.Tensor:
-        """The signal at the input from ``s``, the signal over the denominator's magnitude.
+    def _propagate(
+        self, call: RuleCall, s: torch.Tensor, s_rising: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The signal at the input from the output signal ``s``.
 
-        Generalised, ``s = R / |d|`` is ``R / d`` where ``z >= 0`` and ``−R / d`` elsewhere, so
-        the input signal ``upᵀs_up + downᵀs_down`` (``s_up``, ``s_down``: ``R / d`` on the rising
-        and the falling outputs) is ``(−down)ᵀs + (up + down)ᵀs_rising`` (``s_rising``: ``s`` on
-        the rising outputs, else 0).
+        Generalised, ``s = R / |d|``, which is ``R / d`` where ``z >= 0`` and ``−R / d``
+        elsewhere, and ``s_rising`` is ``s`` where ``z >= 0``, else 0; the input signal
+        ``upᵀ s_up + downᵀ s_down`` (``s_up``, ``s_down``: ``R / d`` on the rising and on the
+        falling outputs) is ``(−down)ᵀ s + (up + down)ᵀ s_rising``.
         """
         layer, x, _ = self.affine(call)
-        signed, rising, _, weights = call.state
-        if rising is None:
+        signed, _, weights = call.state
+        if s_rising is None:
             return layer.transpose(s, x, weights[0])
-        if not signed:  # s is this rule's own tensor: s_rising is written into it
+        if not signed:
             negative_down, total = weights
             signal = layer.transpose(s, x, negative_down)
-            s_rising = torch.where(rising, s, s.new_zeros(()), out=s)
             return signal.add_(layer.transpose(s_rising, x, total))
-        s_rising = torch.where(rising, s, 0.0)
         up, down = weights
         s_down = s_rising - s  # R / d on the falling outputs
         up_for_positive, up_for_negative = layer.transpose_stacked(s_rising, x, (up, down))
@@ -291,12 +298,13 @@ class Gamma(_SignAware):
 
 
 def _shifted(
-    bias: torch.Tensor | None, shift: float, channels: int, like: torch.Tensor
+    bias: torch.Tensor | None, shift: float, layer: AffineLayer, weight: torch.Tensor
 ) -> torch.Tensor:
-    """``bias + shift`` (``shift`` for each of ``channels`` where there is no bias)."""
-    if bias is None:
-        return like.new_full((channels,), shift)
-    return bias + shift
+    """``bias + shift`` (``shift`` for each output channel of ``layer`` where there is none)."""
+    if bias is not None:
+        return bias + shift
+    channels = weight.shape[1] * layer.groups if layer.kind == "conv_transpose" else len(weight)
+    return weight.new_full((channels,), shift)
 
 
 class AlphaBeta(_SignAware):
