@@ -197,21 +197,19 @@ class Gamma(_SignAware):
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        # Kept for backward: the sign form, the ratio z / |d| (generalised: its sign is the
-        # output's, so no mask is kept) and the weights the transposed products use (made
-        # once: no second pass over the weights).
+        # Kept for backward: the sign form and the ratio z / |d| (generalised: its sign is the
+        # output's, so no mask is kept). The weights are made again in backward: kept, every
+        # layer's copies would be alive at once.
         signed = self.generalised and not nonnegative
-        weights = self._weights(layer)
-        denominator = self._denominator(layer, x, signed, weights)
-        ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no division by zero
-        return signed, ratio, self._backward_weights(weights, signed)
+        denominator = self._denominator(layer, x, signed, self._weights(layer))
+        return signed, torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio = call.state[1]
         if not self.generalised:
             return (self._propagate(call, _times_ratio(call, grad_output, ratio)),)
-        rising = ratio.clamp(min=0).mul_(grad_output)  # before the ratio is overwritten
-        return (self._propagate(call, _times_ratio(call, grad_output, ratio), rising),)
+        s_rising = ratio.clamp(min=0).mul_(grad_output)  # before the ratio is overwritten
+        return (self._propagate(call, _times_ratio(call, grad_output, ratio), s_rising),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
@@ -282,7 +280,8 @@ class Gamma(_SignAware):
         falling outputs) is ``(−down)ᵀ s + (up + down)ᵀ s_rising``.
         """
         layer, x, _ = self.affine(call)
-        signed, _, weights = call.state
+        signed = call.state[0]
+        weights = self._backward_weights(self._weights(layer), signed)
         if s_rising is None:
             return layer.transpose(s, x, weights[0])
         if not signed:
@@ -335,12 +334,11 @@ class AlphaBeta(_SignAware):
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        # Kept for backward: the sign form, the ratios z / z⁺ (and z / z⁻) and the clamped
-        # weights (made once: no second pass over the weights); not the denominators.
-        weights = self._weights(layer, nonnegative)
-        pos, neg = self._denominators(layer, x, nonnegative, weights)
+        # Kept for backward: the sign form and the ratios z / z⁺ (and z / z⁻); the clamped
+        # weights are cheap to make again, the denominators are not needed.
+        pos, neg = self._denominators(layer, x, nonnegative, self._weights(layer, nonnegative))
         ratio_neg = _ratio(z, neg, self.beta, overwrite=True) if neg is not None else None
-        return nonnegative, (_ratio(z, pos, self.alpha, overwrite=True), ratio_neg), weights
+        return nonnegative, (_ratio(z, pos, self.alpha, overwrite=True), ratio_neg)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio_pos, ratio_neg = call.state[1]
@@ -349,8 +347,8 @@ class AlphaBeta(_SignAware):
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
-        nonnegative, _, weights = call.state
-        pos, neg = self._denominators(layer, x, nonnegative, weights)
+        nonnegative = call.state[0]
+        pos, neg = self._denominators(layer, x, nonnegative, self._weights(layer, nonnegative))
         s_pos = safe_divide(relevance, pos)
         if self.alpha != 1:
             s_pos = s_pos * self.alpha
@@ -392,7 +390,8 @@ class AlphaBeta(_SignAware):
         self, call: RuleCall, s_pos: torch.Tensor, s_neg: torch.Tensor | None
     ) -> torch.Tensor:
         layer, x, _ = self.affine(call)
-        nonnegative, _, (positive, negative) = call.state
+        nonnegative = call.state[0]
+        positive, negative = self._weights(layer, nonnegative)
         if nonnegative:
             signal = layer.transpose(s_pos, x, positive)
             if s_neg is not None:
