@@ -106,14 +106,36 @@ def interleaved_medians(
     return {name: statistics.median(values) for name, values in times.items()}
 
 
-def paired_ratio(times: dict[str, list[float]], numerator: str, denominator: str) -> float:
-    """Median over rounds of ``numerator``'s time over ``denominator``'s in the same round.
+def alternated_times(
+    first: Callable[[], Any], second: Callable[[], Any], rounds: int, *, warmup: int = 1
+) -> tuple[list[float], list[float]]:
+    """Seconds of two candidates timed alternately, round by round (ABBA ABBA …).
+
+    Within a round each follows the other half of the time, and nothing else runs between
+    them: a third candidate's allocations (a method that takes gigabytes and frees them) cannot
+    decide which of the two pays the page faults of a regrown heap, as in a fixed rotation over
+    many candidates, where each always follows the same neighbour.
+    """
+    for fn in (first, second):
+        for _ in range(warmup):
+            fn()
+    times: tuple[list[float], list[float]] = ([], [])
+    for round_ in range(rounds):
+        order = (0, 1) if round_ % 2 == 0 else (1, 0)
+        for index in order:
+            start = time.perf_counter()
+            (first, second)[index]()
+            times[index].append(time.perf_counter() - start)
+    return times
+
+
+def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
+    """Median over rounds of the ratio of two candidates' times in the same round.
 
     Both ran in the same round, seconds apart: a slow spell that spans the round cancels out,
     where a ratio of two medians would compare different rounds.
     """
-    pairs = zip(times[numerator], times[denominator], strict=True)
-    return statistics.median(a / b for a, b in pairs)
+    return statistics.median(a / b for a, b in zip(numerator, denominator, strict=True))
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
