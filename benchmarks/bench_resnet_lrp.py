@@ -9,8 +9,8 @@ Within one run the script times, interleaved round by round:
 - ``explain(model, x, "lrp.epsilon_gamma_box", target, low=0, high=1)`` (γ on convolutions);
 - each composite's lower bound on torch's kernels: one gradient plus the convolutions its rule
   adds — z⁺: ``W⁺∗a`` in the forward pass (as ``bench_modbp_speed.py`` measures on the VGG-style
-  net); generalised γ: ``(W + γW⁺)∗a`` and ``(W + γW⁻)∗a``, and one more transposed
-  convolution in the backward pass (its two signal parts);
+  net); generalised γ: ``(W + γW⁺)∗a`` (its ``(W + γW⁻)∗a`` follows from the two adding up to
+  ``(2 + γ) z``) and one more transposed convolution in the backward pass (its two signal parts);
 - Captum's LRP with its default rules (ε on every layer), for scale, where it runs;
 - with ``--torchvision`` (torchvision's own resnet50, in the throw-away environment of
   ``benchmarks/check_torchvision_zoo.py`` with Zennit added): Zennit's EpsilonPlus and
@@ -240,7 +240,8 @@ def main() -> None:
             "median of the ratios within a round; peak memory: the largest resident set "
             "above the built model, one fresh process per candidate. Goals: ≤ 1.05× the lower "
             "bound (one gradient plus the convolutions the composite's rule adds: W⁺∗a for z⁺; "
-            "(W + γW⁺)∗a, (W + γW⁻)∗a and one more transposed convolution for γ), ≤ 2× the "
+            "(W + γW⁺)∗a and one more transposed convolution for γ, whose (W + γW⁻)∗a follows "
+            "from the two adding up to (2 + γ)z), ≤ 2× the "
             f"gradient's memory. {zennit}."
         ),
         rows=rows,

@@ -281,7 +281,7 @@ def gradient_plus_rule_convolutions(
 
     Every convolution also computes ``W'∗a`` for each modified weight ``W'`` in
     ``weights(W)`` in the forward pass, and ``extra_transposed`` more transposed products in
-    the backward pass (z⁺: ``[W⁺]`` and none; γ: ``[W + γW⁺, W + γW⁻]`` and one).
+    the backward pass (z⁺: ``[W⁺]`` and none; γ: ``[W + γW⁺]`` and one).
     """
 
     def hook(conv: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> Any:
@@ -309,5 +309,9 @@ def z_plus_weights(weight: torch.Tensor) -> list[torch.Tensor]:
 
 
 def gamma_weights(weight: torch.Tensor, gamma: float = 0.25) -> list[torch.Tensor]:
-    """The generalised γ rule's weights ``W + γW⁺`` and ``W + γW⁻``."""
-    return [weight + gamma * weight.clamp(min=0), weight + gamma * weight.clamp(max=0)]
+    """The generalised γ rule's one modified weight ``W + γW⁺``.
+
+    Its other denominator, ``(W + γW⁻)∗a``, needs no convolution: the two add up to
+    ``(2 + γ) z`` (the amplified parts of all contributions add up to ``γz``).
+    """
+    return [weight + gamma * weight.clamp(min=0)]

@@ -201,99 +201,77 @@ class Gamma(_SignAware):
         # output's, so no mask is kept). The weights are made again in backward: kept, every
         # layer's copies would be alive at once.
         signed = self.generalised and not nonnegative
-        denominator = self._denominator(layer, x, signed, self._weights(layer))
+        denominator = self._denominator(layer, x, z, signed)
         return signed, torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio = call.state[1]
         if not self.generalised:
             return (self._propagate(call, _times_ratio(call, grad_output, ratio)),)
-        s_rising = ratio.clamp(min=0).mul_(grad_output)  # before the ratio is overwritten
-        return (self._propagate(call, _times_ratio(call, grad_output, ratio), s_rising),)
+        s_falling = ratio.clamp(max=0).mul_(grad_output)  # before the ratio is overwritten
+        return (self._propagate(call, _times_ratio(call, grad_output, ratio), s_falling),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         signed = call.state[0]
-        weights = self._weights(layer)
-        s = safe_divide(relevance, self._denominator(layer, x, signed, weights))
+        z = layer.forward(x, bias=layer.bias)
+        s = safe_divide(relevance, self._denominator(layer, x, z, signed))
         if not self.generalised:
             return (self._propagate(call, s),)
-        rising = layer.forward(x, bias=layer.bias) >= 0
-        return (self._propagate(call, s, torch.where(rising, s, 0.0)),)
+        return (self._propagate(call, s, torch.where(z < 0, s, 0.0)),)
 
-    def _weights(self, layer: AffineLayer) -> tuple[tuple[torch.Tensor, torch.Tensor | None], ...]:
-        """``(W + γW⁺, b + γb⁺)``, and when generalised ``(−(W + γW⁻), −(b + γb⁻))``."""
-        up = (_amplified(layer.weight, self.gamma, 1), _amplified(layer.bias, self.gamma, 1))
-        if not self.generalised:
-            return (up,)
-        negated = layer.weight.neg(), layer.bias.neg() if layer.bias is not None else None
-        return up, (_amplified(negated[0], self.gamma, 1), _amplified(negated[1], self.gamma, 1))
-
-    def _backward_weights(
-        self, weights: tuple[tuple[torch.Tensor, torch.Tensor | None], ...], signed: bool
-    ) -> tuple[torch.Tensor, ...]:
-        """What :meth:`_propagate` transposes with, for its form (see there)."""
-        if not self.generalised:
-            return (weights[0][0],)
-        (up, _), (negative_down, _) = weights
-        return (up, negative_down.neg()) if signed else (negative_down, up - negative_down)
+    def _up(self, layer: AffineLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``W + γW⁺`` and ``b + γb⁺``."""
+        return _amplified(layer.weight, self.gamma, 1), _amplified(layer.bias, self.gamma, 1)
 
     def _denominator(
-        self,
-        layer: AffineLayer,
-        x: torch.Tensor,
-        signed: bool,
-        weights: tuple[tuple[torch.Tensor, torch.Tensor | None], ...],
+        self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, signed: bool
     ) -> torch.Tensor:
-        """The stabilised denominators: ``d`` (not generalised) or ``|d|`` (generalised).
+        """The stabilised denominators: ``d`` (not generalised) or ``|d| + ε`` (generalised).
 
-        Generalised, ``d`` is ``d_up`` where ``z >= 0`` and ``d_down`` elsewhere, and
-        ``d_up + d_down = (2 + γ) z`` (the amplified parts add up to ``γz``), so
-        ``|d| = max(d_up, −d_down)``: no mask of the outputs' signs is needed. ``ε`` rides in
-        the biases of the two convolutions; the clamp to ``ε`` only catches rounding where the
-        exact value is ``>= ε``.
+        Generalised, ``d`` is ``d_up`` (the positive contributions amplified) where ``z >= 0``
+        and ``d_down`` (the negative ones) elsewhere. Their amplified parts add up to ``γz``,
+        so ``d_up + d_down = (2 + γ) z`` and ``|d| = max(d_up, −d_down) = d_up + (2 + γ)·max(−z,
+        0)``: one convolution, not two, and no mask of the outputs' signs. ``ε`` rides in the
+        convolution's bias; the clamp to ``ε`` only catches rounding where the exact value is
+        ``>= ε``.
         """
-        (up, bias_up), *rest = weights
+        up, bias_up = self._up(layer)
         if not self.generalised:  # w + γw⁺ for every sign
             return _stabilise(layer.forward(x, up, bias_up), self.epsilon)
-        ((negative_down, negative_bias_down),) = rest
         bias_up = _shifted(bias_up, self.epsilon, layer, up)
-        bias_down = _shifted(negative_bias_down, self.epsilon, layer, up)
         if not signed:
             d_up = layer.forward(x, up, bias_up)
-            d_down = layer.forward(x, negative_down, bias_down)
-        else:  # −d_down = (−down) ∗ x⁺ + (−up) ∗ x⁻ − b_down
-            xp, xn = x.clamp(min=0), x.clamp(max=0)
-            d_up = layer.forward_stacked((xp, xn), (up, negative_down.neg()), bias_up)
-            d_down = layer.forward_stacked((xp, xn), (negative_down, up.neg()), bias_down)
-        # In place (out=): a new tensor of this size costs more in page faults than the pass.
-        return torch.maximum(d_up, d_down, out=d_up).clamp_(min=self.epsilon)
+        else:  # x⁻ contributes positively through W⁻: amplified by W + γW⁻
+            down = _amplified(layer.weight, self.gamma, -1)
+            d_up = layer.forward_stacked((x.clamp(min=0), x.clamp(max=0)), (up, down), bias_up)
+        # In place: a new tensor of this size costs more in page faults than the pass.
+        return d_up.sub_(z.clamp(max=0), alpha=2 + self.gamma).clamp_(min=self.epsilon)
 
     def _propagate(
-        self, call: RuleCall, s: torch.Tensor, s_rising: torch.Tensor | None = None
+        self, call: RuleCall, s: torch.Tensor, s_falling: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The signal at the input from the output signal ``s``.
 
-        Generalised, ``s = R / |d|``, which is ``R / d`` where ``z >= 0`` and ``−R / d``
-        elsewhere, and ``s_rising`` is ``s`` where ``z >= 0``, else 0; the input signal
-        ``upᵀ s_up + downᵀ s_down`` (``s_up``, ``s_down``: ``R / d`` on the rising and on the
-        falling outputs) is ``(−down)ᵀ s + (up + down)ᵀ s_rising``.
+        Generalised, ``s = R / |d|`` is ``a = R / d`` on the rising outputs (``z >= 0``) and
+        ``−b``, ``b = R / d``, on the falling ones; ``s_falling`` is ``−b`` there, else 0. The
+        input signal ``upᵀa + downᵀb`` (for ``x > 0``; ``downᵀa + upᵀb`` for ``x < 0``) with
+        ``down = (2 + γ)W − up`` is ``upᵀs − (2 + γ)Wᵀs_falling`` (and
+        ``(2 + γ)Wᵀ(s − s_falling) − upᵀs``): two transposed products with ``up`` and ``W``.
         """
         layer, x, _ = self.affine(call)
-        signed = call.state[0]
-        weights = self._backward_weights(self._weights(layer), signed)
-        if s_rising is None:
-            return layer.transpose(s, x, weights[0])
-        if not signed:
-            negative_down, total = weights
-            signal = layer.transpose(s, x, negative_down)
-            return signal.add_(layer.transpose(s_rising, x, total))
-        up, down = weights
-        s_down = s_rising - s  # R / d on the falling outputs
-        up_for_positive, up_for_negative = layer.transpose_stacked(s_rising, x, (up, down))
-        down_for_positive, down_for_negative = layer.transpose_stacked(s_down, x, (down, up))
-        for_positive_x = up_for_positive + down_for_positive
-        return torch.where(x > 0, for_positive_x, up_for_negative + down_for_negative)
+        up, _ = self._up(layer)
+        if s_falling is None:
+            return layer.transpose(s, x, up)
+        scale = 2 + self.gamma
+        if not call.state[0]:  # non-negative inputs
+            signal = layer.transpose(s, x, up)
+            return signal.sub_(layer.transpose(s_falling, x, layer.weight), alpha=scale)
+        up_s, weight_s = layer.transpose_stacked(s, x, (up, layer.weight))
+        weight_falling = layer.transpose(s_falling, x, layer.weight)
+        for_positive_x = up_s - scale * weight_falling
+        for_negative_x = scale * (weight_s - weight_falling) - up_s
+        return torch.where(x > 0, for_positive_x, for_negative_x)
 
 
 def _shifted(
