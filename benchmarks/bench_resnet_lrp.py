@@ -2,7 +2,7 @@
 
 The model is the test suite's re-creation of torchvision's resnet50 (``tests/zoo.py``: the same
 module structure, full width and depth; random weights, trained-looking BatchNorms, eval mode).
-Within one run the script times, interleaved round by round:
+Within one run the script times (in pairs, below):
 
 - one plain gradient of the target logits w.r.t. the input;
 - ``explain(model, x, "lrp.epsilon_plus", target)`` (z⁺ on convolutions, ε on the dense layer);
