@@ -16,13 +16,22 @@ from explain_core import ExplainError, UnsupportedModelError, explain
 from explain_core.engine.recurrent import CELLS, gru, lstm, rnn_relu, rnn_tanh
 from explain_core.plugin_manager import get_registry
 
-LAYERS = {
-    "lstm": nn.LSTM,
-    "gru": nn.GRU,
-    "rnn_tanh": nn.RNN,
-    "rnn_relu": lambda *args, **options: nn.RNN(*args, nonlinearity="relu", **options),
+MODULES = {
+    "lstm": (nn.LSTM, nn.LSTMCell),
+    "gru": (nn.GRU, nn.GRUCell),
+    "rnn_tanh": (nn.RNN, nn.RNNCell),
+    "rnn_relu": (nn.RNN, nn.RNNCell),
 }
-"""Each recurrent kind → its layer's constructor."""
+"""Each recurrent kind → its layer's and its one-step cell's class."""
+KINDS = list(MODULES)
+
+
+def recurrent(kind: str, *args: int, cell: bool = False, **options: object) -> nn.Module:
+    """A layer (or, with ``cell``, a one-step cell) of ``kind``."""
+    layer, one_step = MODULES[kind]
+    if kind == "rnn_relu":
+        options["nonlinearity"] = "relu"
+    return (one_step if cell else layer)(*args, **options)
 
 
 class Classifier(nn.Module):
@@ -69,7 +78,7 @@ CELL_OPTIONS = {
 }
 CASES = [
     pytest.param(kind, options, id=f"{kind}-{name}")
-    for kind in LAYERS
+    for kind in KINDS
     for name, options in CELL_OPTIONS.items()
     if kind == "lstm" or "proj_size" not in options  # only LSTMs have projections
 ]
@@ -78,7 +87,7 @@ CASES = [
 @pytest.mark.parametrize(("kind", "options"), CASES)
 def test_the_written_out_cells_compute_what_the_fused_kernels_do(kind, options):
     torch.manual_seed(0)
-    layer = LAYERS[kind](4, 5, **options).double()
+    layer = recurrent(kind, 4, 5, **options).double()
     x = sequences(options.get("batch_first", False))
     cells = layer.num_layers * (2 if layer.bidirectional else 1)
     width = getattr(layer, "proj_size", 0) or layer.hidden_size
@@ -248,7 +257,7 @@ def guided_bp_by_hand(
 
 def test_guided_bp_and_deconv_take_a_relu_rnn_and_refuse_a_tanh_rnn_by_name():
     torch.manual_seed(8)
-    relu_model = Classifier(LAYERS["rnn_relu"](4, 5, batch_first=True)).double().eval()
+    relu_model = Classifier(recurrent("rnn_relu", 4, 5, batch_first=True)).double().eval()
     x = sequences()
     for method, forward_mask in [("guided_bp", True), ("deconv", False)]:
         expected = guided_bp_by_hand(relu_model, x, 1, forward_mask)
@@ -264,7 +273,7 @@ def test_guided_bp_and_deconv_take_a_relu_rnn_and_refuse_a_tanh_rnn_by_name():
 @pytest.mark.parametrize(("kind", "options"), [c for c in CASES if "bias" not in c.values[1]])
 def test_lrp_zero_conserves_on_bias_free_recurrent_nets(kind, options):
     torch.manual_seed(2)
-    layer = LAYERS[kind](4, 5, bias=False, **options)
+    layer = recurrent(kind, 4, 5, bias=False, **options)
     model = Classifier(layer, bias=False).double().eval()
     result = explain(model, sequences(), "lrp.z", 0)  # the model transposes if it must
     assert result.attribution.abs().sum() > 0
@@ -306,7 +315,7 @@ def test_gradient_methods_run_and_the_rest_refuse_clearly(kind):
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
 def test_packed_sequences_are_refused_with_the_way_out(kind):
     torch.manual_seed(5)
-    rnn = LAYERS[kind](4, 5, batch_first=True).double().eval()
+    rnn = recurrent(kind, 4, 5, batch_first=True).double().eval()
 
     class Packed(nn.Module):
         def __init__(self) -> None:
@@ -323,11 +332,11 @@ def test_packed_sequences_are_refused_with_the_way_out(kind):
         explain(Packed().eval(), sequences(), "lrp.epsilon", 0)
 
 
-@pytest.mark.parametrize("kind", list(LAYERS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_method_gives_a_finite_map_or_one_clear_error(kind):
     # the refusals named in docs/recurrent.md; the maps' values are checked by the tests above
     torch.manual_seed(9)
-    layer = LAYERS[kind](4, 5, num_layers=2, bidirectional=True, batch_first=True)
+    layer = recurrent(kind, 4, 5, num_layers=2, bidirectional=True, batch_first=True)
     model = Classifier(layer).double().eval()
     x = sequences()
     outcomes = {}
@@ -345,15 +354,6 @@ def test_every_method_gives_a_finite_map_or_one_clear_error(kind):
     assert outcomes["deeplift.rescale"] == ("UnsupportedModelError" if gated else "map")
     relu_only = "map" if kind == "rnn_relu" else "UnsupportedModelError"
     assert outcomes["guided_bp"] == outcomes["deconv"] == outcomes["rectgrad"] == relu_only
-
-
-CELL_LAYERS = {
-    "lstm": nn.LSTMCell,
-    "gru": nn.GRUCell,
-    "rnn_tanh": nn.RNNCell,
-    "rnn_relu": lambda *args, **options: nn.RNNCell(*args, nonlinearity="relu", **options),
-}
-"""Each recurrent kind → its one-step cell's constructor."""
 
 
 class CellLoop(nn.Module):
@@ -375,10 +375,10 @@ class CellLoop(nn.Module):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("kind", list(CELL_LAYERS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_written_out_one_step_cells_compute_what_the_fused_cells_do(kind, bias):
     torch.manual_seed(10)
-    cell = CELL_LAYERS[kind](4, 5, bias=bias).double()
+    cell = recurrent(kind, 4, 5, bias=bias, cell=True).double()
     x = torch.randn(3, 4, dtype=torch.float64)
     h = torch.randn(3, 5, dtype=torch.float64)
     state = (h, torch.randn(3, 5, dtype=torch.float64)) if kind == "lstm" else h
@@ -394,14 +394,14 @@ def test_the_written_out_one_step_cells_compute_what_the_fused_cells_do(kind, bi
 
 
 @pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.z", "deeplift.rescale"])
-@pytest.mark.parametrize("kind", list(CELL_LAYERS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_cell_stepped_by_hand_is_explained_as_the_layer_with_its_weights(kind, method):
     # The known equivalence: the cell stepped over the sequence is the one-layer recurrent layer;
     # the layer's maps are checked against the papers' equations above.
     torch.manual_seed(11)
-    layer = LAYERS[kind](4, 5, batch_first=True)
+    layer = recurrent(kind, 4, 5, batch_first=True)
     layered = Classifier(layer).double().eval()
-    stepped = CellLoop(CELL_LAYERS[kind](4, 5)).double().eval()
+    stepped = CellLoop(recurrent(kind, 4, 5, cell=True)).double().eval()
     with torch.no_grad():
         for name in ("weight_ih", "weight_hh", "bias_ih", "bias_hh"):
             getattr(stepped.cell, name).copy_(getattr(layer, f"{name}_l0"))
