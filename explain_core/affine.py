@@ -65,6 +65,8 @@ class AffineLayer:
             comes from a ReLU), ``"signed"`` (rules must take forms exact for either sign
             without branching on values, as in a traced graph such as the ONNX export) or
             ``"unknown"`` (rules may look at the values).
+        output_rectified: Only a ReLU reads the output, so the signal arriving there is 0 wherever
+            the output is ``<= 0``: rules may skip what they compute for such outputs.
     """
 
     name: str
@@ -79,6 +81,7 @@ class AffineLayer:
     merged: str | None = None
     input_sign: Literal["nonnegative", "signed", "unknown"] = "unknown"
     output_padding: tuple[int, ...] = ()
+    output_rectified: bool = False
 
     @classmethod
     def from_module(cls, name: str, module: nn.Module) -> AffineLayer:

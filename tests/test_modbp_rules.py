@@ -5,7 +5,7 @@ import torch
 from modbp_nets import reference
 from torch import nn
 
-from explain_core import Composite, InputLayer
+from explain_core import Composite, InputLayer, InvalidInputError, Op
 from explain_core.engine import ModifiedBackprop
 from explain_modbp import (
     AlphaBeta,
@@ -19,6 +19,7 @@ from explain_modbp import (
     Zero,
     ZPlus,
 )
+from explain_modbp.guided import RectifiedReLU
 
 # Tiny float64 layers: thread start-up dominates on the shared 2-core machine.
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -147,3 +148,69 @@ def test_rule_flags_must_be_booleans():
         ZPlus(bias="no")
     with pytest.raises(TypeError, match="generalised must be True or False"):
         Gamma(generalised=1)
+
+
+class _TwoReaders(nn.Module):
+    """``a``'s output is read by a ReLU and by an addition, ``b``'s by an in-place ReLU only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(2, 3, 3, padding=1)
+        self.b = nn.Conv2d(3, 3, 1)
+        self.fc = nn.Linear(48, 2)
+
+    def forward(self, x):
+        z = self.a(x)
+        h = torch.relu(z) + z
+        return self.fc(torch.flatten(self.b(h).relu_(), 1))
+
+
+def test_a_layer_is_rectified_only_when_a_relu_alone_reads_its_output():
+    model = _TwoReaders().double().eval()
+    x = torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    forward = ModifiedBackprop(Composite([(nn.Module, Gamma())])).forward(model, x)
+    assert forward.plan.rectified == {"b"}  # not a (also added), nor fc (the model output)
+    # a composite with its own ReLU rule (Guided BP) may pass signal where a ReLU is off
+    guided = Composite([(nn.Module, Gamma()), (Op("relu", "relu_"), RectifiedReLU("guided"))])
+    assert ModifiedBackprop(guided).forward(model, x).plan.rectified == set()
+
+
+def _conv_bn_relu(inplace: bool) -> nn.Module:
+    torch.manual_seed(4)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU(inplace=inplace)
+    )
+    nn.init.uniform_(model[1].running_mean, -0.5, 0.5)
+    return model.append(nn.Flatten()).append(nn.Linear(48, 4)).double().eval()
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("signed", [True, False])
+def test_gamma_on_a_layer_only_a_relu_reads_matches_the_matrix_reference(inplace, signed):
+    """γ skips the falling outputs of a rectified layer; the map is still the rule's."""
+    model = _conv_bn_relu(inplace)
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    x = x if signed else x.abs()
+    forward = ModifiedBackprop(Composite([(nn.Module, Gamma(0.25))])).forward(model, x)
+    assert forward.plan.rectified == {"0"} and forward.plan.merged == {"0": "1"}
+    target = torch.nn.functional.one_hot(torch.tensor([0, 3, 1]), 4).double()
+    got = x * forward.backward(target).input_signal
+    z = model[1](model[0](x)).detach()
+    a = z.clamp(min=0).flatten(1)
+    relevance_a = reference(Gamma(0.25), model[4], a, target * model[4](a).detach())
+    expected = reference(Gamma(0.25), model[:2], x, relevance_a.reshape(z.shape))
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
+
+
+def test_a_signal_injected_at_a_rectified_layer_must_be_zero_where_the_relu_is_off():
+    model = _conv_bn_relu(inplace=False)
+    x = torch.rand(2, 2, 4, 4, dtype=torch.float64)
+    forward = ModifiedBackprop(Composite([(nn.Module, Gamma(0.25))])).forward(model, x)
+    z = model[1](model[0](x)).detach()
+    signal = torch.randn_like(z)
+    with pytest.raises(InvalidInputError, match="inject relevance instead"):
+        forward.backward(signal, start="0", retain_graph=True)
+    masked = signal * (z > 0)
+    got = x * forward.backward(masked, start="0").input_signal
+    expected = reference(Gamma(0.25), model[:2], x, z * masked)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)

@@ -630,7 +630,11 @@ class RulePass(ModuleListener):
             else:
                 x, source = self.stash.pop(name), self.model.get_submodule(name)
                 layer = AffineLayer.from_module(name, source).merge_batchnorm(bn_name, module)
-            layer = replace(layer, input_sign=self.plan.input_sign(name))
+            layer = replace(
+                layer,
+                input_sign=self.plan.input_sign(name),
+                output_rectified=name in self.plan.rectified,
+            )
             call = RuleCall(
                 source,
                 name,

@@ -44,7 +44,7 @@ from explain_core.engine.attach import LayerRecord, OperationMode, RulePass
 from explain_core.engine.ops import OpHandler
 from explain_core.engine.plan_cache import expected_calls, forget_plan, planned
 from explain_core.engine.tracing import Plan
-from explain_core.errors import UnsupportedModelError
+from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.model_guard import require_eval_mode
 from explain_core.scoped import listening
 
@@ -129,6 +129,7 @@ class ForwardPass:
                     (grads,) = record.rule.relevance(record.call, relevance)
                 outputs = record.input
             else:
+                _require_rectified_signal(record, signal)
                 outputs, grads = record.output, signal
         wanted: list[torch.Tensor] = [self.input]
         keys: list[str] = [""]
@@ -231,3 +232,22 @@ class ModifiedBackprop:
                 "must travel back along; remove it from forward"
             )
         return ForwardPass(x, output, attached.records, plan)
+
+
+def _require_rectified_signal(record: LayerRecord, signal: torch.Tensor) -> None:
+    """A signal injected at a rectified layer's output must be 0 where a ReLU would stop it.
+
+    A rule that skips the outputs ``<= 0`` of such a layer (only a ReLU reads them, so no signal
+    reaches them in a pass through the model) kept no state for them.
+    """
+    layer = record.call.layer
+    skips = getattr(record.rule, "uses_rectified_outputs", False)  # affine rules only
+    if not (skips and layer is not None and layer.output_rectified):
+        return
+    if bool((signal * (record.output.detach() <= 0)).any()):
+        raise InvalidInputError(
+            f"layer {record.name!r} is read only by a ReLU, so its rule {record.rule!r} keeps "
+            "nothing for outputs <= 0 and the signal injected there must be 0 where the "
+            "output is <= 0 (as the ReLU's gradient is); inject relevance instead "
+            "(backward(start=..., relevance=...)), or a signal masked by output > 0"
+        )

@@ -82,6 +82,8 @@ class Plan:
         merged: Linear/Conv name → name of the BatchNorm merged into it.
         input_layers: Layers whose input is the model input up to reshaping.
         relu_after: Layers whose output feeds a ReLU.
+        rectified: Layers whose output only a ReLU reads (the composite leaving ReLUs to their
+            gradient): the signal at such an output is 0 wherever it is <= 0.
         rules: Layer name → rule; ``custom``: module name → core rule (opaque modules).
         first_reads: What the first layer reads when no layer reads the model input directly.
         value_dependent: ``forward`` read input-dependent values into Python (``if h.max() >
@@ -96,6 +98,7 @@ class Plan:
     merged: dict[str, str] = field(default_factory=dict)
     input_layers: set[str] = field(default_factory=set)
     relu_after: set[str] = field(default_factory=set)
+    rectified: set[str] = field(default_factory=set)
     rules: dict[str, Rule] = field(default_factory=dict)
     custom: dict[str, Rule] = field(default_factory=dict)
     types: dict[str, str] = field(default_factory=dict)
@@ -563,6 +566,28 @@ class _Tracer(ModuleListener):
                 layers.input_dims[name] = self.layer_input_dims[name]
         return layers
 
+    def rectified_layers(self, live: list[Step], plan: Plan) -> set[str]:
+        """Layers of ``plan`` every output of which only a ReLU reads.
+
+        An in-place ReLU that reads an output first counts for every later reader: they see the
+        rectified tensor. Another first reader, or a reader other than a ReLU, and the layer is
+        not rectified (nor is one whose output nothing reads: the model's output).
+        """
+        readers: dict[int, list[tuple[bool, bool]]] = {}  # (a ReLU, writing in place) each
+        for op, inputs, outputs, _ in live:
+            for tensor_id in inputs:
+                readers.setdefault(tensor_id, []).append((op in RELU_OPS, tensor_id in outputs))
+        merged_back = {bn: lin for lin, bn in plan.merged.items()}
+        verdicts: dict[str, bool] = {}
+        for tensor_id, source in self.producer.items():
+            if source in plan.merged:  # the BatchNorm merged into it makes the layer's output
+                continue
+            layer = merged_back.get(source, source)
+            reads = readers.get(tensor_id, [])
+            through_relu = bool(reads) and (reads[0] == (True, True) or all(r for r, _ in reads))
+            verdicts[layer] = verdicts.get(layer, True) and through_relu
+        return {layer for layer, rectified in verdicts.items() if rectified and layer in plan.order}
+
     def _plan(self, live: list[Step]) -> Plan:
         layers = self.traced_layers(live)
         for canonizer in self.composite.canonizers:
@@ -583,6 +608,8 @@ class _Tracer(ModuleListener):
                 source = self.producer.get(tensor_id)
                 if source is not None:
                     plan.relu_after.add(merged_back.get(source, source))
+        if self.handled.isdisjoint(RELU_OPS):  # else a rule may pass signal where a ReLU is off
+            plan.rectified = self.rectified_layers(live, plan)
         for name, rule in self.opaque.items():
             if rule is not None and not on_layer_path(rule) and name in self.calls:
                 plan.custom[name] = rule

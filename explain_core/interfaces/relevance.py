@@ -172,6 +172,9 @@ class AffineRule(Rule):
     (``"features.*"``) gives it only the Linear/Conv/BatchNorm layers.
     """
 
+    uses_rectified_outputs: ClassVar[bool] = False
+    """Whether the rule skips outputs ``<= 0`` of a layer whose ``output_rectified`` is set."""
+
     def applies_to(self, module: nn.Module) -> bool:  # noqa: D102
         return is_affine(module)
 

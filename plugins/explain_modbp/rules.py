@@ -184,6 +184,7 @@ class Gamma(_SignAware):
     """
 
     output_in_backward = False
+    uses_rectified_outputs = True  # a ReLU reads the output: no falling outputs to correct
 
     def __init__(
         self, gamma: float = 0.25, epsilon: float = 1e-6, generalised: bool = True
@@ -201,12 +202,14 @@ class Gamma(_SignAware):
         # output's, so no mask is kept). The weights are made again in backward: kept, every
         # layer's copies would be alive at once.
         signed = self.generalised and not nonnegative
-        denominator = self._denominator(layer, x, z, signed)
+        falling = self.generalised and not layer.output_rectified
+        denominator = self._denominator(layer, x, z, signed, falling)
         return signed, torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
+        layer, _, _ = self.affine(call)
         ratio = call.state[1]
-        if not self.generalised:
+        if not self.generalised or layer.output_rectified:  # no signal on falling outputs
             return (self._propagate(call, _times_ratio(call, grad_output, ratio)),)
         s_falling = ratio.clamp(max=0).mul_(grad_output)  # before the ratio is overwritten
         return (self._propagate(call, _times_ratio(call, grad_output, ratio), s_falling),)
@@ -215,7 +218,7 @@ class Gamma(_SignAware):
         layer, x, _ = self.affine(call)
         signed = call.state[0]
         z = layer.forward(x, bias=layer.bias)
-        s = safe_divide(relevance, self._denominator(layer, x, z, signed))
+        s = safe_divide(relevance, self._denominator(layer, x, z, signed, self.generalised))
         if not self.generalised:
             return (self._propagate(call, s),)
         return (self._propagate(call, s, torch.where(z < 0, s, 0.0)),)
@@ -225,7 +228,7 @@ class Gamma(_SignAware):
         return _amplified(layer.weight, self.gamma, 1), _amplified(layer.bias, self.gamma, 1)
 
     def _denominator(
-        self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, signed: bool
+        self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, signed: bool, falling: bool
     ) -> torch.Tensor:
         """The stabilised denominators: ``d`` (not generalised) or ``|d| + ε`` (generalised).
 
@@ -234,7 +237,8 @@ class Gamma(_SignAware):
         so ``d_up + d_down = (2 + γ) z`` and ``|d| = max(d_up, −d_down) = d_up + (2 + γ)·max(−z,
         0)``: one convolution, not two, and no mask of the outputs' signs. ``ε`` rides in the
         convolution's bias; the clamp to ``ε`` only catches rounding where the exact value is
-        ``>= ε``.
+        ``>= ε``. Without ``falling`` (no signal reaches the outputs ``z < 0``: a ReLU reads
+        them) ``d_up`` serves everywhere: where ``z < 0`` its ratio only has to be finite.
         """
         up, bias_up = self._up(layer)
         if not self.generalised:  # w + γw⁺ for every sign
@@ -245,8 +249,9 @@ class Gamma(_SignAware):
         else:  # x⁻ contributes positively through W⁻: amplified by W + γW⁻
             down = _amplified(layer.weight, self.gamma, -1)
             d_up = layer.forward_stacked((x.clamp(min=0), x.clamp(max=0)), (up, down), bias_up)
-        # In place: a new tensor of this size costs more in page faults than the pass.
-        return d_up.sub_(z.clamp(max=0), alpha=2 + self.gamma).clamp_(min=self.epsilon)
+        if falling:  # in place: a new tensor this size costs more in page faults than a pass
+            d_up.sub_(z.clamp(max=0), alpha=2 + self.gamma)
+        return d_up.clamp_(min=self.epsilon)
 
     def _propagate(
         self, call: RuleCall, s: torch.Tensor, s_falling: torch.Tensor | None = None
@@ -254,20 +259,23 @@ class Gamma(_SignAware):
         """The signal at the input from the output signal ``s``.
 
         Generalised, ``s = R / |d|`` is ``a = R / d`` on the rising outputs (``z >= 0``) and
-        ``−b``, ``b = R / d``, on the falling ones; ``s_falling`` is ``−b`` there, else 0. The
-        input signal ``upᵀa + downᵀb`` (for ``x > 0``; ``downᵀa + upᵀb`` for ``x < 0``) with
-        ``down = (2 + γ)W − up`` is ``upᵀs − (2 + γ)Wᵀs_falling`` (and
-        ``(2 + γ)Wᵀ(s − s_falling) − upᵀs``): two transposed products with ``up`` and ``W``.
+        ``−b``, ``b = R / d``, on the falling ones; ``s_falling`` is ``−b`` there, else 0
+        (``None``: no falling output carries signal). The input signal ``upᵀa + downᵀb`` (for
+        ``x > 0``; ``downᵀa + upᵀb`` for ``x < 0``) with ``down = (2 + γ)W − up`` is
+        ``upᵀs − (2 + γ)Wᵀs_falling`` (and ``(2 + γ)Wᵀ(s − s_falling) − upᵀs``): transposed
+        products with ``up`` and ``W``.
         """
         layer, x, _ = self.affine(call)
         up, _ = self._up(layer)
-        if s_falling is None:
-            return layer.transpose(s, x, up)
         scale = 2 + self.gamma
-        if not call.state[0]:  # non-negative inputs
+        if not call.state[0]:  # non-negative inputs, or not generalised: x⁺ reads up only
             signal = layer.transpose(s, x, up)
-            return signal.sub_(layer.transpose(s_falling, x, layer.weight), alpha=scale)
+            if s_falling is not None:
+                signal.sub_(layer.transpose(s_falling, x, layer.weight), alpha=scale)
+            return signal
         up_s, weight_s = layer.transpose_stacked(s, x, (up, layer.weight))
+        if s_falling is None:
+            return torch.where(x > 0, up_s, scale * weight_s - up_s)
         weight_falling = layer.transpose(s_falling, x, layer.weight)
         for_positive_x = up_s - scale * weight_falling
         for_negative_x = scale * (weight_s - weight_falling) - up_s
