@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -276,13 +276,17 @@ def gradient_plus_rule_convolutions(
     target: torch.Tensor,
     weights: Callable[[torch.Tensor], list[torch.Tensor]],
     extra_transposed: int = 0,
+    rectified: Collection[str] = (),
 ) -> torch.Tensor:
     """One plain gradient plus the convolutions a rule adds: the lower bound of its cost.
 
     Every convolution also computes ``W'∗a`` for each modified weight ``W'`` in
     ``weights(W)`` in the forward pass, and ``extra_transposed`` more transposed products in
-    the backward pass (z⁺: ``[W⁺]`` and none; γ: ``[W + γW⁺]`` and one).
+    the backward pass (z⁺: ``[W⁺]`` and none; γ: ``[W + γW⁺]`` and one, for its falling
+    outputs), except the convolutions named in ``rectified``: only a ReLU reads them, so no
+    signal reaches their falling outputs.
     """
+    names = {id(module): name for name, module in model.named_modules()}
 
     def hook(conv: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> Any:
         with torch.no_grad():
@@ -290,7 +294,7 @@ def gradient_plus_rule_convolutions(
                 F.conv2d(
                     args[0], weight, None, conv.stride, conv.padding, conv.dilation, conv.groups
                 )
-        for _ in range(extra_transposed):
+        for _ in range(0 if names[id(conv)] in rectified else extra_transposed):
             output = _ExtraTransposedConvolution.apply(output, args[0], conv)
         return output
 

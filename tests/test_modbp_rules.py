@@ -1,11 +1,13 @@
 """Each rule against an independent dense-matrix reference built from the layer's Jacobian."""
 
+from collections import OrderedDict
+
 import pytest
 import torch
 from modbp_nets import reference
 from torch import nn
 
-from explain_core import Composite, InputLayer, InvalidInputError, Op
+from explain_core import Composite, InputLayer, InvalidInputError, Op, Rule
 from explain_core.engine import ModifiedBackprop
 from explain_modbp import (
     AlphaBeta,
@@ -165,6 +167,13 @@ class _TwoReaders(nn.Module):
         return self.fc(torch.flatten(self.b(h).relu_(), 1))
 
 
+class _PassEverything(Rule):
+    """A module rule that passes the signal where the ReLU is off, too."""
+
+    def backward(self, call, grad_output):
+        return (grad_output,)
+
+
 def test_a_layer_is_rectified_only_when_a_relu_alone_reads_its_output():
     model = _TwoReaders().double().eval()
     x = torch.randn(1, 2, 4, 4, dtype=torch.float64)
@@ -173,6 +182,15 @@ def test_a_layer_is_rectified_only_when_a_relu_alone_reads_its_output():
     # a composite with its own ReLU rule (Guided BP) may pass signal where a ReLU is off
     guided = Composite([(nn.Module, Gamma()), (Op("relu", "relu_"), RectifiedReLU("guided"))])
     assert ModifiedBackprop(guided).forward(model, x).plan.rectified == set()
+    # nor one with a rule for ReLU modules (here one named "relu", as the operation is)
+    named = nn.Sequential(
+        OrderedDict(conv=nn.Conv2d(2, 3, 3), relu=nn.ReLU(), flat=nn.Flatten(), fc=nn.Linear(12, 2))
+    ).double()
+    assert ModifiedBackprop(Composite([(nn.Module, Gamma())])).forward(named, x).plan.rectified == {
+        "conv"
+    }
+    passing = Composite([(nn.ReLU, _PassEverything()), (nn.Module, Gamma())])
+    assert ModifiedBackprop(passing).forward(named, x).plan.rectified == set()
 
 
 def _conv_bn_relu(inplace: bool) -> nn.Module:

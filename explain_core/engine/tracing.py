@@ -574,9 +574,10 @@ class _Tracer(ModuleListener):
         not rectified (nor is one whose output nothing reads: the model's output).
         """
         readers: dict[int, list[tuple[bool, bool]]] = {}  # (a ReLU, writing in place) each
-        for op, inputs, outputs, _ in live:
+        for step, inputs, outputs, _ in live:
+            relu = step in RELU_OPS and step not in self.opaque  # not a module named "relu"
             for tensor_id in inputs:
-                readers.setdefault(tensor_id, []).append((op in RELU_OPS, tensor_id in outputs))
+                readers.setdefault(tensor_id, []).append((relu, tensor_id in outputs))
         merged_back = {bn: lin for lin, bn in plan.merged.items()}
         verdicts: dict[str, bool] = {}
         for tensor_id, source in self.producer.items():
