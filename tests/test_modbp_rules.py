@@ -32,6 +32,8 @@ LAYERS = [
     ("conv1d", lambda b: nn.Conv1d(2, 3, 3, bias=b), (2, 9)),
     ("conv2d", lambda b: nn.Conv2d(2, 3, 3, stride=2, padding=1, bias=b), (2, 6, 5)),
     ("conv2d_groups", lambda b: nn.Conv2d(4, 4, 2, dilation=2, groups=2, bias=b), (4, 5, 5)),
+    ("conv2d_1x1_strided", lambda b: nn.Conv2d(4, 6, 1, stride=(2, 3), bias=b), (4, 7, 6)),
+    ("conv1d_1_strided_groups", lambda b: nn.Conv1d(4, 6, 1, stride=2, groups=2, bias=b), (4, 7)),
     ("conv3d", lambda b: nn.Conv3d(1, 2, 2, padding=1, bias=b), (1, 3, 4, 3)),
 ]
 
