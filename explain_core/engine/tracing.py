@@ -566,7 +566,13 @@ class _Tracer(ModuleListener):
                 layers.input_dims[name] = self.layer_input_dims[name]
         return layers
 
-    def rectified_layers(self, live: list[Step], plan: Plan) -> set[str]:
+    def _relu_step(self, step: str) -> bool:
+        """Whether a recorded step is a ReLU operation (not a module named ``relu``)."""
+        return step in RELU_OPS and step not in self.opaque
+
+    def rectified_layers(
+        self, live: list[Step], plan: Plan, merged_back: dict[str, str]
+    ) -> set[str]:
         """Layers of ``plan`` every output of which only a ReLU reads.
 
         An in-place ReLU that reads an output first counts for every later reader: they see the
@@ -575,10 +581,9 @@ class _Tracer(ModuleListener):
         """
         readers: dict[int, list[tuple[bool, bool]]] = {}  # (a ReLU, writing in place) each
         for step, inputs, outputs, _ in live:
-            relu = step in RELU_OPS and step not in self.opaque  # not a module named "relu"
+            relu = self._relu_step(step)
             for tensor_id in inputs:
                 readers.setdefault(tensor_id, []).append((relu, tensor_id in outputs))
-        merged_back = {bn: lin for lin, bn in plan.merged.items()}
         verdicts: dict[str, bool] = {}
         for tensor_id, source in self.producer.items():
             if source in plan.merged:  # the BatchNorm merged into it makes the layer's output
@@ -605,12 +610,12 @@ class _Tracer(ModuleListener):
         plan.nonnegative_inputs = {n for n in self.nonnegative_layers if n in plan.order}
         merged_back = {bn: lin for lin, bn in plan.merged.items()}
         for op, inputs, _, _ in live:
-            for tensor_id in inputs if op in RELU_OPS else ():
+            for tensor_id in inputs if self._relu_step(op) else ():
                 source = self.producer.get(tensor_id)
                 if source is not None:
                     plan.relu_after.add(merged_back.get(source, source))
         if self.handled.isdisjoint(RELU_OPS):  # else a rule may pass signal where a ReLU is off
-            plan.rectified = self.rectified_layers(live, plan)
+            plan.rectified = self.rectified_layers(live, plan, merged_back)
         for name, rule in self.opaque.items():
             if rule is not None and not on_layer_path(rule) and name in self.calls:
                 plan.custom[name] = rule
