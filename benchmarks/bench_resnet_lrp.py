@@ -143,7 +143,7 @@ def zennit_candidates(
         return {}
     if not any(isinstance(module, Bottleneck) for module in model.modules()):
         return {}
-    one_hot = torch.zeros(x.shape[0], 1000).scatter_(1, target[:, None], 1.0)
+    one_hot = torch.zeros(x.shape[0], 1000, device=x.device).scatter_(1, target[:, None], 1.0)
 
     def run(composite: Any) -> Callable[[], torch.Tensor]:
         def attribute() -> torch.Tensor:

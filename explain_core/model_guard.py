@@ -225,17 +225,23 @@ def _identities(container: dict[Any, Any]) -> list[tuple[Any, int]]:
 def _checksums(parameters: Any) -> torch.Tensor | None:
     """The sum of each parameter (in its own dtype; NaN → a fixed value) on the CPU.
 
-    One read pass and no copy of the weights (a float64 sum converts first: four times slower).
-    Complex and meta parameters count 0 (their version counter still applies). ``None`` for a
-    model without parameters.
+    One read pass and no copy of the weights (a float64 sum converts first: four times slower),
+    and one transfer per device and dtype: a transfer per parameter would wait for the GPU
+    hundreds of times per call. Complex and meta parameters count 0 (their version counter
+    still applies). ``None`` for a model without parameters.
     """
-    sums = [
-        torch.nan_to_num(p.detach().sum().double(), nan=1.5e308).cpu()
-        if not (p.is_complex() or p.device.type == "meta")
-        else torch.zeros((), dtype=torch.float64)
-        for p in parameters
-    ]
-    return torch.stack(sums) if sums else None
+    parameters = list(parameters)
+    if not parameters:
+        return None
+    groups: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, p in enumerate(parameters):
+        if not (p.is_complex() or p.device.type == "meta"):
+            groups.setdefault((p.device, p.dtype), []).append(index)
+    sums = torch.zeros(len(parameters), dtype=torch.float64)
+    for indices in groups.values():
+        group = torch.stack([parameters[i].detach().sum() for i in indices])
+        sums[indices] = torch.nan_to_num(group.double(), nan=1.5e308).cpu()
+    return sums
 
 
 def _version(tensor: torch.Tensor) -> int:

@@ -232,6 +232,17 @@ CHECKPOINT_ADVICE = (
 )
 
 
+_CUDNN_RNN_IN_EVAL = "cudnn RNN backward can only be called in training mode"
+_CUDNN_RNN_ADVICE = (
+    "the model's nn.LSTM/nn.GRU/nn.RNN runs on cuDNN, whose kernels compute no gradient in eval "
+    "mode (a torch limitation), so gradient methods cannot run on it here; wrap the call in "
+    "`with torch.backends.cudnn.flags(enabled=False):` (torch then computes the layer without "
+    "cuDNN, exactly), run it on the CPU, or explain with an LRP method (the relevance engine "
+    "computes the layer's cells itself)"
+)
+"""What to do where torch's cuDNN RNN kernels refuse a backward pass in eval mode."""
+
+
 def diagnose_failure(
     model: nn.Module, inputs: torch.Tensor, error: RuntimeError | ValueError
 ) -> ModelRunError | None:
@@ -248,6 +259,8 @@ def diagnose_failure(
         return None
     if "torch.utils.checkpoint" in str(error):
         return ModelRunError(f"the model uses {CHECKPOINT_ADVICE}")
+    if _CUDNN_RNN_IN_EVAL in str(error):
+        return ModelRunError(_CUDNN_RNN_ADVICE)
     probe = inputs[:1].clone()
     try:
         with torch.no_grad():

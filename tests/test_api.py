@@ -242,6 +242,18 @@ def test_model_guard_restores_structure_buffers_and_refuses_parameter_edits():
         linear.bias.data.add_(1.0)  # invisible to the version counter, not to the checksum
 
 
+@pytest.mark.parametrize("edited", ["0.weight", "1.bias", "2.weight"])
+def test_the_checksums_name_the_parameter_edited_in_a_model_of_several_dtypes(edited):
+    # The checksums are summed per dtype (and device) and brought to the CPU at once: an edit
+    # through .data must still be pinned on its own parameter.
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3).double(), nn.Linear(3, 3).half())
+    parameter = dict(model.named_parameters())[edited]
+    guard = ModelGuard(model)
+    with pytest.raises(ModelStateError, match=edited.replace(".", r"\.")), guard:
+        parameter.data[0] += 1.0
+    assert guard.changed_parameters == [edited]
+
+
 def test_bad_input_gets_clear_errors():
     model = linear_model()
     x = torch.randn(2, 1, 3, 4, dtype=torch.float64)

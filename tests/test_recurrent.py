@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from explain_core import ExplainError, UnsupportedModelError, explain
+from explain_core import ExplainError, ModelRunError, UnsupportedModelError, explain
 from explain_core.engine.recurrent import CELLS, gru, lstm, rnn_relu, rnn_tanh
 from explain_core.plugin_manager import get_registry
 
@@ -310,6 +310,38 @@ def test_gradient_methods_run_and_the_rest_refuse_clearly(kind):
     ]:
         with pytest.raises(UnsupportedModelError, match=match):
             explain(model, x, method, 0)
+
+
+class _RefusedLikeCudnnInEval(torch.autograd.Function):
+    """The identity, whose backward raises what torch's cuDNN RNN kernels raise in eval mode."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("cudnn RNN backward can only be called in training mode")
+
+
+@pytest.mark.parametrize("method", ["gradient", "integrated_gradients", "smoothgrad"])
+def test_a_cudnn_rnn_without_backward_in_eval_mode_gives_the_ways_out(method):
+    # On a GPU, cuDNN's LSTM/GRU kernels compute no gradient in eval mode (benchmarks/
+    # check_cuda.py meets it on the real kernels); here a stand-in raises torch's message.
+    torch.manual_seed(6)
+    rnn = nn.GRU(4, 5, batch_first=True).double().eval()
+
+    class Refused(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn, self.head = rnn, nn.Linear(5, 3).double()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out, _ = self.rnn(_RefusedLikeCudnnInEval.apply(x))
+            return self.head(out[:, -1])
+
+    with pytest.raises(ModelRunError, match=r"cuDNN.*cudnn\.flags\(enabled=False\).*LRP method"):
+        explain(Refused().eval(), sequences(), method, 0)
 
 
 @pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])

@@ -593,7 +593,7 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         gain = result.output[:, 1] - model(torch.zeros_like(x))[:, 1].detach()
         total = result.attribution.sum((1, 2, 3))
         assert torch.allclose(total, gain, rtol=1e-3, atol=1e-5), (method, name)
-        reference = _float64_reference(method, model, x, options)
+        reference = float64_reference(method, model, x, options)
         assert reference is not None, method
         _assert_equals(reference, method, model, x, options)  # and its float64 reference
         return "✓ sums to f(x) − f(0)"
@@ -615,7 +615,7 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
         scale = checked.output[:, 1].abs().max()
         assert checked.delta.abs().max() <= 1e-9 * scale + 1e-15, (method, name, checked.delta)
         return "✓ conserves"
-    reference = _float64_reference(method, model, x, options)
+    reference = float64_reference(method, model, x, options)
     if reference is not None:
         zero = not _assert_equals(reference, method, model, x, options)
         return "✓ equals float64 reference" + " (all zero)" * zero
@@ -633,7 +633,7 @@ def _assert_equals(
     return bool(scale > 0)
 
 
-def _float64_reference(
+def float64_reference(
     method: str, model: nn.Module, x: torch.Tensor, options: dict
 ) -> torch.Tensor | None:
     """An independent float64 reference for ``method``'s map on ``model`` (class 1), if any."""

@@ -536,16 +536,16 @@ def reference_smoothgrad(
 ) -> torch.Tensor:
     """Smilkov et al.'s average gradient over noisy copies, σ = level × each sample's range.
 
-    The noise is the documented one: a generator seeded with 0, one ``randn`` draw shaped like
-    the batch per copy.
+    The noise is the documented one: a generator on the input's device seeded with 0, one
+    ``randn`` draw shaped like the batch per copy.
     """
     copy_ = copy.deepcopy(model).double().eval()
     x = x.detach().double()
     spread = (x.flatten(1).amax(1) - x.flatten(1).amin(1)).reshape(-1, *(1,) * (x.dim() - 1))
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device=x.device).manual_seed(0)
     total = torch.zeros_like(x)
     for _ in range(samples):
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
         noisy = (x + noise_level * spread * noise).requires_grad_(True)
         (grad,) = torch.autograd.grad(copy_(noisy)[:, target].sum(), noisy)
         total += grad
@@ -655,7 +655,7 @@ class _RescaledMaxPool(torch.autograd.Function):
         g = g[:batch]
 
         def scatter(values: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-            flat = torch.zeros(batch, c, math.prod(spatial), dtype=g.dtype)
+            flat = torch.zeros(batch, c, math.prod(spatial), dtype=g.dtype, device=g.device)
             return flat.scatter_add_(2, indices.flatten(2), values.flatten(2)).reshape(
                 batch, c, *spatial
             )

@@ -291,7 +291,7 @@ def cosine_similarity_convergence(
                 for i, j in itertools.combinations(range(n_vectors), 2)
             ],
             dim=1,
-        ).numpy()
+        ).cpu().numpy()
         if absolute:
             values = np.abs(values)
         defined = values[~np.isnan(values)]
