@@ -33,10 +33,12 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from datetime import date
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 import zoo_references
 from bench_resnet_lrp import BOUNDS, build, candidates
 from harness import alternated_times, median_ratio, write_results
@@ -243,6 +245,18 @@ def output_cell(make: Callable[[], nn.Module], x: torch.Tensor, device: str) -> 
     return f"{_relative(outputs[1], outputs[0]):.0e}"
 
 
+def kernel_differences(device: str) -> str:
+    """torch's float64 Hardsigmoid and Hardswish on ``device`` against the CPU's."""
+    x = torch.linspace(-4, 4, 10001, dtype=torch.float64)
+    parts = []
+    for function in (F.hardsigmoid, F.hardswish):
+        cpu, gpu = function(x), function(x.to(device)).cpu()
+        shown = cpu.abs() > 1e-3
+        relative = float(((gpu - cpu).abs() / cpu.abs())[shown].max())
+        parts.append(f"`F.{function.__name__}` {relative:.1e}")
+    return ", ".join(parts)
+
+
 def parity(device: str, out: Path) -> bool:
     """Write the method × model parity table; return whether every cell passed."""
     cases = parity_cases()
@@ -262,7 +276,7 @@ def parity(device: str, out: Path) -> bool:
     name = torch.cuda.get_device_name(0) if device.startswith("cuda") else device
     page = "\n".join(
         [
-            f"## Every method on a GPU ({name}) against the CPU, float64",
+            f"# Every method on a GPU ({name}) against the CPU, float64",
             "",
             *rows,
             "",
@@ -275,8 +289,11 @@ def parity(device: str, out: Path) -> bool:
             "cuDNN off`: on the GPU the method refuses (one line, naming the way out) because "
             "cuDNN's RNN kernels compute no gradient in eval mode, and runs inside "
             "`torch.backends.cudnn.flags(enabled=False)`. Every map lies on the GPU and leaves "
-            "the model's state unchanged. "
-            f"{len(failed)} cells failed. torch {torch.__version__}; reproduce with "
+            "the model's state unchanged. torch's own float64 kernels on this GPU against the "
+            f"CPU's (max relative difference where |y| > 1e-3): {kernel_differences(device)} "
+            "(float32's rounding of 1/6 is 3.0e-8). "
+            f"{len(failed)} cells failed. Measured {date.today().isoformat()}, torch "
+            f"{torch.__version__}; reproduce with "
             "`PYTHONPATH=.:plugins:exporters:tests python benchmarks/check_cuda.py "
             "--parts parity`.",
             "",
@@ -357,6 +374,20 @@ def _peak_bytes(run: Callable[[], Any], device: torch.device) -> int | None:
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def _profiled_ms(run: Callable[[], Any], device: torch.device) -> tuple[float, float | str]:
+    """Milliseconds of one call on the host (torch's operators) and in the GPU's kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * (device.type == "cuda")
+    with profile(activities=activities) as profiled:
+        run()
+    events = profiled.key_averages()
+    host = sum(event.self_cpu_time_total for event in events) / 1000
+    if device.type != "cuda":
+        return host, "—"
+    return host, sum(event.self_device_time_total for event in events) / 1000
+
+
 def speed(device: torch.device, batch: int, rounds: int, out: Path) -> None:
     """The ResNet-50 candidates on the GPU: ratios to the gradient and the bound, peak memory."""
     try:
@@ -369,7 +400,12 @@ def speed(device: torch.device, batch: int, rounds: int, out: Path) -> None:
     model, x, target = model.to(device), x.to(device), target.to(device)
     runs = {name: _synchronised(run, device) for name, run in candidates(model, x, target).items()}
     gradient_memory = _peak_bytes(runs["gradient"], device)
-    rows = []
+    host, kernels = _profiled_ms(runs["gradient"], device)
+    rows: list[dict[str, Any]] = [
+        {"candidate": "gradient", "ms": None, "gradient ms": None, "× gradient time": 1.0,
+         "× its lower bound": "—", "× gradient memory": 1.0,
+         "host ms (profiled)": host, "kernels ms (profiled)": kernels},
+    ]  # fmt: skip
     for name, run in runs.items():
         if name == "gradient" or name in BOUNDS.values():
             continue
@@ -387,8 +423,10 @@ def speed(device: torch.device, batch: int, rounds: int, out: Path) -> None:
             row["× its lower bound"] = "—"
         memory = _peak_bytes(run, device)
         row["× gradient memory"] = memory / gradient_memory if memory and gradient_memory else "—"
+        row["host ms (profiled)"], row["kernels ms (profiled)"] = _profiled_ms(run, device)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    rows[0]["ms"] = rows[0]["gradient ms"] = statistics.median(r["gradient ms"] for r in rows[1:])
     model_name = "torchvision's resnet50" if real else "the ResNet-50 re-creation"
     write_results(
         "cuda_resnet50_lrp",
@@ -400,7 +438,10 @@ def speed(device: torch.device, batch: int, rounds: int, out: Path) -> None:
         f"gradient ({rounds} rounds, ABBA…, synchronised after each call) and the composites with "
         "their lower bound (one gradient plus the convolutions the rule adds); medians of the "
         "per-round ratios. Memory: the peak of `torch.cuda.max_memory_allocated` above the "
-        "model and inputs, against the gradient's. torch's default settings (TF32 convolutions).",
+        "model and inputs, against the gradient's. Profiled (one call under `torch.profiler`): "
+        "the time the host spends in torch's operators and the GPU in kernels; where the first "
+        "is the larger, the call waits for Python and kernel launches, not for the GPU. torch's "
+        "default settings (TF32 convolutions).",
         folder=out,
     )
 

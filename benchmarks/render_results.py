@@ -36,6 +36,7 @@ PAGES = (
     ),
     ("transformers", "Transformers", ("transformers_", "lxt_")),
     ("onnx", "ONNX export", ("onnx_",)),
+    ("gpu", "On a CUDA GPU", ("cuda_",)),
     ("core", "The core: overhead, threads and the rest", ()),
 )
 

@@ -285,13 +285,17 @@ def cosine_similarity_convergence(
         per_vector = [r[name] for r in results]
         if name in layouts:
             per_vector = [t.reshape(t.shape[0], *layouts[name]) for t in per_vector]
-        values = torch.stack(
-            [
-                relevance_cosines(per_vector[i], per_vector[j])
-                for i, j in itertools.combinations(range(n_vectors), 2)
-            ],
-            dim=1,
-        ).cpu().numpy()
+        values = (
+            torch.stack(
+                [
+                    relevance_cosines(per_vector[i], per_vector[j])
+                    for i, j in itertools.combinations(range(n_vectors), 2)
+                ],
+                dim=1,
+            )
+            .cpu()
+            .numpy()
+        )
         if absolute:
             values = np.abs(values)
         defined = values[~np.isnan(values)]
