@@ -20,6 +20,7 @@ from explain_modbp import (
     ZBox,
     Zero,
     ZPlus,
+    rules,
 )
 from explain_modbp.guided import RectifiedReLU
 
@@ -61,10 +62,14 @@ def engine_relevance(model, rule, x, relevance_out, *, first=False):
     return result.input_signal if result.input_is_relevance else x * result.input_signal
 
 
+@pytest.mark.parametrize("weights_kept", [True, False], ids=["weights-kept", "weights-remade"])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("name, make, shape", LAYERS, ids=[entry[0] for entry in LAYERS])
-def test_rules_match_matrix_reference(seed, bias, name, make, shape):
+def test_rules_match_matrix_reference(seed, bias, name, make, shape, weights_kept, monkeypatch):
+    # A rule keeps its modified weights for the backward pass where they are small, else it
+    # makes them again: both ways must give the reference's maps.
+    monkeypatch.setattr(rules, "_kept", (lambda w, r: w) if weights_kept else (lambda w, r: None))
     torch.manual_seed(seed)
     layer = make(bias).double().eval()
     if bias:

@@ -55,6 +55,16 @@ def _ratio(
     return ratio.nan_to_num_(0.0, 0.0, 0.0)
 
 
+def _kept(weights: tuple[torch.Tensor | None, ...], ratio: torch.Tensor) -> tuple | None:
+    """``weights`` to keep for the backward pass if together no larger than the kept ``ratio``.
+
+    Made once, they save the backward a pass over the weights; kept always, a large layer's
+    copies (a dense layer on a small batch) would outweigh what the layer keeps anyway.
+    """
+    size = sum(w.numel() for w in weights if w is not None)
+    return weights if size <= ratio.numel() else None
+
+
 def _times_ratio(call: RuleCall, grad_output: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
     """``grad_output ⊙ ratio``; written into the kept ratio when no other backward reads it."""
     return ratio.mul_(grad_output) if call.last_backward else grad_output * ratio
@@ -198,13 +208,14 @@ class Gamma(_SignAware):
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        # Kept for backward: the sign form and the ratio z / |d| (generalised: its sign is the
-        # output's, so no mask is kept). The weights are made again in backward: kept, every
-        # layer's copies would be alive at once.
+        # Kept for backward: the sign form, the ratio z / |d| (generalised: its sign is the
+        # output's, so no mask is kept) and, where small enough, the amplified weight.
         signed = self.generalised and not nonnegative
         falling = self.generalised and not layer.output_rectified
-        denominator = self._denominator(layer, x, z, signed, falling)
-        return signed, torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
+        amplified = self._up(layer)
+        denominator = self._denominator(layer, x, z, signed, falling, amplified)
+        ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
+        return signed, ratio, _kept(amplified[:1], ratio)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, _, _ = self.affine(call)
@@ -218,7 +229,8 @@ class Gamma(_SignAware):
         layer, x, _ = self.affine(call)
         signed = call.state[0]
         z = layer.forward(x, bias=layer.bias)
-        s = safe_divide(relevance, self._denominator(layer, x, z, signed, self.generalised))
+        denominator = self._denominator(layer, x, z, signed, self.generalised, self._up(layer))
+        s = safe_divide(relevance, denominator)
         if not self.generalised:
             return (self._propagate(call, s),)
         return (self._propagate(call, s, torch.where(z < 0, s, 0.0)),)
@@ -228,7 +240,13 @@ class Gamma(_SignAware):
         return _amplified(layer.weight, self.gamma, 1), _amplified(layer.bias, self.gamma, 1)
 
     def _denominator(
-        self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, signed: bool, falling: bool
+        self,
+        layer: AffineLayer,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        signed: bool,
+        falling: bool,
+        amplified: tuple[torch.Tensor, torch.Tensor | None],
     ) -> torch.Tensor:
         """The stabilised denominators: ``d`` (not generalised) or ``|d| + ε`` (generalised).
 
@@ -239,8 +257,9 @@ class Gamma(_SignAware):
         convolution's bias; the clamp to ``ε`` only catches rounding where the exact value is
         ``>= ε``. Without ``falling`` (no signal reaches the outputs ``z < 0``: a ReLU reads
         them) ``d_up`` serves everywhere: where ``z < 0`` its ratio only has to be finite.
+        ``amplified`` is :meth:`_up`'s ``(W + γW⁺, b + γb⁺)``.
         """
-        up, bias_up = self._up(layer)
+        up, bias_up = amplified
         if not self.generalised:  # w + γw⁺ for every sign
             return _stabilise(layer.forward(x, up, bias_up), self.epsilon)
         bias_up = _shifted(bias_up, self.epsilon, layer, up)
@@ -266,7 +285,8 @@ class Gamma(_SignAware):
         products with ``up`` and ``W``.
         """
         layer, x, _ = self.affine(call)
-        up, _ = self._up(layer)
+        kept = call.state[2]
+        up = kept[0] if kept is not None else self._up(layer)[0]
         scale = 2 + self.gamma
         if not call.state[0]:  # non-negative inputs, or not generalised: x⁺ reads up only
             signal = layer.transpose(s, x, up)
@@ -320,11 +340,13 @@ class AlphaBeta(_SignAware):
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
-        # Kept for backward: the sign form and the ratios z / z⁺ (and z / z⁻); the clamped
-        # weights are cheap to make again, the denominators are not needed.
-        pos, neg = self._denominators(layer, x, nonnegative, self._weights(layer, nonnegative))
+        # Kept for backward: the sign form, the ratios z / z⁺ (and z / z⁻) and, where small
+        # enough, the clamped weights; the denominators are not needed.
+        weights = self._weights(layer, nonnegative)
+        pos, neg = self._denominators(layer, x, nonnegative, weights)
         ratio_neg = _ratio(z, neg, self.beta, overwrite=True) if neg is not None else None
-        return nonnegative, (_ratio(z, pos, self.alpha, overwrite=True), ratio_neg)
+        ratio_pos = _ratio(z, pos, self.alpha, overwrite=True)
+        return nonnegative, (ratio_pos, ratio_neg), _kept(weights, ratio_pos)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio_pos, ratio_neg = call.state[1]
@@ -376,8 +398,8 @@ class AlphaBeta(_SignAware):
         self, call: RuleCall, s_pos: torch.Tensor, s_neg: torch.Tensor | None
     ) -> torch.Tensor:
         layer, x, _ = self.affine(call)
-        nonnegative = call.state[0]
-        positive, negative = self._weights(layer, nonnegative)
+        nonnegative, _, kept = call.state
+        positive, negative = kept if kept is not None else self._weights(layer, nonnegative)
         if nonnegative:
             signal = layer.transpose(s_pos, x, positive)
             if s_neg is not None:
