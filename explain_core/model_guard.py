@@ -201,16 +201,14 @@ class ModelGuard:
                     parameter.grad = grad
         checksums = _checksums(p for _, p, _, _ in self._parameters)
         moved = (
-            checksums != self._checksums
+            (checksums != self._checksums).tolist()  # one read, not one per parameter
             if checksums is not None and self._checksums is not None
-            else None
+            else [False] * len(self._parameters)
         )
         self.changed_parameters = [
             name
-            for index, (name, parameter, version, _) in enumerate(self._parameters)
-            if name in self._replaced
-            or _version(parameter) != version
-            or (moved is not None and bool(moved[index]))
+            for (name, parameter, version, _), changed in zip(self._parameters, moved, strict=True)
+            if name in self._replaced or _version(parameter) != version or changed
         ]
 
 
