@@ -42,6 +42,7 @@ import torch.nn.functional as F
 import zoo_references
 from bench_resnet_lrp import BOUNDS, build, candidates
 from harness import alternated_times, median_ratio, write_results
+from test_capsule_compaction import small_capsule_net
 from test_recurrent import Classifier
 from torch import nn
 from zoo import AUTOGRAD, CONSERVING, ZOO, bias_free, float64_reference, randomise_batchnorm
@@ -57,22 +58,6 @@ def _coda_net() -> nn.Module:
     from explain_coda import CoDANet, LayerSpec
 
     return CoDANet([LayerSpec(6, 4, 3, 1), LayerSpec(4, 5, 1, 1)], (2, 7, 9))
-
-
-def _capsule_net() -> nn.Module:
-    from explain_capsules.models import DRCapsNet
-
-    return DRCapsNet(
-        image_size=16,
-        conv_channels=8,
-        primary_types=4,
-        primary_dim=4,
-        class_dim=8,
-        classes=3,
-        conv_kernel=5,
-        primary_kernel=5,
-        primary_stride=2,
-    )
 
 
 def _digits_vit() -> nn.Module:
@@ -94,7 +79,7 @@ def parity_cases() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
     cases["gru (time first)"] = (lambda: Classifier(nn.GRU(4, 5)), sequences)
     cases["digits ViT"] = (_digits_vit, torch.rand(2, 1, 8, 8, generator=generator))
     cases["CoDA-Net"] = (_coda_net, torch.rand(2, 2, 7, 9, generator=generator))
-    cases["capsule net"] = (_capsule_net, torch.rand(2, 1, 16, 16, generator=generator))
+    cases["capsule net"] = (small_capsule_net, torch.rand(2, 1, 16, 16, generator=generator))
     return cases
 
 

@@ -18,7 +18,7 @@ from explain_capsules.layers import FullyConnectedCapsules
 from explain_capsules.models import DRCapsNet
 
 
-def _net() -> DRCapsNet:
+def small_capsule_net() -> DRCapsNet:
     torch.manual_seed(0)
     return DRCapsNet(
         image_size=16,
@@ -34,7 +34,7 @@ def _net() -> DRCapsNet:
 
 
 def _pruned() -> DRCapsNet:
-    net = _net()
+    net = small_capsule_net()
     with torch.no_grad():
         conv = net.conv[0]
         conv.weight[[1, 3]] = 0
@@ -58,7 +58,7 @@ def test_detection() -> None:
 
 
 def test_negative_bias_channel_is_dead_after_relu() -> None:
-    net = _net()
+    net = small_capsule_net()
     with torch.no_grad():
         net.conv[0].weight[2] = 0
         net.conv[0].bias[2] = -0.3
@@ -66,7 +66,7 @@ def test_negative_bias_channel_is_dead_after_relu() -> None:
 
 
 def test_type_with_all_zero_routing_weights_is_dead() -> None:
-    net = _net()
+    net = small_capsule_net()
     m, n, o = net.primary_grid
     with torch.no_grad():
         net.class_capsules.weight[[p * o + 3 for p in range(m * n)]] = 0
@@ -113,7 +113,7 @@ def test_compact_preserves_outputs_and_shrinks() -> None:
 
 
 def test_compact_nothing_dead_returns_equal_copy() -> None:
-    net = _net()
+    net = small_capsule_net()
     compacted, report = compact(net, torch.randn(2, 1, 16, 16))
     assert compacted is not net
     assert report.params_after == report.params_before
@@ -121,7 +121,7 @@ def test_compact_nothing_dead_returns_equal_copy() -> None:
 
 
 def test_compact_rejects_all_dead() -> None:
-    net = _net()
+    net = small_capsule_net()
     with torch.no_grad():
         net.primary.conv.weight.zero_()
         net.primary.conv.bias.zero_()
@@ -174,7 +174,7 @@ def test_fc_pruner_out_channels_and_primary_type_mapping() -> None:
     pruner = PrimaryCapsulesPruner()
     caps = pruner.types_to_capsules((2, 3, 4), [1])
     assert caps == [1, 5, 9, 13, 17, 21]  # (m*N + n)*O + o for every position
-    net = _net()
+    net = small_capsule_net()
     net(torch.randn(1, 1, 16, 16))
     with pytest.raises(ValueError, match="every position"):
         pruner.capsules_to_types(net.primary, [1, 5])
