@@ -45,7 +45,15 @@ from harness import alternated_times, median_ratio, write_results
 from test_capsule_compaction import small_capsule_net
 from test_recurrent import Classifier
 from torch import nn
-from zoo import AUTOGRAD, CONSERVING, ZOO, bias_free, float64_reference, randomise_batchnorm
+from zoo import (
+    AUTOGRAD,
+    CONSERVING,
+    ZOO,
+    bias_free,
+    float64_reference,
+    method_options,
+    randomise_batchnorm,
+)
 
 from explain_core import ExplainError, explain
 from explain_core.plugin_manager import get_registry
@@ -81,27 +89,6 @@ def parity_cases() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
     cases["CoDA-Net"] = (_coda_net, torch.rand(2, 2, 7, 9, generator=generator))
     cases["capsule net"] = (small_capsule_net, torch.rand(2, 1, 16, 16, generator=generator))
     return cases
-
-
-def _options(method: str, model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
-    """The options a method needs (``tests/zoo.py``'s); patterns are fitted on the CPU model.
-
-    Both devices then use the same patterns (as after ``Patterns.load``): fitting them from 8
-    samples is ill-conditioned enough that the summation order alone moves them (1 and 2 CPU
-    threads differ by 3e-3 on the VGG), which is not what this check compares.
-    """
-    if method in ("lrp.zb", "lrp.epsilon_gamma_box"):
-        return {"low": 0.0, "high": 1.0}
-    if method == "lrp.custom":
-        from explain_modbp.composites import lrp_epsilon_plus
-
-        return {"composite": lrp_epsilon_plus()}
-    if method in ("patternnet", "pattern_attribution"):
-        from explain_modbp.pattern import fit_patterns
-
-        data = torch.rand(8, *x.shape[1:], generator=torch.Generator().manual_seed(2))
-        return {"patterns": fit_patterns(model, data.to(x))}
-    return {}
 
 
 def _model_on(device: str, make: Callable[[], nn.Module]) -> nn.Module:
@@ -166,11 +153,14 @@ def parity_cell(
     method: str, case: str, make: Callable[[], nn.Module], x: torch.Tensor, device: str
 ) -> str:
     """One cell of the parity table: ``✓ <max |Δ| / max |map|>``, ``✓ refuses`` or ``✗ why``."""
+    # Patterns are fitted once, on the CPU, and used on both devices (as after Patterns.load):
+    # fitted from 8 samples they move with the summation order alone (1 and 2 CPU threads
+    # differ by 3e-3 on the VGG), which is not what this check compares.
     try:
-        options = _options(method, _model_on("cpu", make), x.double())
+        options = method_options(method, _model_on("cpu", make), x.double())
     except ExplainError as error:  # fitting patterns refuses the model: on the GPU as well?
         try:
-            _options(method, _model_on(device, make), x.double().to(device))
+            method_options(method, _model_on(device, make), x.double().to(device))
         except ExplainError as same:
             return "✓ refuses" if str(same) == str(error) else f"✗ refusals differ: {same}"
         return f"✗ refused on the CPU only: {error}"

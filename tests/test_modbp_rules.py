@@ -69,7 +69,7 @@ def engine_relevance(model, rule, x, relevance_out, *, first=False):
 def test_rules_match_matrix_reference(seed, bias, name, make, shape, weights_kept, monkeypatch):
     # A rule keeps its modified weights for the backward pass where they are small, else it
     # makes them again: both ways must give the reference's maps.
-    monkeypatch.setattr(rules, "_kept", (lambda w, r: w) if weights_kept else (lambda w, r: None))
+    monkeypatch.setattr(rules, "_kept_for_backward", lambda weights, ratio: weights_kept)
     torch.manual_seed(seed)
     layer = make(bias).double().eval()
     if bias:

@@ -539,7 +539,8 @@ AUTOGRAD = ("gradient", "input_x_gradient", "dynamic.contributions")
 RECTIFIED = {"guided_bp": "guided", "deconv": "deconv", "rectgrad": "rectgrad"}
 
 
-def _options(method: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
+def method_options(method: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
+    """The options ``method`` needs on the zoo (patterns fitted from 8 random inputs like ``x``)."""
     if method in ("lrp.zb", "lrp.epsilon_gamma_box"):
         return {"low": 0.0, "high": 1.0}
     if method == "lrp.custom":
@@ -549,7 +550,8 @@ def _options(method: str, model: torch.nn.Module, x: torch.Tensor) -> dict:
     if method in ("patternnet", "pattern_attribution"):
         from explain_modbp.pattern import fit_patterns
 
-        return {"patterns": fit_patterns(model, torch.rand(8, *x.shape[1:]))}
+        data = torch.rand(8, *x.shape[1:], generator=torch.Generator().manual_seed(2))
+        return {"patterns": fit_patterns(model, data.to(x))}
     return {}
 
 
@@ -584,7 +586,7 @@ def method_outcome(method: str, make: Callable[[], nn.Module], x: torch.Tensor) 
     model = randomise_batchnorm(make()).eval()
     name = type(model).__name__
     try:
-        options = _options(method, model, x)
+        options = method_options(method, model, x)
         result = explain(model, x, method, 1, **options)
     except ExplainError as error:
         return _refusal(error)

@@ -55,14 +55,13 @@ def _ratio(
     return ratio.nan_to_num_(0.0, 0.0, 0.0)
 
 
-def _kept(weights: tuple[torch.Tensor | None, ...], ratio: torch.Tensor) -> tuple | None:
-    """``weights`` to keep for the backward pass if together no larger than the kept ``ratio``.
+def _kept_for_backward(weights: tuple[torch.Tensor | None, ...], ratio: torch.Tensor) -> bool:
+    """Whether to keep ``weights`` for the backward pass: together no larger than ``ratio``.
 
     Made once, they save the backward a pass over the weights; kept always, a large layer's
     copies (a dense layer on a small batch) would outweigh what the layer keeps anyway.
     """
-    size = sum(w.numel() for w in weights if w is not None)
-    return weights if size <= ratio.numel() else None
+    return sum(w.numel() for w in weights if w is not None) <= ratio.numel()
 
 
 def _times_ratio(call: RuleCall, grad_output: torch.Tensor, ratio: torch.Tensor) -> torch.Tensor:
@@ -215,7 +214,8 @@ class Gamma(_SignAware):
         amplified = self._up(layer)
         denominator = self._denominator(layer, x, z, signed, falling, amplified)
         ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
-        return signed, ratio, _kept(amplified[:1], ratio)
+        up = amplified[0]
+        return signed, ratio, up if _kept_for_backward((up,), ratio) else None
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, _, _ = self.affine(call)
@@ -285,8 +285,7 @@ class Gamma(_SignAware):
         products with ``up`` and ``W``.
         """
         layer, x, _ = self.affine(call)
-        kept = call.state[2]
-        up = kept[0] if kept is not None else self._up(layer)[0]
+        up = call.state[2] if call.state[2] is not None else self._up(layer)[0]
         scale = 2 + self.gamma
         if not call.state[0]:  # non-negative inputs, or not generalised: x⁺ reads up only
             signal = layer.transpose(s, x, up)
@@ -346,7 +345,8 @@ class AlphaBeta(_SignAware):
         pos, neg = self._denominators(layer, x, nonnegative, weights)
         ratio_neg = _ratio(z, neg, self.beta, overwrite=True) if neg is not None else None
         ratio_pos = _ratio(z, pos, self.alpha, overwrite=True)
-        return nonnegative, (ratio_pos, ratio_neg), _kept(weights, ratio_pos)
+        kept = weights if _kept_for_backward(weights, ratio_pos) else None
+        return nonnegative, (ratio_pos, ratio_neg), kept
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio_pos, ratio_neg = call.state[1]
