@@ -152,9 +152,13 @@ def test_relevance_injected_at_a_layer_is_read_at_every_lower_layer():
     r0 = reference(ZPlus(), model[0], x, r2)
     torch.testing.assert_close(x * result.layer_signals["0"], r0)
     torch.testing.assert_close(x * result.input_signal, r0)
-    # a signal injected at a layer's output is an ordinary vector-Jacobian product start
-    signal = forward.backward(torch.ones(2, 7).double(), start="2").input_signal
-    assert signal.shape == x.shape
+    # a signal injected at a layer's output starts there; 0 where the ReLU reading it is off
+    # (z⁺ gives those outputs no signal: the ReLU's gradient; test_modbp_rules checks refusals)
+    z2 = model[2](h1).detach()
+    masked = torch.rand(2, 7, dtype=torch.float64) * (z2 > 0)
+    signal = forward.backward(masked, start="2").input_signal
+    r0 = reference(ZPlus(), model[0], x, reference(ZPlus(), model[2], h1, z2 * masked))
+    torch.testing.assert_close(x * signal, r0)
 
 
 def test_functional_and_inplace_relu_dropout_and_views_are_supported():

@@ -209,33 +209,89 @@ def _conv_bn_relu(inplace: bool) -> nn.Module:
     return model.append(nn.Flatten()).append(nn.Linear(48, 4)).double().eval()
 
 
+def _autograd_nodes(tensor: torch.Tensor) -> list[str]:
+    """The names of the autograd nodes ``tensor`` was computed through."""
+    names, pending, seen = [], [tensor.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(type(node).__name__)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return names
+
+
 @pytest.mark.parametrize("inplace", [True, False])
 @pytest.mark.parametrize("signed", [True, False])
-def test_gamma_on_a_layer_only_a_relu_reads_matches_the_matrix_reference(inplace, signed):
-    """γ skips the falling outputs of a rectified layer; the map is still the rule's."""
+@pytest.mark.parametrize("rule", RULES, ids=repr)
+def test_a_rule_on_a_layer_only_a_relu_reads_matches_the_matrix_reference(inplace, signed, rule):
+    """Rules that mask the outputs a ReLU stops themselves (γ, αβ, z⁺) have the ReLU passed.
+
+    The ReLU then leaves no node in the graph: its backward would only repeat the rule's mask.
+    The map is still the rule's (its reference knows nothing of that).
+    """
     model = _conv_bn_relu(inplace)
     x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
     x = x if signed else x.abs()
-    forward = ModifiedBackprop(Composite([(nn.Module, Gamma(0.25))])).forward(model, x)
+    forward = ModifiedBackprop(Composite([(nn.Module, rule)])).forward(model, x)
     assert forward.plan.rectified == {"0"} and forward.plan.merged == {"0": "1"}
+    passed = "ReluBackward0" not in _autograd_nodes(forward.output)
+    assert passed == rule.uses_rectified_outputs
     target = torch.nn.functional.one_hot(torch.tensor([0, 3, 1]), 4).double()
     got = x * forward.backward(target).input_signal
     z = model[1](model[0](x)).detach()
     a = z.clamp(min=0).flatten(1)
-    relevance_a = reference(Gamma(0.25), model[4], a, target * model[4](a).detach())
-    expected = reference(Gamma(0.25), model[:2], x, relevance_a.reshape(z.shape))
+    relevance_a = reference(rule, model[4], a, target * model[4](a).detach())
+    expected = reference(rule, model[:2], x, relevance_a.reshape(z.shape))
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
 
 
-def test_a_signal_injected_at_a_rectified_layer_must_be_zero_where_the_relu_is_off():
+class _TwoReaderModules(_TwoReaders):
+    """:class:`_TwoReaders` with ReLU modules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu, self.relu_b = nn.ReLU(), nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        z = self.a(x)
+        h = self.relu(z) + z
+        return self.fc(torch.flatten(self.relu_b(self.b(h)), 1))
+
+
+@pytest.mark.parametrize("net", [_TwoReaders, _TwoReaderModules])
+def test_a_relu_after_a_masking_rule_is_passed_only_where_only_relus_read(net):
+    """A ReLU whose input another operation also reads keeps its backward."""
+    model = net().double().eval()
+    x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    forward = ModifiedBackprop(Composite([(nn.Module, ZPlus())])).forward(model, x)
+    assert forward.plan.rectified == {"b"}
+    assert _autograd_nodes(forward.output).count("ReluBackward0") == 1  # a's, not b's
+    target = torch.tensor([[1.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    got = x * forward.backward(target).input_signal
+    with torch.no_grad():  # layer by layer: z⁺ at the layers, the gradient elsewhere
+        z_a = model.a(x)
+        h = z_a.relu() + z_a
+        z_b = model.b(h)
+        a_b = z_b.relu().flatten(1)
+        relevance_b = reference(ZPlus(), model.fc, a_b, target * model.fc(a_b))
+        signal_h = reference(ZPlus(), model.b, h, relevance_b.reshape(z_b.shape)) / h
+        signal_z = signal_h * ((z_a > 0).double() + 1)  # through the ReLU and the sum
+    expected = reference(ZPlus(), model.a, x, z_a * signal_z)
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("rule", [Gamma(0.25), ZPlus(), AlphaBeta(2.0, 1.0)], ids=repr)
+def test_a_signal_injected_at_a_rectified_layer_must_be_zero_where_the_relu_is_off(rule):
     model = _conv_bn_relu(inplace=False)
     x = torch.rand(2, 2, 4, 4, dtype=torch.float64)
-    forward = ModifiedBackprop(Composite([(nn.Module, Gamma(0.25))])).forward(model, x)
+    forward = ModifiedBackprop(Composite([(nn.Module, rule)])).forward(model, x)
     z = model[1](model[0](x)).detach()
     signal = torch.randn_like(z)
     with pytest.raises(InvalidInputError, match="inject relevance instead"):
         forward.backward(signal, start="0", retain_graph=True)
     masked = signal * (z > 0)
     got = x * forward.backward(masked, start="0").input_signal
-    expected = reference(Gamma(0.25), model[:2], x, z * masked)
+    expected = reference(rule, model[:2], x, z * masked)
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)

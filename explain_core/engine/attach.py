@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explain_core.affine import AFFINE_TYPES, AffineLayer
 from explain_core.engine.decompose import DECOMPOSED, scaled_dot_product_attention
-from explain_core.engine.ops import OpHandler, op_name
+from explain_core.engine.ops import RELU_OPS, OpHandler, op_name
 from explain_core.engine.tracing import Plan, user_hook_codes
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import Gradient, Rule, RuleCall
@@ -142,6 +142,24 @@ class _ModuleRule(torch.autograd.Function):
             )
         _release(ctx)
         return (None, None, *results)
+
+
+class _PassedThrough(torch.autograd.Function):
+    """A ReLU's output values, from its input, whose backward passes the signal unchanged.
+
+    For a ReLU that reads a layer whose rule gives no signal to the outputs the ReLU stops
+    (:attr:`~explain_core.interfaces.relevance.AffineRule.uses_rectified_outputs`): the ReLU's
+    own backward would only mask what the rule masks anyway, at the cost of a pass over the
+    signal.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
+        return output.detach()
+
+    @staticmethod
+    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return signal, None
 
 
 def _versions(call: RuleCall) -> tuple[int, ...]:
@@ -342,6 +360,10 @@ class OperationMode(TorchFunctionMode):
                     return fused
             with self:
                 return DECOMPOSED[name](*args, **kwargs)
+        if name in RELU_OPS and args and self.attached.is_masked_output(args[0]):
+            with torch.no_grad():  # the layer's rule applies this ReLU's gradient
+                y = func(*args, **kwargs)
+            return y if y is args[0] else _PassedThrough.apply(args[0], y)
         if name in self.kinds:
             rule = self.composite.rule_for_op(name)
             if isinstance(rule, Gradient):  # nothing to change: let it through as written
@@ -461,6 +483,9 @@ class RulePass(ModuleListener):
         # alone, the module's rule replaces their backward as a whole
         self.affine_depth = 0
         self.stack: list[nn.Module] = []  # the modules running now, for messages
+        # tensor id → a weak reference to a ruled layer's output whose rule masks what a ReLU
+        # reading it stops; such ReLUs run without autograd (see _PassedThrough)
+        self.masked_outputs: dict[int, weakref.ref[torch.Tensor]] = {}
         self._plan_modules()
 
     @contextlib.contextmanager
@@ -480,6 +505,9 @@ class RulePass(ModuleListener):
             call.state = rule.forward(call)
         out = _RuleFunction.apply(x, rule, call)
         self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
+        masks = getattr(rule, "uses_rectified_outputs", False)  # affine rules only
+        if masks and call.layer is not None and call.layer.output_rectified:
+            self.masked_outputs[id(out)] = weakref.ref(out)
         return out
 
     def count_calls(self) -> dict[str, int]:
@@ -526,6 +554,11 @@ class RulePass(ModuleListener):
         in_place = getattr(module, "inplace", False) is True
         given = iter(t.clone() if in_place else t for t in detached)
         return tuple(next(given) if isinstance(a, torch.Tensor) else a for a in args)
+
+    def is_masked_output(self, value: Any) -> bool:
+        """Whether ``value`` is a layer's output whose rule applies the ReLU reading it."""
+        entry = self.masked_outputs.get(id(value))
+        return entry is not None and entry() is value
 
     def place(self) -> str:
         """Where the running operation is: a user's hook on a module, or the module."""

@@ -217,7 +217,7 @@ class ModifiedBackprop:
                 attached.input = x
                 with torch.set_grad_enabled(grad):
                     handled = self.handler is not None and self.handler.ops
-                    if self.composite.op_kinds or handled or plan.decomposed:
+                    if self.composite.op_kinds or handled or plan.decomposed or plan.rectified:
                         with OperationMode(self.composite, self.handler, attached):
                             output = model(x)
                     else:

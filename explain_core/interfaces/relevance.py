@@ -173,7 +173,10 @@ class AffineRule(Rule):
     """
 
     uses_rectified_outputs: ClassVar[bool] = False
-    """Whether the rule skips outputs ``<= 0`` of a layer whose ``output_rectified`` is set."""
+    """Whether, on a layer whose ``output_rectified`` is set, :meth:`backward` gives the outputs
+    ``<= 0`` no signal, whatever arrives there: the ReLU's gradient, applied by the rule (the
+    engine then passes the signal through that ReLU unchanged, and refuses a signal injected
+    at the layer that is not 0 there)."""
 
     def applies_to(self, module: nn.Module) -> bool:  # noqa: D102
         return is_affine(module)

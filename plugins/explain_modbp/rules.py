@@ -108,6 +108,7 @@ class Epsilon(AffineRule):
     """
 
     output_in_backward = False
+    uses_rectified_outputs = True  # the ratio's magnitude is |z|, clamped there to z⁺
 
     def __init__(self, epsilon: float = 1e-6) -> None:
         if epsilon < 0:
@@ -115,11 +116,13 @@ class Epsilon(AffineRule):
         self.epsilon = float(epsilon)
 
     def forward(self, call: RuleCall) -> torch.Tensor:  # noqa: D102
-        z = call.output
+        layer, _, z = self.affine(call)
+        rectified = layer.output_rectified  # the ReLU's gradient: no signal where z <= 0
         if not self.epsilon:  # z / z = 1 where z != 0: the gradient (LRP-0 = Input×Gradient)
-            return z != 0
-        denominator = _stabilise(z, self.epsilon)
-        return torch.div(z, denominator, out=denominator)
+            return z > 0 if rectified else z != 0
+        # z / (z + ε·sign z) = |z| / (|z| + ε), exactly (negation does not round)
+        magnitude = z.clamp(min=0) if rectified else z.abs()
+        return torch.div(magnitude, magnitude + self.epsilon, out=magnitude)
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
@@ -193,7 +196,6 @@ class Gamma(_SignAware):
     """
 
     output_in_backward = False
-    uses_rectified_outputs = True  # a ReLU reads the output: no falling outputs to correct
 
     def __init__(
         self, gamma: float = 0.25, epsilon: float = 1e-6, generalised: bool = True
@@ -203,6 +205,11 @@ class Gamma(_SignAware):
         self.gamma = float(gamma)
         self.epsilon = float(epsilon)
         self.generalised = _flag("generalised", generalised)
+
+    @property
+    def uses_rectified_outputs(self) -> bool:  # type: ignore[override]
+        """Generalised, the ratio has the output's sign: clamped, it is 0 where a ReLU stops."""
+        return self.generalised
 
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
@@ -214,6 +221,8 @@ class Gamma(_SignAware):
         amplified = self._up(layer)
         denominator = self._denominator(layer, x, z, signed, falling, amplified)
         ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
+        if self.uses_rectified_outputs and layer.output_rectified:
+            ratio.clamp_(min=0)  # the ReLU's gradient: no signal where z <= 0
         up = amplified[0]
         return signed, ratio, up if _kept_for_backward((up,), ratio) else None
 
@@ -326,6 +335,7 @@ class AlphaBeta(_SignAware):
     """
 
     output_in_backward = False
+    uses_rectified_outputs = True  # z⁺ >= 0 >= z⁻: the ratios' signs are z's and -z's
 
     def __init__(self, alpha: float = 2.0, beta: float = 1.0, bias: bool = False) -> None:
         if beta < 0 or abs(alpha - beta - 1) > 1e-9:
@@ -345,6 +355,10 @@ class AlphaBeta(_SignAware):
         pos, neg = self._denominators(layer, x, nonnegative, weights)
         ratio_neg = _ratio(z, neg, self.beta, overwrite=True) if neg is not None else None
         ratio_pos = _ratio(z, pos, self.alpha, overwrite=True)
+        if layer.output_rectified:  # the ReLU's gradient: no signal where z <= 0
+            ratio_pos.clamp_(min=0)
+            if ratio_neg is not None:
+                ratio_neg.clamp_(max=0)
         kept = weights if _kept_for_backward(weights, ratio_pos) else None
         return nonnegative, (ratio_pos, ratio_neg), kept
 
