@@ -226,7 +226,7 @@ def _autograd_nodes(tensor: torch.Tensor) -> list[str]:
 @pytest.mark.parametrize("signed", [True, False])
 @pytest.mark.parametrize("rule", RULES, ids=repr)
 def test_a_rule_on_a_layer_only_a_relu_reads_matches_the_matrix_reference(inplace, signed, rule):
-    """Rules that mask the outputs a ReLU stops themselves (γ, αβ, z⁺) have the ReLU passed.
+    """Rules that mask the outputs a ReLU stops themselves (ε, γ, αβ, z⁺) have the ReLU passed.
 
     The ReLU then leaves no node in the graph: its backward would only repeat the rule's mask.
     The map is still the rule's (its reference knows nothing of that).

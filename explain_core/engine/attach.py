@@ -37,6 +37,7 @@ __all__ = [
     "LayerRecord",
     "OperationMode",
     "RulePass",
+    "masks_rectified_outputs",
 ]
 
 
@@ -160,6 +161,16 @@ class _PassedThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor, None]:
         return signal, None
+
+
+def masks_rectified_outputs(rule: Rule, call: RuleCall) -> bool:
+    """Whether ``rule`` gives no signal to the outputs ``<= 0`` of the layer of ``call``.
+
+    That is, the layer's output only a ReLU reads and the rule applies that ReLU's gradient
+    itself (:attr:`~explain_core.interfaces.relevance.AffineRule.uses_rectified_outputs`).
+    """
+    masks = getattr(rule, "uses_rectified_outputs", False)  # affine rules only
+    return bool(masks) and call.layer is not None and call.layer.output_rectified
 
 
 def _versions(call: RuleCall) -> tuple[int, ...]:
@@ -505,8 +516,7 @@ class RulePass(ModuleListener):
             call.state = rule.forward(call)
         out = _RuleFunction.apply(x, rule, call)
         self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
-        masks = getattr(rule, "uses_rectified_outputs", False)  # affine rules only
-        if masks and call.layer is not None and call.layer.output_rectified:
+        if masks_rectified_outputs(rule, call):
             self.masked_outputs[id(out)] = weakref.ref(out)
         return out
 

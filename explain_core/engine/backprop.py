@@ -40,7 +40,12 @@ import torch
 from torch import nn
 
 from explain_core.eager import eager_mode
-from explain_core.engine.attach import LayerRecord, OperationMode, RulePass
+from explain_core.engine.attach import (
+    LayerRecord,
+    OperationMode,
+    RulePass,
+    masks_rectified_outputs,
+)
 from explain_core.engine.ops import OpHandler
 from explain_core.engine.plan_cache import expected_calls, forget_plan, planned
 from explain_core.engine.tracing import Plan
@@ -237,12 +242,10 @@ class ModifiedBackprop:
 def _require_rectified_signal(record: LayerRecord, signal: torch.Tensor) -> None:
     """A signal injected at a rectified layer's output must be 0 where a ReLU would stop it.
 
-    A rule that skips the outputs ``<= 0`` of such a layer (only a ReLU reads them, so no signal
-    reaches them in a pass through the model) kept no state for them.
+    A rule that gives the outputs ``<= 0`` of such a layer no signal (only a ReLU reads them, so
+    no signal reaches them in a pass through the model) kept no state for them.
     """
-    layer = record.call.layer
-    skips = getattr(record.rule, "uses_rectified_outputs", False)  # affine rules only
-    if not (skips and layer is not None and layer.output_rectified):
+    if not masks_rectified_outputs(record.rule, record.call):
         return
     if bool((signal * (record.output.detach() <= 0)).any()):
         raise InvalidInputError(

@@ -101,7 +101,8 @@ class Epsilon(AffineRule):
     """LRP-ε: the output (with bias) stabilised by ``ε·sign(z)``; ``ε=0`` is LRP-0.
 
     Backward keeps one tensor per layer, the ratio ``z / (z + ε·sign z)`` (for LRP-0 the mask
-    ``z ≠ 0``), and not the output: the model may free or change it.
+    ``z ≠ 0``; both 0 where ``z <= 0`` on a layer only a ReLU reads), and not the output: the
+    model may free or change it.
 
     Args:
         epsilon: Stabiliser, ``>= 0``.
