@@ -46,6 +46,20 @@ _CONV_FORWARD = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _TRANSPOSED_FORWARD = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
+def _shaped_like(like: torch.Tensor | torch.Size, signal: torch.Tensor) -> torch.Tensor:
+    """An input for a transposed product, which the backend reads only for shape and layout.
+
+    ``like`` itself where it is on ``signal``'s device; else (a shape, or a stand-in on the
+    ``meta`` device) uninitialised memory of that shape and layout, never touched: an expanded
+    one-element tensor would be copied out in full by the backend.
+    """
+    if not isinstance(like, torch.Tensor):
+        return signal.new_empty(like)
+    if like.device == signal.device:
+        return like
+    return torch.empty_strided(like.shape, like.stride(), dtype=signal.dtype, device=signal.device)
+
+
 @dataclass(frozen=True)
 class AffineLayer:
     """One affine layer ``z = W ∗ x + b``.
@@ -166,7 +180,8 @@ class AffineLayer:
 
         Args:
             signal: Signal at the output.
-            like: The layer's input (only its shape and layout are used) or its shape.
+            like: The layer's input (only its shape and layout are used: a stand-in on the
+                ``meta`` device serves as well) or its shape.
             weight: Weight to use instead of the layer's own.
         """
         weight = self.weight if weight is None else weight
@@ -176,9 +191,9 @@ class AffineLayer:
             return signal * weight.reshape((1, -1) + (1,) * (signal.dim() - 2))
         if self._pointwise_strided:
             return self._scattered_transpose(signal, like, weight)
-        if not isinstance(like, torch.Tensor):  # the backend only reads the shape; a real
-            like = signal.new_empty(1).expand(like)  # input can pick a faster kernel
-        return self._convolution_backward(signal, like, weight, wrt_input=True)
+        return self._convolution_backward(
+            signal, _shaped_like(like, signal), weight, wrt_input=True
+        )
 
     @property
     def _pointwise_strided(self) -> bool:

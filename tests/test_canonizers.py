@@ -110,7 +110,7 @@ def test_without_the_canonizer_each_batchnorm_is_a_layer_of_its_own():
 
     own_rule = Composite([*rules, (nn.modules.batchnorm._BatchNorm, Epsilon())], canonizers=())
     forward = ModifiedBackprop(own_rule).forward(model, x)
-    assert forward.plan.merged == {} and forward.layers == [str(i) for i in (0, 1, 3, 4, 7, 8)]
+    assert forward.plan.merged == {} and forward.plan.order == [str(i) for i in (0, 1, 3, 4, 7, 8)]
     select = torch.zeros_like(forward.output)
     select[:, 1] = 1
     separate = x * forward.backward(select).input_signal

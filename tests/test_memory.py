@@ -10,7 +10,7 @@ from torch import nn
 
 from explain_core import Composite, OutOfMemoryError, explain
 from explain_core.engine import ModifiedBackprop
-from explain_modbp import Epsilon
+from explain_modbp import Epsilon, composites
 
 
 class RowCounter(nn.Module):
@@ -153,3 +153,61 @@ def test_a_kept_graph_keeps_the_rules_tensors_for_another_pass():
     torch.testing.assert_close(second, first, rtol=0, atol=0)
     expected = explain(model, x, "lrp.epsilon", target=torch.tensor([0, 2]), epsilon=0.01)
     torch.testing.assert_close(x * first, expected.attribution)
+
+
+class _Noted(nn.Module):
+    """A module that keeps weak references to the tensors it returns."""
+
+    def __init__(self, module: nn.Module, notes: dict[str, weakref.ref], name: str) -> None:
+        super().__init__()
+        self.module, self.notes, self.name = module, notes, name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.module(x)
+        self.notes[self.name] = weakref.ref(y)
+        return y
+
+
+def _noted_cnn(notes: dict[str, weakref.ref]) -> nn.Module:
+    """conv → ReLU → conv → ReLU → flatten → linear, noting each output (ReLUs out of place)."""
+    torch.manual_seed(0)
+    layers = [
+        ("conv1", nn.Conv2d(2, 4, 3, padding=1)),
+        ("relu1", nn.ReLU()),
+        ("conv2", nn.Conv2d(4, 4, 3, padding=1)),
+        ("relu2", nn.ReLU()),
+    ]
+    noted = [_Noted(module, notes, name) for name, module in layers]
+    return nn.Sequential(*noted, nn.Flatten(), nn.Linear(4 * 5 * 5, 3)).double().eval()
+
+
+@pytest.mark.parametrize(
+    "composite",
+    [
+        composites.lrp_epsilon_plus(),
+        composites.lrp_epsilon(0.01),
+        composites.lrp_alpha_beta(2.0, 1.0),
+        composites.lrp_gamma(0.25),
+    ],
+    ids=lambda composite: composite.name,
+)
+def test_until_backward_a_pass_keeps_no_layer_output_and_no_input_its_rule_does_not_read(
+    composite,
+):
+    notes: dict[str, weakref.ref] = {}
+    model = _noted_cnn(notes)
+    x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
+    start = torch.eye(3, dtype=torch.float64)[[0, 2]]
+    # Recording keeps every layer's input and output (to inject or read signals there).
+    recorded = ModifiedBackprop(composite, record=True).forward(model, x)
+    assert all(ref() is not None for ref in notes.values())
+    expected = recorded.backward(start).input_signal
+    del recorded
+    # A plain pass keeps none of them: the rules read only the shapes of their inputs (ReLU
+    # outputs, non-negative; the first layer's, of either sign, is the model input, which
+    # the caller holds) and the ReLUs are passed through; the gradient would keep all but the
+    # convolutions' outputs.
+    forward = ModifiedBackprop(composite).forward(model, x)
+    assert [name for name, ref in notes.items() if ref() is not None] == []
+    signal = forward.backward(start).input_signal
+    torch.testing.assert_close(signal, expected, rtol=0, atol=0)

@@ -142,7 +142,7 @@ def test_relevance_injected_at_a_layer_is_read_at_every_lower_layer():
     ).double()
     x = torch.randn(2, 6, dtype=torch.float64)
     composite = Composite([(nn.Linear, ZPlus())])
-    forward = ModifiedBackprop(composite).forward(model, x)
+    forward = ModifiedBackprop(composite, record=True).forward(model, x)
     assert forward.layers == ["0", "2", "4"]
     v = torch.randn(2, 7, dtype=torch.float64)
     result = forward.backward(start="2", relevance=v, read_layers=True, retain_graph=True)
@@ -436,3 +436,32 @@ def test_epsilon_plus_equals_captum_lrp(seed):
         theirs = captum.LRP(theirs_model).attribute(x, target=target).detach()
     # Captum adds 1e-9·sign(z) to every denominator: compare against the map's scale
     assert (ours - theirs).abs().max() <= 1e-7 * theirs.abs().max()
+
+
+class _ReadsWhatItDisowns(Epsilon):
+    """ε that says its backward does not read the input, then reads it anyway."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(0.01)
+        self.how = how
+
+    def backward(self, call, grad_output):
+        x = call.inputs[0]
+        (signal,) = super().backward(call, grad_output)
+        if self.how == "with a signal":  # mixes devices: torch raises deep inside
+            return (signal * (x > 0),)
+        return (x.clamp(min=0),)  # the stand-in alone: a tensor on the meta device
+
+
+@pytest.mark.parametrize("how", ["with a signal", "alone"])
+def test_a_rule_that_reads_an_input_it_said_it_does_not_read_gets_a_clear_error(how):
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    composite = Composite([(nn.Linear, _ReadsWhatItDisowns(how))])
+    before = state_fingerprint(model)
+    with pytest.raises(InvalidInputError, match="reads_input_in_backward returned False") as caught:
+        explain(model, x, "lrp.custom", 1, composite=composite)
+    assert "layer '2'" in str(caught.value) and "return True" in str(caught.value)
+    assert_same_state(before, state_fingerprint(model))
+    recorded = ModifiedBackprop(composite, record=True).forward(model, x)  # keeps the inputs
+    recorded.backward(torch.ones(3, 2, dtype=torch.float64))

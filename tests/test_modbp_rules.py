@@ -56,7 +56,7 @@ INPUT_RULES = [WSquare(), Flat(), ZBox(-5.0, 5.0)]
 
 def engine_relevance(model, rule, x, relevance_out, *, first=False):
     composite = Composite([(InputLayer() if first else nn.Module, rule)])
-    forward = ModifiedBackprop(composite).forward(model, x)
+    forward = ModifiedBackprop(composite, record=True).forward(model, x)
     (name,) = forward.layers
     result = forward.backward(start=name, relevance=relevance_out)
     return result.input_signal if result.input_is_relevance else x * result.input_signal
@@ -286,7 +286,7 @@ def test_a_relu_after_a_masking_rule_is_passed_only_where_only_relus_read(net):
 def test_a_signal_injected_at_a_rectified_layer_must_be_zero_where_the_relu_is_off(rule):
     model = _conv_bn_relu(inplace=False)
     x = torch.rand(2, 2, 4, 4, dtype=torch.float64)
-    forward = ModifiedBackprop(Composite([(nn.Module, rule)])).forward(model, x)
+    forward = ModifiedBackprop(Composite([(nn.Module, rule)]), record=True).forward(model, x)
     z = model[1](model[0](x)).detach()
     signal = torch.randn_like(z)
     with pytest.raises(InvalidInputError, match="inject relevance instead"):

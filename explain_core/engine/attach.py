@@ -27,7 +27,7 @@ from explain_core.engine.decompose import DECOMPOSED, scaled_dot_product_attenti
 from explain_core.engine.ops import RELU_OPS, OpHandler, op_name
 from explain_core.engine.tracing import Plan, user_hook_codes
 from explain_core.errors import InvalidInputError, UnsupportedModelError
-from explain_core.interfaces.relevance import Gradient, Rule, RuleCall
+from explain_core.interfaces.relevance import AffineRule, Gradient, Rule, RuleCall
 from explain_core.scoped import ModuleListener, unheard
 
 if TYPE_CHECKING:
@@ -94,9 +94,13 @@ class _RuleFunction(torch.autograd.Function):
     """A ruled layer's output values, from its input, whose backward is the layer's rule."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, rule: Rule, call: RuleCall) -> torch.Tensor:
-        ctx.rule, ctx.call = rule, call
-        ctx.save_for_backward(x)  # raises at backward if x was changed in place meanwhile
+    def forward(
+        ctx: Any, x: torch.Tensor, rule: Rule, call: RuleCall, keep_input: bool
+    ) -> torch.Tensor:
+        ctx.rule, ctx.call, ctx.stand_in = rule, call, not keep_input
+        # Kept, it raises at backward if x was changed in place meanwhile; else the rule reads
+        # only x's stand-in (shape and layout) and x is the model's to free.
+        ctx.save_for_backward(x if keep_input else None)
         if rule.output_in_backward:  # a copy: the model may change its own in place (ReLU)
             return call.output.clone()
         output, call.output = call.output, _NOT_KEPT  # the model's alone: not kept
@@ -104,11 +108,29 @@ class _RuleFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
         ctx.saved_tensors  # noqa: B018  (the in-place check)
-        (grad,) = ctx.rule.backward(_begin_backward(ctx), signal)
+        rule, call = ctx.rule, _begin_backward(ctx)
+        try:
+            (grad,) = rule.backward(call, signal)
+        except (RuntimeError, NotImplementedError) as error:
+            if not ctx.stand_in or "meta" not in str(error):
+                raise
+            raise _read_stand_in(rule, call) from error
+        if ctx.stand_in and grad is not None and grad.device.type == "meta":
+            raise _read_stand_in(rule, call)
         _release(ctx)
-        return grad, None, None
+        return grad, None, None, None
+
+
+def _read_stand_in(rule: Rule, call: RuleCall) -> InvalidInputError:
+    """The error for a rule that computed with the stand-in of an input it said it does not read."""
+    return InvalidInputError(
+        f"{type(rule).__name__}.backward computed with the input of layer {call.name!r}, but "
+        "its reads_input_in_backward returned False for that call, so the engine kept only a "
+        "stand-in of the input (its shape, on the meta device); return True from "
+        "reads_input_in_backward where backward reads the input's values"
+    )
 
 
 class _ModuleRule(torch.autograd.Function):
@@ -161,6 +183,11 @@ class _PassedThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor, None]:
         return signal, None
+
+
+def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor on the ``meta`` device with ``tensor``'s shape, dtype and strides (no values)."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
 
 
 def masks_rectified_outputs(rule: Rule, call: RuleCall) -> bool:
@@ -514,8 +541,14 @@ class RulePass(ModuleListener):
         """Replace ``output`` by the same values with ``rule`` as backward."""
         with torch.no_grad():
             call.state = rule.forward(call)
-        out = _RuleFunction.apply(x, rule, call)
-        self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
+        keep_input = (
+            self.record or not isinstance(rule, AffineRule) or rule.reads_input_in_backward(call)
+        )
+        if not keep_input:
+            call.inputs = tuple(_stand_in(t) for t in call.inputs)
+        out = _RuleFunction.apply(x, rule, call, keep_input)
+        if self.record:  # a record holds the layer's output, which the model may free (ReLU)
+            self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
         if masks_rectified_outputs(rule, call):
             self.masked_outputs[id(out)] = weakref.ref(out)
         return out
@@ -686,7 +719,7 @@ class RulePass(ModuleListener):
                 layer=layer,
                 branch_free=self.plan.branch_free,
             )
-            if isinstance(rule, Gradient):
+            if isinstance(rule, Gradient):  # planned only when recording
                 self.records[name] = LayerRecord(name, x, output, rule, call)
                 return None
             return self.apply_rule(rule, call, x, output)

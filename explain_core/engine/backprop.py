@@ -21,8 +21,9 @@ silently.
 
 **Layers.** :meth:`ModifiedBackprop.forward` returns a :class:`ForwardPass` whose
 :meth:`~ForwardPass.backward` starts from the output or injects a signal or a relevance at any
-ruled layer ``k`` and reads the signal at the input of every layer below it (what the CSC metric
-needs).
+affine layer ``k`` and reads the signal at the input of every layer below it (what the CSC metric
+needs), for a pass run with ``record=True``: the records keep every layer's input and output,
+which a plain pass lets the model free.
 
 **Modules.** The parts live in their own modules: :class:`~explain_core.engine.Composite` in
 :mod:`.composite`, the operation sets and :class:`OpHandler` in :mod:`.ops`,
@@ -81,7 +82,8 @@ class ForwardPass:
     Attributes:
         input: The tensor fed to the model (requires grad; for DeepLIFT input and reference).
         output: The model output (part of the graph).
-        records: Ruled layers in execution order (all affine layers when recorded).
+        records: Every affine layer in execution order, for a pass run with ``record=True``
+            (else empty: a record keeps its layer's input and output alive).
         plan: What the trace found.
     """
 
@@ -108,7 +110,8 @@ class ForwardPass:
 
         Args:
             signal: Signal at the model output (``start=None``) or at layer ``start``'s output.
-            start: Inject at the output of this recorded layer instead of the model output.
+            start: Inject at the output of this recorded layer instead of the model output
+                (the pass must have been run with ``record=True``).
             relevance: Inject relevance (not a signal) at ``start``'s output; it passes through
                 that layer's rule first.
             read_layers: Also return the signal at the input of every recorded layer below (and
@@ -119,8 +122,16 @@ class ForwardPass:
 
         Raises:
             KeyError: If ``start`` is not a recorded layer.
+            InvalidInputError: If ``start`` or ``read_layers`` is given for a pass that recorded
+                no layers.
         """
         names = list(self.records)
+        if (start is not None or read_layers) and not names:
+            raise InvalidInputError(
+                "this pass recorded no layers, so it cannot start at or read one: run it with "
+                "ModifiedBackprop(composite, record=True) (records keep every layer's input and "
+                "output until the backward pass)"
+            )
         if start is None:
             below = names
             outputs, grads = self.output, signal
@@ -169,7 +180,7 @@ class ModifiedBackprop:
     Args:
         composite: Maps modules, layer positions and operations to rules.
         handler: Changes ReLU/max-pool/addition backward passes (Guided BP, DeepLIFT, …).
-        record: Record every affine layer (also gradient-ruled ones) for reading and injecting
+        record: Record every affine layer, keeping its input and output, for reading and injecting
             signals at intermediate layers.
         extra_ops: Further operation names the trace accepts (the handler's own).
         cache: Reuse the trace of an earlier call with the same model structure (validated on

@@ -181,6 +181,19 @@ class AffineRule(Rule):
     def applies_to(self, module: nn.Module) -> bool:  # noqa: D102
         return is_affine(module)
 
+    def reads_input_in_backward(self, call: RuleCall) -> bool:
+        """Whether :meth:`backward` reads the values of the layer's input for this call.
+
+        Asked once :meth:`forward` has run. ``False`` (the input's shape and layout suffice, as
+        for ``call.layer.transpose(s, x)``) lets the model free the input before the backward
+        pass, as the gradient would (a ReLU's output that only this layer reads): ``backward``
+        then finds in ``call.inputs`` a stand-in on the ``meta`` device with the input's shape,
+        dtype and strides, which :meth:`~explain_core.affine.AffineLayer.transpose` takes as
+        ``like`` and any computation refuses. A pass that records its layers (to inject or read
+        signals there) keeps the input whatever this says. Default: ``True``.
+        """
+        return True
+
     @staticmethod
     def affine(call: RuleCall) -> tuple[AffineLayer, torch.Tensor, torch.Tensor]:
         """``(layer, x, z)``: the layer view, its input and its output.

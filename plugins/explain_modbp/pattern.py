@@ -299,7 +299,7 @@ def pattern_forward(
         name=_method_name(attribution),
     )
     forward = ModifiedBackprop(composite, record=record).forward(model, inputs)
-    extra = sorted(set(patterns.patterns) - set(forward.records))
+    extra = sorted(set(patterns.patterns) - set(forward.plan.order))
     if extra:
         raise PatternMismatchError(
             "the patterns were fitted on a different architecture: they hold layers the model "

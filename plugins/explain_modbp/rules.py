@@ -125,6 +125,9 @@ class Epsilon(AffineRule):
         magnitude = z.clamp(min=0) if rectified else z.abs()
         return torch.div(magnitude, magnitude + self.epsilon, out=magnitude)
 
+    def reads_input_in_backward(self, call: RuleCall) -> bool:  # noqa: D102
+        return False  # only its shape, for the transposed product
+
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         ratio = call.state
@@ -226,6 +229,9 @@ class Gamma(_SignAware):
             ratio.clamp_(min=0)  # the ReLU's gradient: no signal where z <= 0
         up = amplified[0]
         return signed, ratio, up if _kept_for_backward((up,), ratio) else None
+
+    def reads_input_in_backward(self, call: RuleCall) -> bool:  # noqa: D102
+        return call.state[0]  # the signed form reads the input's signs
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, _, _ = self.affine(call)
@@ -362,6 +368,9 @@ class AlphaBeta(_SignAware):
                 ratio_neg.clamp_(max=0)
         kept = weights if _kept_for_backward(weights, ratio_pos) else None
         return nonnegative, (ratio_pos, ratio_neg), kept
+
+    def reads_input_in_backward(self, call: RuleCall) -> bool:  # noqa: D102
+        return not call.state[0]  # the form for inputs of either sign reads their signs
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         ratio_pos, ratio_neg = call.state[1]
