@@ -7,6 +7,7 @@ between 'str' and 'int'", and ``epsilon=nan`` is accepted and yields NaN maps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import numbers
@@ -54,6 +55,7 @@ def check_option_types(
         )
 
 
+@functools.lru_cache(maxsize=256)  # resolving the annotations costs ~0.5 ms: once per method
 def _option_hints(factory: Callable[..., object]) -> dict[str, Any]:
     """Resolved annotations of a dataclass factory's fields; empty (no check) otherwise."""
     if not (isinstance(factory, type) and dataclasses.is_dataclass(factory)):
