@@ -40,13 +40,13 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from harness import (
-    PeakResidentSet,
     alternated_times,
     gradient_plus_rule_convolutions,
     interleaved_medians,
     median_ratio,
     memory_worker_output,
     plain_gradient,
+    print_peak_extra_bytes,
     write_results,
     z_plus_weights,
 )
@@ -284,11 +284,7 @@ def memory_worker(candidate: str) -> None:
     """Print the peak resident set above the built model of one candidate, in this process."""
     torch.set_num_threads(1)
     model, x, target = build()
-    run = candidates(model, x, target)[candidate]  # nothing ran before it
-    before = PeakResidentSet().now()
-    with PeakResidentSet() as peak:
-        run()
-    print(json.dumps({"extra_bytes": peak.peak - before}))
+    print_peak_extra_bytes(candidates(model, x, target)[candidate])  # nothing ran before it
 
 
 def peak_memory(candidate: str) -> int:

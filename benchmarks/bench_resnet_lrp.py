@@ -49,13 +49,13 @@ from typing import Any
 
 import torch
 from harness import (
-    PeakResidentSet,
     alternated_times,
     gamma_weights,
     gradient_plus_rule_convolutions,
     median_ratio,
     memory_worker_output,
     plain_gradient,
+    print_peak_extra_bytes,
     write_results,
     z_plus_weights,
 )
@@ -164,11 +164,7 @@ def memory_worker(candidate: str, batch: int, side: int, torchvision: bool) -> N
     """Print the peak resident set above the built model of one candidate, in this process."""
     torch.set_num_threads(2)
     model, x, target = build(batch, side, torchvision)
-    run = candidates(model, x, target, probe=False)[candidate]  # nothing ran before it
-    before = PeakResidentSet().now()
-    with PeakResidentSet() as peak:
-        run()
-    print(json.dumps({"extra_bytes": peak.peak - before}))
+    print_peak_extra_bytes(candidates(model, x, target, probe=False)[candidate])  # nothing before
 
 
 def peak_memory(candidate: str, batch: int, side: int, torchvision: bool) -> int:

@@ -33,7 +33,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from harness import PeakResidentSet, interleaved_medians, memory_worker_output, write_results
+from harness import (
+    interleaved_medians,
+    memory_worker_output,
+    print_peak_extra_bytes,
+    write_results,
+)
 from torch import nn
 
 METHODS = ("input_x_gradient", "lrp.attn", "lrp.cp")
@@ -90,10 +95,7 @@ def memory_worker(name: str, candidate: str, quick: bool) -> None:
     torch.set_num_threads(1)
     model, x = build(name, quick)
     run = candidates(model, x)[candidate]  # (runs one forward pass for the targets)
-    before = PeakResidentSet().now()
-    with PeakResidentSet() as peak:
-        run()
-    print(json.dumps({"extra_bytes": peak.peak - before}))
+    print_peak_extra_bytes(run)
 
 
 def peak_memory(name: str, candidate: str, quick: bool) -> int:

@@ -219,6 +219,17 @@ def memory_worker_output(command: list[str]) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def print_peak_extra_bytes(run: Callable[[], Any]) -> None:
+    """Run ``run`` once and print (JSON) the peak resident set above the one before it.
+
+    What a memory worker prints for :func:`memory_worker_output` to read.
+    """
+    before = PeakResidentSet().now()
+    with PeakResidentSet() as peak:
+        run()
+    print(json.dumps({"extra_bytes": peak.peak - before}))
+
+
 class PeakResidentSet:
     """The largest resident set seen by a thread sampling ``/proc/self/statm`` every 1 ms."""
 

@@ -465,3 +465,17 @@ def test_a_rule_that_reads_an_input_it_said_it_does_not_read_gets_a_clear_error(
     assert_same_state(before, state_fingerprint(model))
     recorded = ModifiedBackprop(composite, record=True).forward(model, x)  # keeps the inputs
     recorded.backward(torch.ones(3, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("how", ["start", "read_layers"])
+def test_starting_at_or_reading_a_layer_of_a_pass_that_recorded_none_says_to_record(how):
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 2)).double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64)
+    forward = ModifiedBackprop(Composite([(nn.Linear, ZPlus())])).forward(model, x)
+    assert forward.records == {}
+    options = {"start": "2"} if how == "start" else {"read_layers": True}
+    with pytest.raises(InvalidInputError, match=r"record=True"):
+        forward.backward(torch.ones(3, 5 if how == "start" else 2, dtype=torch.float64), **options)
+    plain = forward.backward(torch.ones(3, 2, dtype=torch.float64)).input_signal  # still usable
+    recorded = ModifiedBackprop(Composite([(nn.Linear, ZPlus())]), record=True).forward(model, x)
+    torch.testing.assert_close(recorded.backward(torch.ones(3, 2).double()).input_signal, plain)
