@@ -8,6 +8,8 @@ hand, and conservation on bias-free models.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -294,6 +296,35 @@ def test_given_initial_states_absorb_relevance_like_biases(kind):
     model.initial = False
     torch.testing.assert_close(
         explain(model, x, "lrp.z", 1).delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+
+
+class EncoderDecoder(nn.Module):
+    """An encoder reads the first two steps; the decoder starts from its final states."""
+
+    def __init__(self, encoder: nn.Module, decoder: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.encoder, self.decoder, self.head = encoder, decoder, head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _, states = self.encoder(x[:, :2])
+        out, _ = self.decoder(x[:, 2:], states)
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.z", "lrp.epsilon_plus", "gradient"])
+@pytest.mark.parametrize("kind", [nn.LSTM, nn.GRU])
+def test_states_handed_to_a_decoder_carry_relevance_back_into_the_encoder(kind, method):
+    # A decoder with the encoder's weights, started from its final states, continues the same
+    # recurrence: the map must be the one of a single layer over the whole sequence.
+    torch.manual_seed(8)
+    whole = Classifier(kind(4, 5, num_layers=2, batch_first=True)).double().eval()
+    split = EncoderDecoder(whole.rnn, copy.deepcopy(whole.rnn), whole.head).eval()
+    x = sequences()
+    expected = explain(whole, x, method, 1).attribution
+    assert expected[:, :2].abs().sum() > 0  # the encoder's steps are explained, too
+    torch.testing.assert_close(
+        explain(split, x, method, 1).attribution, expected, atol=1e-14, rtol=0
     )
 
 
