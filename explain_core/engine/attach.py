@@ -503,7 +503,8 @@ class RulePass(ModuleListener):
         self.stash: dict[str, torch.Tensor] = {}
         self.internal = False
         self.stashed: dict[int, str] = {}  # module id → layer name (a Linear/Conv before its BN)
-        self.ruled: dict[int, tuple[str, str | None]] = {}  # module id → (layer name, BN name)
+        # module id → (layer name, BN name, the Linear/Conv whose weights the rule reads)
+        self.ruled: dict[int, tuple[str, str | None, nn.Module]] = {}
         self.counted: dict[int, str] = {}
         self.calls: dict[str, int] = {}
         self.custom = {id(model.get_submodule(name)): name for name in plan.custom}
@@ -659,7 +660,7 @@ class RulePass(ModuleListener):
         if ruled is None:
             return None
         self.affine_depth -= 1
-        return self._apply_rule(ruled[0], ruled[1], module, args, output)
+        return self._apply_rule(*ruled, module, args, output)
 
     def _apply_custom(self, name: str, module: nn.Module, output: Any) -> torch.Tensor:
         call, inputs, versions, grad_mode = self.pending.pop(name)
@@ -683,28 +684,35 @@ class RulePass(ModuleListener):
 
     def _plan_modules(self) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""
+        modules = dict(self.model.named_modules(remove_duplicate=False))  # one walk, not one each
         for name in self.plan.order:
             rule = self.plan.rules[name]
             if isinstance(rule, Gradient) and not self.record:
                 continue
-            module = self.model.get_submodule(name)
+            module = modules[name]
             if name in self.plan.merged:
                 self.stashed[id(module)] = name
                 bn_name = self.plan.merged[name]
-                self.ruled[id(self.model.get_submodule(bn_name))] = (name, bn_name)
+                self.ruled[id(modules[bn_name])] = (name, bn_name, module)
             else:
-                self.ruled[id(module)] = (name, None)
+                self.ruled[id(module)] = (name, None, module)
 
     def _apply_rule(
-        self, name: str, bn_name: str | None, module: nn.Module, args: tuple[Any, ...], output: Any
+        self,
+        name: str,
+        bn_name: str | None,
+        source: nn.Module,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        output: Any,
     ) -> Any:
         rule = self.plan.rules[name]
         with self.internal_ops():
             if bn_name is None:
-                x, source = args[0], module
+                x = args[0]
                 layer = AffineLayer.from_module(name, module)
             else:
-                x, source = self.stash.pop(name), self.model.get_submodule(name)
+                x = self.stash.pop(name)
                 layer = AffineLayer.from_module(name, source).merge_batchnorm(bn_name, module)
             layer = replace(
                 layer,
