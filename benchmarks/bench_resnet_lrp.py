@@ -35,6 +35,9 @@ bound, peak memory ≤ 2× the gradient's.
     PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py  # ~25 min, 2 cores
     PYTHONPATH=.:plugins:exporters:tests /tmp/tv-env/bin/python benchmarks/bench_resnet_lrp.py \
         --torchvision  # with torchvision, zennit and captum installed there
+    PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py --batch 1  # one image
+
+Another ``--batch`` or ``--side`` writes its own results file (``…_batch1_side224.json``).
 """
 
 from __future__ import annotations
@@ -268,11 +271,15 @@ def main() -> None:
         model_said = "the re-creation of torchvision's resnet50 (tests/zoo.py)"
         zennit = "Zennit needs torchvision: --torchvision times it in the throw-away environment"
     script = "PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py"
+    sized = (args.batch, args.side) != (16, 224)  # another size: its own results file
+    options = " --torchvision" * args.torchvision
+    options += f" --batch {args.batch} --side {args.side}" * sized
+    name = "resnet50_lrp" + "_torchvision" * args.torchvision
     write_results(
-        "resnet50_lrp_torchvision" if args.torchvision else "resnet50_lrp",
+        name + f"_batch{args.batch}_side{args.side}" * sized,
         title=f"LRP composites on ResNet-50 ({args.side}×{args.side}, batch {args.batch}) "
         "against one gradient" + (", torchvision's model and Zennit" if args.torchvision else ""),
-        command=script + " --torchvision" * args.torchvision,
+        command=script + options,
         notes=(
             f"{model_said[0].upper()}{model_said[1:]}, random weights, 2 threads, "
             f"{args.processes} fresh processes, {args.rounds} rounds per pair in each; times: "
