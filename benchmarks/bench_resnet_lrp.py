@@ -35,7 +35,7 @@ bound, peak memory ≤ 2× the gradient's.
     PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py  # ~25 min, 2 cores
     PYTHONPATH=.:plugins:exporters:tests /tmp/tv-env/bin/python benchmarks/bench_resnet_lrp.py \
         --torchvision  # with torchvision, zennit and captum installed there
-    PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py --batch 1  # one image
+    PYTHONPATH=.:plugins:exporters:tests python benchmarks/bench_resnet_lrp.py --batch 1  # 1 image
 
 Another ``--batch`` or ``--side`` writes its own results file (``…_batch1_side224.json``).
 """
