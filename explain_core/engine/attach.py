@@ -507,7 +507,8 @@ class RulePass(ModuleListener):
         self.ruled: dict[int, tuple[str, str | None, nn.Module]] = {}
         self.counted: dict[int, str] = {}
         self.calls: dict[str, int] = {}
-        self.custom = {id(model.get_submodule(name)): name for name in plan.custom}
+        modules = dict(model.named_modules(remove_duplicate=False))  # one walk, not one lookup each
+        self.custom = {id(modules[name]): name for name in plan.custom}
         # module name → (its call, its inputs as given, their versions, the grad mode to
         # restore after it)
         self.pending: dict[str, _Pending] = {}
@@ -525,7 +526,7 @@ class RulePass(ModuleListener):
         # tensor id → a weak reference to a ruled layer's output whose rule masks what a ReLU
         # reading it stops; such ReLUs run without autograd (see _PassedThrough)
         self.masked_outputs: dict[int, weakref.ref[torch.Tensor]] = {}
-        self._plan_modules()
+        self._plan_modules(modules)
 
     @contextlib.contextmanager
     def internal_ops(self) -> Iterator[None]:
@@ -682,9 +683,8 @@ class RulePass(ModuleListener):
             call.state = rule.forward(call)
         return self.produced(_ModuleRule.apply(rule, call, *inputs), call)
 
-    def _plan_modules(self) -> None:
+    def _plan_modules(self, modules: dict[str, nn.Module]) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""
-        modules = dict(self.model.named_modules(remove_duplicate=False))  # one walk, not one each
         for name in self.plan.order:
             rule = self.plan.rules[name]
             if isinstance(rule, Gradient) and not self.record:
