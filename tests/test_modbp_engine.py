@@ -1,5 +1,6 @@
 """The engine on real user models: composites, BatchNorm merging, residual code, checks, state."""
 
+import collections
 import copy
 import warnings
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
 from modbp_nets import randomise_batchnorm, reference, resnet, vgg_bn
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from explain_core import Composite, Gradient, Rule, UnsupportedModelError, explain
 from explain_core.engine import ModifiedBackprop
@@ -133,6 +135,33 @@ def test_resnet_merges_every_batchnorm_and_conserves_relevance_without_biases():
     torch.testing.assert_close(
         result.attribution.sum((1, 2, 3)), torch.ones(3).double(), rtol=1e-9, atol=1e-9
     )
+
+
+class _CountCalls(TorchFunctionMode):
+    """A user's mode (an operation counter, a profiler) around the call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: collections.Counter[str] = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen[getattr(func, "__name__", repr(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_users_function_mode_sees_the_models_operations_and_not_the_rules_arithmetic():
+    model = resnet()
+    x = torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    expected = explain(model, x, "lrp.epsilon_plus", target=1).attribution
+    with _CountCalls() as plain:
+        model(x)
+    with _CountCalls() as explained:
+        result = explain(model, x, "lrp.epsilon_plus", target=1)
+    torch.testing.assert_close(result.attribution, expected, rtol=0, atol=0)
+    # The model's convolutions, batch norms and ReLUs once each, as in a plain forward; the
+    # rules' merged weights (rsqrt), z⁺ weights (clamp) and their convolutions not at all.
+    for name in ("conv2d", "batch_norm", "relu", "rsqrt", "clamp"):
+        assert explained.seen[name] == plain.seen[name], (name, explained.seen[name])
 
 
 def test_relevance_injected_at_a_layer_is_read_at_every_lower_layer():

@@ -7,6 +7,7 @@ of them (ReLU, max pooling, additions) for methods such as Guided BP and DeepLIF
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -26,6 +27,7 @@ __all__ = [
     "VALUE_READS",
     "OpHandler",
     "op_name",
+    "without_function_modes",
 ]
 
 
@@ -226,6 +228,18 @@ _SIGN_PRESERVING = (
     | AVGPOOL_OPS
     | frozenset(["add", "add_", "pad", "setitem"])
 )
+
+
+def without_function_modes() -> contextlib.AbstractContextManager[None]:
+    """A block of the engine's own bookkeeping and arithmetic, unseen by any ``TorchFunctionMode``.
+
+    Each mode on the stack (an attribution pass's, the training-call check, a user's) dispatches
+    every operation through Python: thousands of calls per forward of a ResNet-50 where the
+    engine merges and rectifies weights. The model's own operations never run in such a block.
+    A torch without the switch (a private one) runs the block as it is.
+    """
+    switch = getattr(torch._C, "DisableTorchFunction", None)
+    return contextlib.nullcontext() if switch is None else switch()
 
 
 def op_name(func: Callable[..., Any]) -> str:
