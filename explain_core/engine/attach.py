@@ -710,7 +710,8 @@ class RulePass(ModuleListener):
         # The rule's own operations on the layer (merging a batch norm, W⁺, the rule's forward)
         # bypass every TorchFunctionMode: each mode on the stack (this pass's, the training-call
         # check, a user's) would dispatch each of them through Python: ≈ 1650 calls per
-        # ResNet-50 forward. The model's operations still pass through every mode.
+        # ResNet-50 forward. The model's operations still pass through every mode. (On a torch
+        # without the switch, internal_ops is what lets this pass's own mode wave them through.)
         with self.internal_ops(), without_function_modes():
             if bn_name is None:
                 x = args[0]
