@@ -61,8 +61,17 @@ def check_inputs(
             f"Use {name}[None] for a single sample."
         )
     if not inputs.is_floating_point():
+        advice = f"Use {name}.float()."
+        if not (inputs.is_complex() or inputs.dtype == torch.bool):
+            # Integers are most often token ids, for which .float() would be wrong advice.
+            advice = (
+                "Token ids carry no gradient: explain the model from its embedding's output "
+                "(pass the vectors, as docs/recurrent.md shows for a text classifier) or use "
+                "explain_tokens for a model that takes inputs_embeds=; for other integer data "
+                f"use {name}.float()."
+            )
         raise InvalidInputError(
-            f"{name} must be floating point; got dtype {inputs.dtype}. Use {name}.float()."
+            f"{name} must be floating point; got dtype {inputs.dtype}. {advice}"
         )
     if inputs.shape[0] == 0 and not allow_empty:
         raise InvalidInputError(

@@ -263,8 +263,10 @@ def test_bad_input_gets_clear_errors():
         explain(model, x, torch.tensor([1, 2]))  # type: ignore[arg-type]
     with pytest.raises(InvalidInputError, match="batch axis"):
         explain(model, x[0, 0, 0], "gradient")
-    with pytest.raises(InvalidInputError, match="floating point"):
+    with pytest.raises(InvalidInputError, match=r"floating point.*Token ids.*embedding's output"):
         explain(model, x.long(), "gradient")
+    with pytest.raises(InvalidInputError, match=r"floating point; got dtype torch\.bool\. Use"):
+        explain(model, x > 0, "gradient")
     with pytest.raises(InvalidInputError, match="NaN"):
         explain(model, x.clone().fill_(float("nan")), "gradient")
     with pytest.raises(InvalidInputError, match=r"torch\.Tensor"):
