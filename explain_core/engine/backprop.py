@@ -53,6 +53,7 @@ from explain_core.engine.tracing import Plan
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.model_guard import require_eval_mode
 from explain_core.scoped import listening
+from explain_core.vjp import vjp
 
 if TYPE_CHECKING:
     from explain_core.engine.composite import Composite
@@ -162,9 +163,7 @@ class ForwardPass:
         tensors = list(unique.values())
         if not retain_graph:  # the pass is spent; its records would hold every layer to the end
             self.records.clear()
-        results = torch.autograd.grad(
-            outputs, tensors, grads, allow_unused=True, retain_graph=retain_graph
-        )
+        results = vjp(outputs, tensors, grads, allow_unused=True, retain_graph=retain_graph)
         by_id = {
             id(t): (g if g is not None else torch.zeros_like(t))
             for t, g in zip(tensors, results, strict=True)

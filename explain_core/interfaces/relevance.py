@@ -25,6 +25,7 @@ from torch import nn
 
 from explain_core.affine import AffineLayer, is_affine
 from explain_core.errors import InvalidInputError
+from explain_core.vjp import vjp
 
 __all__ = [
     "AffineRule",
@@ -226,7 +227,7 @@ class Gradient(Rule):
             raise InvalidInputError(f"the call {call.name!r} cannot be run again")
         with torch.enable_grad():
             output = run(*inputs)
-        return torch.autograd.grad(output, inputs, grad_output, allow_unused=True)
+        return vjp(output, inputs, grad_output, allow_unused=True)
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from explain_core.errors import InvalidInputError, UnsupportedMethodError
 from explain_core.metrics._checks import check_int
 from explain_core.scoped import ModuleListener, listening
 from explain_core.validation import check_inputs, clear_model_errors, refuse_inference_mode
+from explain_core.vjp import vjp
 
 __all__ = [
     "AutogradPropagator",
@@ -127,7 +128,7 @@ class AutogradPropagator:
             raise KeyError(f"no layer {start!r}; layers: {', '.join(self.layers)}")
         below = self.layers[: self.layers.index(start) + 1]
         tensors = [self._records[name][0] for name in below]
-        grads = torch.autograd.grad(
+        grads = vjp(
             self._records[start][1], tensors, relevance, retain_graph=True, allow_unused=True
         )
         result = {}

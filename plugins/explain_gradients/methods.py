@@ -15,6 +15,7 @@ from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
 from explain_core.validation import check_scores
+from explain_core.vjp import vjp
 
 Composite = str | ModifiedGradient | None
 
@@ -69,7 +70,7 @@ class ExplanationMode(ModifiedGradient):
         x = inputs.detach().requires_grad_(True)
         with explanation_mode(model), torch.enable_grad():
             output = model(x)
-            (signal,) = torch.autograd.grad(output, x, select(output.detach()))
+            (signal,) = vjp(output, x, select(output.detach()))
         return output.detach(), signal
 
 

@@ -47,7 +47,7 @@ class Activation:
         """``f'(x)``, element-wise."""
         with torch.enable_grad():
             t = x.detach().requires_grad_(True)
-            (slope,) = torch.autograd.grad(self.out_of_place(t), t, torch.ones_like(t))
+            (slope,) = torch.autograd.grad(self.out_of_place(t).sum(), t)  # element-wise: f'(t)
         return slope
 
     def apply_in_forward(self, ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +95,7 @@ class PassRelevance(Rule):
         run = call.function if call.function is not None else call.module
         with torch.enable_grad():
             t = z.detach().requires_grad_(True)
-            (slope,) = torch.autograd.grad(run(t), t, torch.ones_like(t))
+            (slope,) = torch.autograd.grad(run(t).sum(), t)
         return slope
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102

@@ -37,6 +37,7 @@ from explain_core.engine.ops import ACTIVATION_OPS, ADD_OPS, RELU_OPS, OpHandler
 from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
+from explain_core.vjp import vjp
 from explain_modbp.activations import Activation, secant_slope
 from explain_modbp.composites import gradient_composite
 from explain_modbp.methods import one_hot, per_sample_sum
@@ -348,7 +349,7 @@ class _DeepLift(Method):
         if parts is not None:
             # The output layer's positive and negative parts both carry the start signal, so
             # its rule (coupled or decoupled) applies too.
-            (signal,) = torch.autograd.grad(parts, forward.input, (start, start))
+            (signal,) = vjp(parts, forward.input, (start, start))
             multiplier = signal[:batch]
         else:
             signal = torch.cat([start, torch.zeros_like(reference_output)])

@@ -15,6 +15,7 @@ import torch
 from explain_core.engine.ops import ACTIVATION_OPS
 from explain_core.errors import UnsupportedModelError
 from explain_core.interfaces.relevance import Rule, RuleCall
+from explain_core.vjp import vjp
 
 __all__ = ["HoldGate", "Uniform", "product_gradients"]
 
@@ -71,7 +72,7 @@ def product_gradients(
     with torch.enable_grad():
         output = call.function(*inputs)
     wanted = [t for t in inputs if t.requires_grad]
-    grads = iter(torch.autograd.grad(output, wanted, grad_output, allow_unused=True))
+    grads = iter(vjp(output, wanted, grad_output, allow_unused=True))
     return tuple(next(grads) if t.requires_grad else None for t in inputs)
 
 

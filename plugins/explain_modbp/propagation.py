@@ -23,6 +23,7 @@ import torch
 
 from explain_core.engine import ForwardPass
 from explain_core.metrics.csc import UnsupportedMethodError
+from explain_core.vjp import vjp
 
 Mode = Literal["relevance", "signal"]
 
@@ -100,7 +101,7 @@ class EnginePropagator:
         else:
             outputs = record.output
             grads = torch.cat([vector, torch.zeros_like(vector)])
-        signals = torch.autograd.grad(outputs, tensors, grads, retain_graph=True, allow_unused=True)
+        signals = vjp(outputs, tensors, grads, retain_graph=True, allow_unused=True)
         out = {}
         for name, tensor, signal in zip(below, tensors, signals, strict=True):
             x = tensor.detach()
