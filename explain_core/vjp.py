@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from explain_core.errors import InvalidInputError
+
 __all__ = ["vjp"]
 
 
@@ -38,7 +40,8 @@ def vjp(
         allow_unused: Return ``None`` for inputs the outputs do not depend on.
 
     Raises:
-        ValueError: If the numbers or shapes of ``outputs`` and ``grad_outputs`` differ.
+        InvalidInputError: If the numbers or shapes of ``outputs`` and ``grad_outputs`` differ
+            (a ``ValueError``; torch raises a ``RuntimeError`` there).
     """
     if grad_outputs is None:
         return torch.autograd.grad(
@@ -47,10 +50,10 @@ def vjp(
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
     grads = (grad_outputs,) if isinstance(grad_outputs, torch.Tensor) else tuple(grad_outputs)
     if len(outputs) != len(grads):
-        raise ValueError(f"{len(outputs)} outputs but {len(grads)} grad_outputs")
+        raise InvalidInputError(f"{len(outputs)} outputs but {len(grads)} grad_outputs")
     for index, (output, grad) in enumerate(zip(outputs, grads, strict=True)):
         if output.shape != grad.shape:
-            raise ValueError(
+            raise InvalidInputError(
                 f"grad_outputs[{index}] has shape {tuple(grad.shape)}, but output[{index}] "
                 f"has shape {tuple(output.shape)}"
             )
