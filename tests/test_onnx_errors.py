@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 
@@ -15,6 +16,7 @@ for _module in ("onnx", "onnxscript", "onnxruntime"):
     pytest.importorskip(_module, reason="the onnx extra is not installed")
 
 from explain_coda import DAUConv2d  # noqa: E402
+from explain_core import explain  # noqa: E402
 from explain_core.errors import (  # noqa: E402
     ExportError,
     InvalidInputError,
@@ -261,6 +263,107 @@ def test_parity_failure_reports_the_differences(tiny_onnx):
         path, off_by_a_bit, torch.rand(2, 2, 4), num_classes=3, raise_on_failure=False
     )
     assert not report.passed and report.logits_max_abs == pytest.approx(1e-3, rel=1e-2)
+
+
+@pytest.fixture(scope="module")
+def explained_tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("explained") / "tiny.onnx"
+    torch.manual_seed(0)
+    model = tiny()
+    export_onnx(model, torch.rand(2, 2, 4), path, explain="input_x_gradient")
+    return model, path
+
+
+def shifted_reference(model: nn.Module, shift: float, dtype: torch.dtype = torch.float32):
+    """Input×Gradient of ``model`` with every map entry moved by ``shift`` × the map's largest."""
+    calls = []
+    net = copy.deepcopy(model).to(dtype)
+
+    def reference(x, target):
+        calls.append(x.dtype)
+        result = explain(net, x.to(dtype), "input_x_gradient")
+        attribution = result.attribution
+        scale = attribution.abs().flatten(1).amax(1).view(-1, 1, 1)
+        return [result.output, attribution + shift * scale]
+
+    return reference, calls
+
+
+def test_parity_allows_a_map_as_far_off_as_pytorchs_own_float32(explained_tiny):
+    """A map 5e-3 from PyTorch's passes where PyTorch's float32 map is 5e-3 from float64's."""
+    model, path = explained_tiny
+    reference, _ = shifted_reference(model, 5e-3)
+    exact, calls = shifted_reference(model, 0.0, torch.float64)
+    report = check_parity(
+        path, reference, torch.rand(2, 2, 4), num_classes=3, explained=True, reference64=exact
+    )
+    assert report.passed and report.explanation_max_rel == pytest.approx(5e-3, rel=0.01)
+    assert report.explanation_noise == pytest.approx(5e-3, rel=0.01)
+    assert set(calls) == {torch.float64} and len(calls) == len(report.cases)
+    assert "or 10× PyTorch's own float32 error 0.005 where larger" in report.summary()
+
+
+def test_parity_fails_a_map_further_off_than_pytorchs_float32(explained_tiny):
+    model, path = explained_tiny
+    reference, _ = shifted_reference(model, 5e-3)
+    exact, _ = shifted_reference(model, 4.9e-3, torch.float64)  # PyTorch's own error: 1e-4
+    with pytest.raises(ParityError, match=r"explanation max rel diff 0\.005 \(limit 0\.001, or"):
+        check_parity(
+            path, reference, torch.rand(2, 2, 4), num_classes=3, explained=True, reference64=exact
+        )
+
+
+def test_parity_says_why_pytorchs_float32_error_was_not_measured(explained_tiny):
+    model, path = explained_tiny
+    reference, _ = shifted_reference(model, 5e-3)
+
+    def cannot_run(x, target):
+        raise RuntimeError("expected scalar type Float but found Double")
+
+    report = check_parity(
+        path,
+        reference,
+        torch.rand(2, 2, 4),
+        num_classes=3,
+        explained=True,
+        reference64=cannot_run,
+        raise_on_failure=False,
+    )
+    assert not report.passed and report.explanation_noise is None
+    assert "float32 error not measured: RuntimeError: expected scalar type" in report.summary()
+
+
+def test_parity_measures_float32_error_only_where_a_map_needs_it(explained_tiny):
+    model, path = explained_tiny
+    reference, _ = shifted_reference(model, 0.0)
+    exact, calls = shifted_reference(model, 0.0, torch.float64)
+    report = check_parity(
+        path, reference, torch.rand(2, 2, 4), num_classes=3, explained=True, reference64=exact
+    )
+    assert report.passed and not calls and report.explanation_noise is None
+
+
+def test_export_measures_float32_error_on_a_float64_copy(tmp_path, monkeypatch):
+    """The export's float64 reference is the model's float64 copy; the model stays float32."""
+    import explain_onnx.export as export_module
+
+    seen = {}
+
+    def capture(*args, **kwargs):
+        seen["reference64"] = kwargs["reference64"]
+        return check_parity(*args, **kwargs)
+
+    monkeypatch.setattr(export_module, "check_parity", capture)
+    torch.manual_seed(0)
+    model = tiny()
+    export_onnx(model, torch.rand(2, 2, 4), tmp_path / "m.onnx", explain="input_x_gradient")
+    x = torch.rand(3, 2, 4, dtype=torch.float64)
+    logits, attribution = seen["reference64"](x, None)
+    expected = explain(copy.deepcopy(model).double(), x, "input_x_gradient")
+    assert attribution.dtype == torch.float64
+    torch.testing.assert_close(logits, expected.output, rtol=0, atol=0)
+    torch.testing.assert_close(attribution, expected.attribution, rtol=0, atol=0)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 # --- bad inputs: example tensors, models, opsets, batch sizes and paths ------------------------

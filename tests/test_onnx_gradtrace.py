@@ -25,6 +25,7 @@ import onnx  # noqa: E402
 from explain_core import explain  # noqa: E402
 from explain_onnx import OnnxSession, export_onnx  # noqa: E402
 from explain_onnx.gradtrace import (  # noqa: E402
+    _decompositions,
     _max_pool2d_with_indices,
     _max_pool2d_with_indices_backward,
     _nan_to_num,
@@ -235,14 +236,29 @@ def test_max_pool_decomposition_picks_nans_as_pytorch_does():
         ([2, 2], [2, 2], [0, 0], [1, 1], True),  # ceil mode adds a partial window
     ],
 )
-def test_max_pool_decomposition_leaves_other_windows_to_pytorchs(
+def test_max_pool_decomposition_of_other_windows_adds_shared_maxima_up(
     kernel, stride, padding, dilation, ceil_mode
 ):
-    x = torch.randn(1, 2, 7, 7)
+    """The forward stays PyTorch's; the backward is autograd's, ties and shared maxima included."""
+    x = tied_values((2, 2, 7, 7), torch.float64).requires_grad_(True)
     args = (kernel, stride, padding, dilation, ceil_mode)
-    assert _max_pool2d_with_indices(x, *args) is NotImplemented
-    grad = torch.randn(1, 2, 3, 3)
-    assert _max_pool2d_with_indices_backward(grad, x, *args, grad.long()) is NotImplemented
+    assert _max_pool2d_with_indices(x.detach(), *args) is NotImplemented
+    values, indices = torch.ops.aten.max_pool2d_with_indices(x, *args)
+    grad = torch.randn_like(values)
+    (expected,) = torch.autograd.grad(values, x, grad)
+    actual = _max_pool2d_with_indices_backward(grad, x.detach(), *args, indices)
+    torch.testing.assert_close(actual, expected, rtol=1e-15, atol=1e-15)
+    if kernel[0] > stride[0]:  # overlapping windows share maxima: the test covers adding up
+        planes = indices.flatten(0, 1).flatten(1).tolist()
+        assert any(len(set(plane)) < len(plane) for plane in planes)
+
+
+def test_decompositions_do_not_leave_max_pooling_backward_to_torch():
+    """torch 2.11's exporter kept ``max_pool2d_with_indices_backward``: ours decomposes it."""
+    table = _decompositions()
+    assert table[torch.ops.aten.max_pool2d_with_indices_backward.default] is (
+        _max_pool2d_with_indices_backward
+    )
 
 
 class TiedPooling(nn.Module):
@@ -285,6 +301,32 @@ def test_tied_max_pooling_exports_with_parity(tmp_path, method, kernel, size):
     assert "MaxUnpool" in ops and "ScatterElements" not in ops, ops
     # Square windows: their elements as one SpaceToDepth instead of two Slices each.
     assert ("SpaceToDepth" in ops) == (kernel[0] == kernel[1]), ops
+
+
+class OverlappingPooling(nn.Module):
+    """ResNet's stem pooling (3×3 windows, stride 2, padding 1) after a convolution and ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.conv = nn.Conv2d(1, 4, 3, padding=1)
+        nn.init.constant_(self.conv.bias, 0.3)
+        self.pool = nn.MaxPool2d(3, stride=2, padding=1)
+        self.fc = nn.Linear(4 * 4 * 4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.pool(torch.relu(self.conv(x))).flatten(1))
+
+
+def test_overlapping_max_pooling_gradient_exports_with_parity(tmp_path):
+    method = "input_x_gradient"
+    model = OverlappingPooling().eval()
+    path = tmp_path / "pooling.onnx"
+    result = export_onnx(model, flat_regions(4, (8, 8), seed=7), path, explain=method)
+    assert result.parity is not None and result.parity.passed
+    assert_matches_explain(path, model, flat_regions(5, (8, 8), seed=8), method)
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert "ScatterElements" in ops, ops  # shared maxima add up
 
 
 @pytest.mark.parametrize("opset", [17, 18])

@@ -11,6 +11,7 @@ an operator without an ONNX translation (named with the module that called it), 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import io
 import linecache
@@ -210,6 +211,13 @@ def export_onnx(
                         return [model(x)]
                 return list(spec.reference(model, x, target, **options))
 
+            twins: list[nn.Module] = []  # the float64 copy, made only if a map needs it
+
+            def reference64(x: torch.Tensor, target: torch.Tensor | None) -> list[torch.Tensor]:
+                if not twins:
+                    twins.append(copy.deepcopy(model).double())
+                return list(spec.reference(twins[0], x, target, **options))
+
             report = check_parity(
                 temporary,
                 reference,
@@ -220,6 +228,7 @@ def export_onnx(
                 explained=spec is not None,
                 batch_sizes=batch_sizes,
                 real_source="real" if real_inputs else "example",
+                reference64=reference64 if spec is not None else None,
             )
         os.replace(temporary, path)
     return ExportResult(path, input_names, output_names, explain, opset_used, report)

@@ -296,7 +296,11 @@ def _max_pool2d_with_indices_backward(
     onnxruntime runs about 4× faster than the plain ``ScatterElements`` it replaces.
     """
     if _tiling_windows(inputs, kernel_size, stride, padding, dilation, ceil_mode) is None:
-        return NotImplemented
+        # Overlapping windows can share a maximum, whose gradients add up (ONNX
+        # ScatterElements with reduction "add"). Written here, not left to torch's decomposition
+        # table: with torch 2.11 the backward operator reached the exporter (seen on a GPU box).
+        plane = inputs.new_zeros(*inputs.shape[:-2], inputs.shape[-2] * inputs.shape[-1])
+        return plane.scatter_add(-1, indices.flatten(-2), grad.flatten(-2)).view(inputs.shape)
     return aten.max_unpool2d(grad, indices, list(inputs.shape[-2:]))
 
 
@@ -346,7 +350,7 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
     from torch._decomp import get_decompositions
 
     # Backward operators without an ONNX translation, as forward operators.
-    table = get_decompositions([aten.max_pool2d_with_indices_backward, aten.silu_backward])
+    table = get_decompositions([aten.silu_backward])
     table.update(BACKWARD_DECOMPOSITIONS)
     return table
 

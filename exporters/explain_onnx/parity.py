@@ -5,6 +5,12 @@ axis is dynamic, so sizes other than the example's must work too). Logits may di
 ``1e-4`` (absolute); explanation maps by at most ``1e-3`` relative to the largest magnitude of the
 reference map of the same sample (``max |ort − torch| / max |torch|``, per sample), so that
 maps of any scale are judged alike and near-zero entries do not blow up the ratio.
+
+Some maps are so sensitive to rounding that PyTorch's own float32 map is that far from exact
+(LRP on MobileNetV3: 3.7e-4 from its float64 map, measured), and onnxruntime's kernels, with
+their other summation orders and algorithms, differ more (1.2e-3 on the CPU, 3e-3 on CUDA). Where
+a batch's map exceeds ``1e-3`` and a float64 reference is given, PyTorch's float32 error is
+measured on that batch, and the map may differ by up to :data:`NOISE_FACTOR` times it instead.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from explain_onnx.runtime import OnnxSession
 
 LOGITS_ATOL = 1e-4
 EXPLANATION_RTOL = 1e-3
+NOISE_FACTOR = 10.0  # times PyTorch's own float32 error, for maps that sensitive to rounding
 BATCH_SIZES = (1, 3)
 
 Reference = Callable[[torch.Tensor, torch.Tensor | None], Sequence[torch.Tensor]]
@@ -35,6 +42,17 @@ class ParityCase:
     batch: int
     logits_max_abs: float
     explanation_max_rel: float | None = None
+    explanation_noise: float | None = None  # PyTorch float32's own error (where measured)
+
+    def explanation_limit(self, rtol: float) -> float:
+        """``rtol``, or :data:`NOISE_FACTOR` times PyTorch's own float32 error where larger."""
+        noise = self.explanation_noise
+        return rtol if noise is None else max(rtol, NOISE_FACTOR * noise)
+
+    def explanation_passed(self, rtol: float) -> bool:
+        """Whether the map (if any) is within its limit."""
+        rel = self.explanation_max_rel
+        return rel is None or rel <= self.explanation_limit(rtol)
 
 
 @dataclass
@@ -45,12 +63,15 @@ class ParityReport:
         cases: Every compared batch.
         providers: The onnxruntime providers that ran the graph.
         logits_atol, explanation_rtol: The tolerances applied.
+        noise_unmeasured: Why PyTorch's float32 error could not be measured where a map
+            exceeded ``explanation_rtol`` (``""`` if it was, or was not needed).
     """
 
     cases: list[ParityCase] = field(default_factory=list)
     providers: list[str] = field(default_factory=list)
     logits_atol: float = LOGITS_ATOL
     explanation_rtol: float = EXPLANATION_RTOL
+    noise_unmeasured: str = ""
 
     @property
     def logits_max_abs(self) -> float:
@@ -64,11 +85,16 @@ class ParityReport:
         return max(values) if values else None
 
     @property
+    def explanation_noise(self) -> float | None:
+        """PyTorch float32's largest own error, over the batches where it was measured."""
+        values = [c.explanation_noise for c in self.cases if c.explanation_noise is not None]
+        return max(values) if values else None
+
+    @property
     def passed(self) -> bool:
         """Whether every difference is within its tolerance."""
-        rel = self.explanation_max_rel
-        return self.logits_max_abs <= self.logits_atol and (
-            rel is None or rel <= self.explanation_rtol
+        return self.logits_max_abs <= self.logits_atol and all(
+            c.explanation_passed(self.explanation_rtol) for c in self.cases
         )
 
     @property
@@ -85,8 +111,16 @@ class ParityReport:
         if self.explanation_max_rel is not None:
             text += (
                 f", explanation max rel diff {self.explanation_max_rel:.2g} "
-                f"(limit {self.explanation_rtol:g})"
+                f"(limit {self.explanation_rtol:g}"
             )
+            noise = self.explanation_noise
+            if noise is not None:
+                text += (
+                    f", or {NOISE_FACTOR:g}× PyTorch's own float32 error {noise:.2g} where larger"
+                )
+            if self.noise_unmeasured:
+                text += f"; PyTorch's float32 error not measured: {self.noise_unmeasured}"
+            text += ")"
         sources = sorted({c.source for c in self.cases})
         provider = self.providers[0] if self.providers else "?"
         sizes = ", ".join(map(str, self.batch_sizes))
@@ -139,6 +173,7 @@ def check_parity(
     seed: int = 0,
     real_source: str = "real",
     raise_on_failure: bool = True,
+    reference64: Reference | None = None,
 ) -> ParityReport:
     """Compare the graph at ``path`` with ``reference`` on random and real inputs.
 
@@ -156,6 +191,8 @@ def check_parity(
         seed: Seed of the random inputs and targets.
         real_source: Label of ``real_inputs`` batches in the report.
         raise_on_failure: Raise :class:`ParityError` when a tolerance is exceeded.
+        reference64: ``reference`` in float64 (float inputs cast), run only for batches whose
+            map exceeds ``1e-3``, to measure PyTorch's own float32 error there (module docs).
 
     Returns:
         The report with the largest differences.
@@ -186,10 +223,29 @@ def check_parity(
             if explained:
                 _check_shape(actual[1], expected[1])
                 case.explanation_max_rel = relative_difference(actual[1], expected[1])
+                if not case.explanation_passed(report.explanation_rtol) and reference64:
+                    _measure_noise(case, report, reference64, x, target, expected[1])
             report.cases.append(case)
     if raise_on_failure and not report.passed:
         raise ParityError(f"{Path(path).name}: {report.summary()}")
     return report
+
+
+def _measure_noise(
+    case: ParityCase,
+    report: ParityReport,
+    reference64: Reference,
+    x: torch.Tensor,
+    target: torch.Tensor | None,
+    expected: np.ndarray,
+) -> None:
+    """Set ``case.explanation_noise`` to PyTorch float32's error against float64 on ``x``."""
+    try:
+        exact = reference64(x.double() if x.is_floating_point() else x, target)[1]
+    except Exception as error:  # a model that cannot run in float64: say so in the report
+        report.noise_unmeasured = f"{type(error).__name__}: {error}".splitlines()[0]
+        return
+    case.explanation_noise = relative_difference(expected, exact.detach().cpu().numpy())
 
 
 def _check_shape(actual: np.ndarray, expected: np.ndarray) -> None:
