@@ -3,9 +3,10 @@
 Each re-creation (``tests/zoo.py``) is exported with ``lrp.epsilon_plus`` and with
 ``input_x_gradient`` and run in a plain onnxruntime session on held-back inputs; the maps are
 compared with ``explain()``'s (the export's own parity check, on the same device, must pass
-too). ``--device cuda`` runs the sessions on onnxruntime's CUDA provider
-(it fails where onnxruntime would fall back to the CPU) and compares them with a CPU session too.
-Writes ``benchmarks/results/onnx_zoo.md`` (``cuda_onnx_zoo.md``). Reproduce with
+too). ``--device cuda`` runs the sessions on onnxruntime's CUDA provider in float32 (``--tf32``:
+in onnxruntime's default TF32; it fails where onnxruntime would fall back to the CPU) and
+compares them with a CPU session too. Writes ``benchmarks/results/onnx_zoo.md``
+(``cuda_onnx_zoo.md``). Reproduce with
 
     PYTHONPATH=.:plugins:exporters:tests .venv/bin/python benchmarks/check_onnx_zoo.py
     PYTHONPATH=.:plugins:exporters:tests python benchmarks/check_onnx_zoo.py --device cuda --jobs 8
@@ -51,16 +52,20 @@ class LSTMClassifier(nn.Module):
         return self.head(out[:, -1])
 
 
-def session(path: Path, device: str) -> onnxruntime.InferenceSession:
-    """A plain session on ``device``'s provider; an error where onnxruntime would fall back."""
+def session(path: Path, device: str, tf32: bool = False) -> onnxruntime.InferenceSession:
+    """A plain session on ``device``'s provider; an error where onnxruntime would fall back.
+
+    On CUDA, float32 stays float32 unless ``tf32`` (onnxruntime's own default is TF32).
+    """
     requested = PROVIDERS[device]
-    made = onnxruntime.InferenceSession(str(path), providers=[requested])
+    options = {"use_tf32": "1" if tf32 else "0"} if device == "cuda" else {}
+    made = onnxruntime.InferenceSession(str(path), providers=[(requested, options)])
     if made.get_providers()[0] != requested:
         raise RuntimeError(f"onnxruntime runs {made.get_providers()} instead of {requested}")
     return made
 
 
-def check(name: str, method: str, device: str, threads: int) -> str:
+def check(name: str, method: str, device: str, threads: int, tf32: bool = False) -> str:
     """Export ``name`` explained by ``method``, run it on ``device`` and compare: one table row."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -77,7 +82,7 @@ def check(name: str, method: str, device: str, threads: int) -> str:
             return f"| {name} | `{method}` | refused: {error} | | | |"
         seconds = time.perf_counter() - started
         feed = {"input": held_back.numpy()}
-        logits, maps = session(path, device).run(None, feed)
+        logits, maps = session(path, device, tf32).run(None, feed)
         on_cpu = session(path, "cpu").run(None, feed)[1] if device != "cpu" else maps
     expected = explain(model, held_back, method)
     logit_diff = float(np.abs(logits - expected.output.numpy()).max())
@@ -96,6 +101,9 @@ def main() -> None:
     parser.add_argument("--device", choices=sorted(PROVIDERS), default="cpu")
     parser.add_argument("--jobs", type=int, default=1, help="cases checked at once, each a process")
     parser.add_argument("--out", type=Path, help="the table's file (default: results/)")
+    parser.add_argument(
+        "--tf32", action="store_true", help="CUDA sessions in TF32 (onnxruntime's default)"
+    )
     args = parser.parse_args()
     out = args.out or RESULTS / ("onnx_zoo.md" if args.device == "cpu" else "cuda_onnx_zoo.md")
     cases = [(name, method) for name in MODELS for method in METHODS]
@@ -111,12 +119,15 @@ def main() -> None:
     if args.jobs > 1:
         spawn = multiprocessing.get_context("spawn")  # fresh interpreters: no forked torch state
         with ProcessPoolExecutor(args.jobs, mp_context=spawn) as pool:
-            futures = [pool.submit(check, *case, args.device, threads) for case in cases]
+            futures = [pool.submit(check, *case, args.device, threads, args.tf32) for case in cases]
             rows = [future.result() for future in futures]
     else:
-        rows = [check(*case, args.device, threads) for case in cases]
+        rows = [check(*case, args.device, threads, args.tf32) for case in cases]
     print(*rows, sep="\n", flush=True)
-    where = "CPU" if args.device == "cpu" else f"CUDA provider ({torch.cuda.get_device_name()})"
+    where = "CPU"
+    if args.device == "cuda":
+        math = "TF32" if args.tf32 else "float32 (use_tf32=0)"
+        where = f"CUDA provider ({torch.cuda.get_device_name()}, {math})"
     text = [
         "# Explained ONNX exports of the zoo (re-creations, 3×32×32; LSTM 6 steps × 4)",
         "",

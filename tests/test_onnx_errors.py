@@ -244,6 +244,60 @@ def test_gpu_build_without_cuda_libraries_is_probed_quietly_and_named(monkeypatc
         runtime.cuda_status.cache_clear()
 
 
+class _GpuBuildWithCuda:
+    """onnxruntime-gpu where CUDA works: records the providers each session is asked for."""
+
+    def __init__(self, real):
+        self.SessionOptions = real.SessionOptions
+        self.requested = []
+
+    def get_available_providers(self):
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+    def InferenceSession(self, path, sess_options=None, providers=()):  # noqa: N802
+        self.requested.append(providers)
+
+        class Output:
+            name, shape = "logits", ["batch", 3]
+
+        class Session:
+            def get_providers(self):
+                return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+
+            def get_inputs(self):
+                return [type("Input", (), {"name": "input"})]
+
+            def get_outputs(self):
+                return [Output]
+
+        return Session()
+
+
+@pytest.mark.parametrize("tf32", [False, True])
+def test_cuda_sessions_compute_float32_unless_tf32_is_asked_for(tiny_onnx, monkeypatch, tf32):
+    """onnxruntime's CUDA provider uses TF32 by default (on an H100, a ResNet-50's Input×Gradient
+    map then differed by 3e-3 from PyTorch's): sessions turn it off unless asked."""
+    import onnxruntime
+
+    import explain_onnx.runtime as runtime
+
+    fake = _GpuBuildWithCuda(onnxruntime)
+    require = runtime.require
+    monkeypatch.setattr(
+        runtime, "require", lambda name: fake if name == "onnxruntime" else require(name)
+    )
+    runtime.cuda_status.cache_clear()
+    try:
+        session = OnnxSession(tiny_onnx[1], tf32=tf32) if tf32 else OnnxSession(tiny_onnx[1])
+        assert session.provider == "CUDAExecutionProvider"
+        expected = {"use_tf32": "1" if tf32 else "0"}
+        assert fake.requested[-1] == [("CUDAExecutionProvider", expected), "CPUExecutionProvider"]
+        OnnxSession(tiny_onnx[1], device="cpu", tf32=tf32)
+        assert fake.requested[-1] == ["CPUExecutionProvider"]
+    finally:
+        runtime.cuda_status.cache_clear()
+
+
 def test_cpu_only_session_prints_no_error_lines(tiny_onnx, capfd):
     OnnxSession(tiny_onnx[1], device="auto").run(np.zeros((1, 2, 4), np.float32))
     out, err = capfd.readouterr()

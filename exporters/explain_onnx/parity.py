@@ -8,7 +8,7 @@ maps of any scale are judged alike and near-zero entries do not blow up the rati
 
 Some maps are so sensitive to rounding that PyTorch's own float32 map is that far from exact
 (LRP on MobileNetV3: 3.7e-4 from its float64 map, measured), and onnxruntime's kernels, with
-their other summation orders and algorithms, differ more (1.2e-3 on the CPU, 3e-3 on CUDA). Where
+their other summation orders and algorithms, differ more (1.2e-3 there on the CPU). Where
 a batch's map exceeds ``1e-3`` and a float64 reference is given, PyTorch's float32 error is
 measured on that batch, and the map may differ by up to :data:`NOISE_FACTOR` times it instead.
 """
