@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import sys
@@ -214,18 +215,26 @@ class _GpuBuildWithoutCuda:
         return Session()
 
 
-def test_gpu_build_without_cuda_libraries_is_probed_quietly_and_named(monkeypatch, capfd):
-    import onnxruntime
-
+@contextlib.contextmanager
+def onnxruntime_replaced_by(fake, monkeypatch):
+    """``fake`` as the onnxruntime that ``explain_onnx.runtime`` sees, CUDA probed afresh."""
     import explain_onnx.runtime as runtime
 
-    fake = _GpuBuildWithoutCuda(onnxruntime)
     require = runtime.require
     monkeypatch.setattr(
         runtime, "require", lambda name: fake if name == "onnxruntime" else require(name)
     )
     runtime.cuda_status.cache_clear()
     try:
+        yield runtime
+    finally:
+        runtime.cuda_status.cache_clear()
+
+
+def test_gpu_build_without_cuda_libraries_is_probed_quietly_and_named(monkeypatch, capfd):
+    import onnxruntime
+
+    with onnxruntime_replaced_by(_GpuBuildWithoutCuda(onnxruntime), monkeypatch) as runtime:
         status = runtime.cuda_status()
         assert capfd.readouterr() == ("", "")  # the native log lines were captured, not printed
         assert not status.usable and status.listed
@@ -240,8 +249,6 @@ def test_gpu_build_without_cuda_libraries_is_probed_quietly_and_named(monkeypatc
         assert "lists its CUDA provider, but it cannot start here: libcublasLt.so.13" in message
         assert "install onnxruntime-gpu (extra" not in message  # it is installed already
         assert "use device='cpu'" in message
-    finally:
-        runtime.cuda_status.cache_clear()
 
 
 class _GpuBuildWithCuda:
@@ -279,23 +286,14 @@ def test_cuda_sessions_compute_float32_unless_tf32_is_asked_for(tiny_onnx, monke
     map then differed by 3e-3 from PyTorch's): sessions turn it off unless asked."""
     import onnxruntime
 
-    import explain_onnx.runtime as runtime
-
     fake = _GpuBuildWithCuda(onnxruntime)
-    require = runtime.require
-    monkeypatch.setattr(
-        runtime, "require", lambda name: fake if name == "onnxruntime" else require(name)
-    )
-    runtime.cuda_status.cache_clear()
-    try:
+    with onnxruntime_replaced_by(fake, monkeypatch):
         session = OnnxSession(tiny_onnx[1], tf32=tf32) if tf32 else OnnxSession(tiny_onnx[1])
         assert session.provider == "CUDAExecutionProvider"
         expected = {"use_tf32": "1" if tf32 else "0"}
         assert fake.requested[-1] == [("CUDAExecutionProvider", expected), "CPUExecutionProvider"]
         OnnxSession(tiny_onnx[1], device="cpu", tf32=tf32)
         assert fake.requested[-1] == ["CPUExecutionProvider"]
-    finally:
-        runtime.cuda_status.cache_clear()
 
 
 def test_cpu_only_session_prints_no_error_lines(tiny_onnx, capfd):
