@@ -369,7 +369,10 @@ def test_parity_says_why_pytorchs_float32_error_was_not_measured(explained_tiny)
     model, path = explained_tiny
     reference, _ = shifted_reference(model, 5e-3)
 
+    tries = []
+
     def cannot_run(x, target):
+        tries.append(x)
         raise RuntimeError("expected scalar type Float but found Double")
 
     report = check_parity(
@@ -383,6 +386,7 @@ def test_parity_says_why_pytorchs_float32_error_was_not_measured(explained_tiny)
     )
     assert not report.passed and report.explanation_noise is None
     assert "float32 error not measured: RuntimeError: expected scalar type" in report.summary()
+    assert len(tries) == 1  # every batch failed; the float64 run was tried once
 
 
 def test_parity_measures_float32_error_only_where_a_map_needs_it(explained_tiny):

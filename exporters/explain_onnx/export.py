@@ -211,12 +211,11 @@ def export_onnx(
                         return [model(x)]
                 return list(spec.reference(model, x, target, **options))
 
-            twins: list[nn.Module] = []  # the float64 copy, made only if a map needs it
+            # The float64 copy, made only if a map needs it.
+            float64_twin = functools.cache(lambda: copy.deepcopy(model).double())
 
             def reference64(x: torch.Tensor, target: torch.Tensor | None) -> list[torch.Tensor]:
-                if not twins:
-                    twins.append(copy.deepcopy(model).double())
-                return list(spec.reference(twins[0], x, target, **options))
+                return list(spec.reference(float64_twin(), x, target, **options))
 
             report = check_parity(
                 temporary,

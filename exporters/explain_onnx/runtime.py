@@ -221,11 +221,9 @@ class OnnxSession:
         path = Path(path)
         if not path.is_file():
             raise InvalidInputError(f"ONNX file {path} does not exist")
-        # The CUDA provider's option (cuBLAS and cuDNN float32 math), as onnxruntime takes it.
-        options = {CUDA: {"use_tf32": "1" if tf32 else "0"}}
-        requested = [
-            (name, options[name]) if name in options else name for name in choose_providers(device)
-        ]
+        # The CUDA provider's option for cuBLAS's and cuDNN's float32 math.
+        cuda = (CUDA, {"use_tf32": "1" if tf32 else "0"})
+        requested = [cuda if name == CUDA else name for name in choose_providers(device)]
         self.session = ort.InferenceSession(
             str(path), sess_options=session_options(threads=threads), providers=requested
         )
