@@ -25,6 +25,7 @@ import onnx  # noqa: E402
 from explain_core import explain  # noqa: E402
 from explain_onnx import OnnxSession, export_onnx  # noqa: E402
 from explain_onnx.gradtrace import (  # noqa: E402
+    _adaptive_avg_pool2d_backward,
     _decompositions,
     _max_pool2d_with_indices,
     _max_pool2d_with_indices_backward,
@@ -477,3 +478,34 @@ def test_nan_to_num_with_several_numbers_stays(values):
     x = torch.tensor([float("nan"), float("inf")])
     assert _nan_to_num(x, *values) is NotImplemented
     assert _nan_to_num_(x, *values) is NotImplemented
+
+
+# --- adaptive average pooling -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "size_in, size_out", [((7, 9), (3, 4)), ((8, 8), (3, 3)), ((5, 6), (5, 1))]
+)
+def test_adaptive_average_pooling_backward_is_autograds(size_in, size_out):
+    x = torch.randn(2, 3, *size_in, dtype=torch.float64, requires_grad=True)
+    pooled = F.adaptive_avg_pool2d(x, size_out)
+    grad = torch.randn_like(pooled)
+    (expected,) = torch.autograd.grad(pooled, x, grad)
+    actual = _adaptive_avg_pool2d_backward(grad, x.detach())
+    assert torch.allclose(actual, expected, rtol=0, atol=1e-12)
+
+
+def test_adaptive_average_pooling_gradient_keeps_the_batch_dynamic_with_opt_einsum(tmp_path):
+    """Where opt_einsum is installed (a dev dependency, as in many user environments), torch
+    plans an einsum of three operands from concrete sizes: that fixed the traced batch size and
+    the export failed, blaming the model (seen on a GPU machine's environment)."""
+    assert torch.backends.opt_einsum.is_available() and torch.backends.opt_einsum.enabled
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(3), nn.Flatten(), nn.Linear(27, 4)
+    ).eval()
+    path = tmp_path / "adaptive.onnx"
+    result = export_onnx(model, torch.rand(4, 1, 8, 8), path, explain="input_x_gradient")
+    assert result.parity is not None and result.parity.passed
+    for batch in (1, 5):
+        assert_matches_explain(path, model, torch.rand(batch, 1, 8, 8), "input_x_gradient")

@@ -135,7 +135,9 @@ def _averaging_matrix(size_in: Any, size_out: Any, like: torch.Tensor) -> torch.
 def _adaptive_avg_pool2d_backward(grad: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
     rows = _averaging_matrix(inputs.shape[-2], grad.shape[-2], grad)
     cols = _averaging_matrix(inputs.shape[-1], grad.shape[-1], grad)
-    return torch.einsum("...ij,ih,jw->...hw", grad, rows, cols)
+    # Two matrix products, not a three-operand einsum: where opt_einsum is installed, torch
+    # plans such an einsum from concrete sizes, which fixes the traced batch size.
+    return rows.mT @ grad @ cols
 
 
 def _avg_pool2d_backward(
