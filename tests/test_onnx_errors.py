@@ -111,6 +111,48 @@ def test_value_dependent_branch_names_the_line(tmp_path):
         export_onnx(Checks().eval(), torch.rand(2, 3), tmp_path / "m.onnx")
 
 
+class ConstantBatch(nn.Module):
+    def forward(self, x):
+        return x.reshape(2, -1)
+
+
+class ThreeFactorProduct(nn.Module):
+    """``x A B`` as one einsum of three operands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, 5))
+        self.b = nn.Parameter(torch.randn(5, 3))
+
+    def forward(self, x):
+        return torch.einsum("bi,ij,jk->bk", x, self.a, self.b)
+
+
+def test_a_constant_batch_size_is_named(tmp_path):
+    no_einsum_hint = torch.backends.opt_einsum.flags(enabled=False)
+    with no_einsum_hint, pytest.raises(ExportError) as raised:
+        export_onnx(ConstantBatch().eval(), torch.rand(2, 4, 3), tmp_path / "m.onnx")
+    assert str(raised.value) == (
+        "ConstantBatch fixes the batch size; use x.shape[0] or -1 in reshapes instead of a "
+        "constant batch size"
+    )
+
+
+def test_an_einsum_planned_by_opt_einsum_is_named_with_the_way_out(tmp_path):
+    """torch plans an einsum of three operands from concrete sizes where opt_einsum is installed
+    (a dev dependency): the batch size is fixed though the model's code never fixes it."""
+    assert torch.backends.opt_einsum.is_available()
+    torch.manual_seed(0)
+    model = ThreeFactorProduct().eval()
+    with pytest.raises(
+        ExportError, match=r"three or more operands .*backends\.opt_einsum\.enabled = False"
+    ):
+        export_onnx(model, torch.rand(3, 4), tmp_path / "m.onnx")
+    with torch.backends.opt_einsum.flags(enabled=False):  # the advice, followed
+        result = export_onnx(model, torch.rand(3, 4), tmp_path / "m.onnx")
+    assert result.parity is not None and result.parity.passed
+
+
 def test_unsupported_decomposed_operator_names_the_module(tmp_path):
     """The translation fails on prims.bessel_j0, the graph holds aten.special_bessel_j0."""
 

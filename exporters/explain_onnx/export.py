@@ -475,10 +475,22 @@ def _tracing_error(error: Exception, model_name: str) -> ExportError:
     if "Constraints violated" in text or "specialized" in text:
         return ExportError(
             f"{model_name} fixes the batch size{where}; use x.shape[0] or -1 in reshapes instead "
-            "of a constant batch size"
+            f"of a constant batch size{_planned_einsum_hint()}"
         )
     return ExportError(
         f"torch.export could not trace {model_name}{where}: {_last_summary_line(text)}"
+    )
+
+
+def _planned_einsum_hint() -> str:
+    """Where opt_einsum is installed, why an einsum can fix the batch size too, and the way out."""
+    planner = torch.backends.opt_einsum
+    if not (planner.is_available() and planner.enabled):
+        return ""
+    return (
+        "; with opt_einsum installed (as here) an einsum of three or more operands fixes it too, "
+        "since torch plans its contraction order from concrete sizes: write it as einsums of two "
+        "operands or matrix products, or export with torch.backends.opt_einsum.enabled = False"
     )
 
 
