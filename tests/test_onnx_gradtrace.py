@@ -14,6 +14,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+import torch.backends.opt_einsum
 import torch.nn.functional as F
 from torch import nn
 

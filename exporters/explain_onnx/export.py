@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.backends.opt_einsum  # not imported with torch before 2.9
 from torch import nn
 
 from explain_core.eager import eager_mode, uncompiled_tree
@@ -53,6 +54,7 @@ MAX_INLINE_BYTES = 1_800_000_000  # ONNX protobufs stop at 2 GB
 # axis), nor below 14 for Add, Mul and Reshape. Opsets 15-17 work for some models (Conv, Linear,
 # capsule nets) but not for others (Pad, in CoDA-Nets); the export says which.
 MIN_OPSET = 15
+TRANSLATION_OPSET = 18  # torchlib's functions are written at this opset
 
 
 @dataclass
@@ -357,14 +359,18 @@ def convert(
         UnsupportedOperatorError: Naming the operator and the module that called it.
         ExportError: For other conversion failures.
     """
+    # torch.onnx translates at opset 18 and converts lower opsets with onnxscript's version
+    # converter since torch 2.9; torch 2.8 translated at the requested opset, where torchlib has
+    # no functions. Converting here does the same on every version.
+    translated_at = TRANSLATION_OPSET if opset is not None and opset < TRANSLATION_OPSET else opset
     try:
         with _quiet():
-            return torch.onnx.export(
+            onnx_program = torch.onnx.export(
                 program,
                 dynamo=True,
                 input_names=input_names,
                 output_names=output_names,
-                opset_version=opset,
+                opset_version=translated_at,
                 custom_translation_table=onnx_translations(),
                 verbose=False,
                 # onnxscript's optimizer (0.7) rewrites `x + c` to `x` for |c| ≤ 1e-8, dropping
@@ -372,6 +378,11 @@ def convert(
                 # sqrt(q), 1e-4 off at q = 0. onnxruntime optimises the graph when it loads it.
                 optimize=False,
             )
+            if translated_at != opset:
+                # As torch.onnx does: keeps the opset and logs where no adapter converts a node.
+                converter = require("onnxscript.version_converter")
+                converter.convert_version(onnx_program.model, opset, fallback=True)
+            return onnx_program
     except Exception as error:
         raise _conversion_error(error, program, opset) from error
 
@@ -449,13 +460,15 @@ def _strip_wrappers(name: str) -> str:
     return name or "<root>"
 
 
-_CALL_SITE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)')
+_CALL_SITE = re.compile(r'File "([^"]+)", line (\d+), in (\w+)$', re.MULTILINE)
 
 
 def _user_call_site(text: str) -> str:
-    """`` at file:line in function: `code` `` of the last frame outside torch, or ``""``."""
+    """`` at file:line in function: `code` `` of the last Python frame outside torch, or ``""``."""
     for file, line, function in reversed(_CALL_SITE.findall(text)):
-        if f"{os.sep}torch{os.sep}" in file:
+        python_source = file.endswith(".py") or file.startswith("<")  # or <stdin>, <string>
+        # torch 2.8 appends its C++ and CPython frames ("??", "…/Objects/call.c") to the error
+        if not python_source or f"{os.sep}torch{os.sep}" in file:
             continue
         # the source line from the file itself: code typed into a REPL has none to quote
         code = linecache.getline(file, int(line)).strip()
