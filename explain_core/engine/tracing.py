@@ -8,12 +8,15 @@ canonizers (which fold BatchNorms into layers), resolves a rule for every affine
 
 from __future__ import annotations
 
+import inspect
 import os
 import sys
+import types
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.utils.hooks
 from torch import nn
 from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode
@@ -178,17 +181,42 @@ class _TraceMode(TorchFunctionMode):
         return result
 
 
+# Where torch applies BackwardHookFunction for a user's full backward hook.
+_BACKWARD_HOOK_SETUP = torch.utils.hooks.BackwardHook._apply_on_tensors.__code__
+
+
 def _autograd_function(depth: int = 16) -> type | None:
-    """The ``torch.autograd.Function`` whose ``apply`` runs within ``depth`` frames, if any."""
+    """The ``torch.autograd.Function`` whose forward runs within ``depth`` frames, if any."""
     frame = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return None
-        if frame.f_code.co_name == "apply":
+        code = frame.f_code
+        if code.co_name == "apply":  # torch ≤ 2.13: Function.apply is a Python classmethod
             cls = frame.f_locals.get("cls")
             if isinstance(cls, type) and issubclass(cls, torch.autograd.Function):
                 return cls
+        elif code is _BACKWARD_HOOK_SETUP:  # torch 2.14 wraps the hook's outputs in view_as
+            return BackwardHookFunction
+        elif code.co_name == "forward":  # torch 2.14's apply is C: find the forward's class
+            cls = _function_with_forward(code)
+            if cls is not None:
+                return cls
         frame = frame.f_back
+    return None
+
+
+def _function_with_forward(code: types.CodeType) -> type | None:
+    """The ``torch.autograd.Function`` subclass whose ``forward`` has this code, if any."""
+    pending = [torch.autograd.Function]
+    while pending:
+        cls = pending.pop()
+        forward = cls.__dict__.get("forward")
+        if isinstance(forward, staticmethod):
+            forward = forward.__func__
+        if forward is not None and getattr(inspect.unwrap(forward), "__code__", None) is code:
+            return cls
+        pending.extend(cls.__subclasses__())
     return None
 
 
