@@ -6,6 +6,7 @@ hooks, flags read by ``forward``, BatchNorms after ReLUs and explicit padding mo
 
 import dataclasses
 import enum
+import functools
 
 import pytest
 import torch
@@ -513,6 +514,43 @@ class _ClampFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
         return grad * (x > 0)
+
+
+def _logged(forward):
+    @functools.wraps(forward)
+    def wrapper(*args):
+        return forward(*args)
+
+    return wrapper
+
+
+class _SetupContextClamp(torch.autograd.Function):
+    """A forward without ``ctx`` (``setup_context`` style), decorated as AMP's custom_fwd does."""
+
+    @staticmethod
+    @_logged
+    def forward(x):
+        return x.clamp(min=0)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * (x > 0)
+
+
+def test_a_custom_function_is_found_from_the_code_of_its_forward():
+    """torch 2.14 runs ``Function.apply`` in C, so no Python frame names the Function: the engine
+    finds it from the running forward's code, also through a decorator."""
+    from explain_core.engine.tracing import _function_with_forward
+
+    assert _function_with_forward(_ClampFunction.forward.__code__) is _ClampFunction
+    inner = _SetupContextClamp.forward.__wrapped__.__code__
+    assert _function_with_forward(inner) is _SetupContextClamp
+    assert _function_with_forward(_logged.__code__) is None
 
 
 class _FunctionReLU(nn.ReLU):
