@@ -181,8 +181,11 @@ class _TraceMode(TorchFunctionMode):
         return result
 
 
-# Where torch applies BackwardHookFunction for a user's full backward hook.
-_BACKWARD_HOOK_SETUP = torch.utils.hooks.BackwardHook._apply_on_tensors.__code__
+# Where torch applies BackwardHookFunction for a user's full backward hook (private to torch:
+# None if a release renames it, and then the hook's ``view_as`` is refused, never skipped).
+_BACKWARD_HOOK_SETUP = getattr(
+    getattr(torch.utils.hooks.BackwardHook, "_apply_on_tensors", None), "__code__", None
+)
 
 
 def _autograd_function(depth: int = 16) -> type | None:
