@@ -34,7 +34,7 @@ PAGES = (
         "Modified backpropagation",
         ("modbp_", "cnn_", "resnet50_", "zennit_", "torchvision_"),
     ),
-    ("transformers", "Transformers", ("transformers_", "lxt_")),
+    ("transformers", "Transformers", ("transformers_", "lxt_", "hf_")),
     ("onnx", "ONNX export", ("onnx_",)),
     ("gpu", "On a CUDA GPU", ("cuda_",)),
     ("core", "The core: overhead, threads and the rest", ()),

@@ -8,6 +8,7 @@ either factor detached; relevance is ``x ⊙ ∂y_k/∂x``.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -632,3 +633,46 @@ def test_cosine_attention_holds_the_norms_constant():
     torch.testing.assert_close(explain(model, x, "lrp.cp", 1).attribution, x * grad)
     reference, _ = zoo_references.reference_attn_lrp(model, x, 1)
     torch.testing.assert_close(explain(model, x, "lrp.attn", 1).attribution, reference)
+
+
+class BiasedScores(nn.Module):
+    """Attention whose scores carry an additive bias, as Bloom's ALiBi: ``torch.baddbmm``."""
+
+    def __init__(self, form: str, beta: float = 0.5) -> None:
+        super().__init__()
+        self.form, self.beta = form, beta
+        self.qkv, self.head = nn.Linear(8, 24), nn.Linear(8, 3)
+        bias = torch.randn(1, 6, 6, generator=torch.Generator().manual_seed(5))
+        self.register_buffer("alibi", bias if beta else bias.fill_(float("nan")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        alibi = self.alibi.to(x.dtype)
+        if self.form == "baddbmm":  # as Bloom calls it: the method, keywords
+            scores = alibi.baddbmm(batch1=q, batch2=k.transpose(1, 2), beta=self.beta, alpha=0.25)
+        else:  # the same with the operations the engine knew before
+            scores = 0.25 * (q @ k.transpose(1, 2))
+            scores = scores + self.beta * alibi if self.beta else scores
+        return self.head((scores.softmax(-1) @ v).mean(1))
+
+
+@pytest.mark.parametrize("beta", [0.5, 0.0])  # β = 0: torch ignores the input, NaN and all
+@pytest.mark.parametrize("method", ["lrp.attn", "lrp.cp", "gradient"])
+def test_baddbmm_is_explained_as_its_product_plus_its_scaled_input(method, beta):
+    from explain_core.engine.decompose import baddbmm
+
+    x = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(0)
+    fused = BiasedScores("baddbmm", beta).double().eval()
+    plain = copy.deepcopy(fused)
+    plain.form = "plainly"
+    expected = explain(plain, x, method, 1)
+    assert expected.attribution.abs().sum() > 0
+    result = explain(fused, x, method, 1)
+    torch.testing.assert_close(result.attribution, expected.attribution)
+    assert torch.isfinite(result.attribution).all()
+    a, b, c = (torch.randn(2, 4, n, dtype=torch.float64) for n in (4, 5, 5))
+    torch.testing.assert_close(  # the math form equals torch's kernel
+        baddbmm(a, b, c.transpose(1, 2), beta=beta, alpha=0.3),
+        torch.baddbmm(a, b, c.transpose(1, 2), beta=beta, alpha=0.3),
+    )

@@ -112,6 +112,23 @@ def test_the_model_and_its_config_are_left_as_they_were(family):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_bloom_with_alibi_scores_and_its_gelu_function_is_explained():
+    # Bloom adds ALiBi to its attention scores with torch.baddbmm and runs its GELU as a custom
+    # autograd Function: the scores in their math form, the GELU module by the pass rule.
+    torch.manual_seed(0)
+    config = transformers.BloomConfig(hidden_size=32, n_layer=2, n_head=4, num_labels=3)
+    config.pad_token_id = 0
+    model = bias_free(transformers.BloomForSequenceClassification(config).double().eval())
+    state = copy.deepcopy(model.state_dict())
+    x = inputs((2, 6, 32))
+    result = explain(Logits(model, "inputs_embeds"), x, "lrp.cp", 2)
+    assert result.attribution.abs().sum() > 0
+    torch.testing.assert_close(result.delta, torch.zeros(2, dtype=torch.float64))
+    attn = explain(Logits(model, "inputs_embeds"), x, "lrp.attn", 2)
+    assert torch.isfinite(attn.attribution).all() and attn.attribution.abs().sum() > 0
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+
+
 def test_other_relevance_methods_refuse_with_advice():
     model, key, shape = build("bert", "eager")
     with pytest.raises(Exception, match="AttnLRP or CP-LRP"):

@@ -6,10 +6,11 @@ here too.)
 
 ``F.scaled_dot_product_attention`` (every backend) and ``F.multi_head_attention_forward`` (what
 ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call) reach the engine as single
-operations. Inside the engine's pass they are computed instead as the operations they stand
-for — projections, ``Q·Kᵀ``, masking, ``softmax``, ``A·V`` — which the composite's rules then
-apply to, exactly as to attention written by hand. The values equal the fused kernels' up to
-float rounding; the model and ``torch`` are not changed.
+operations, and so do attention scores with an additive bias, ``torch.baddbmm`` (Bloom). Inside
+the engine's pass they are computed instead as the operations they stand for — projections,
+``Q·Kᵀ``, masking, ``softmax``, ``A·V`` — which the composite's rules then apply to, exactly as to
+attention written by hand. The values equal the fused kernels' up to float rounding; the model
+and ``torch`` are not changed.
 """
 
 from __future__ import annotations
@@ -26,7 +27,13 @@ from explain_core.engine import recurrent
 from explain_core.engine.ops import op_name
 from explain_core.errors import UnsupportedModelError
 
-__all__ = ["DECOMPOSED", "MathAttention", "multi_head_attention", "scaled_dot_product_attention"]
+__all__ = [
+    "DECOMPOSED",
+    "MathAttention",
+    "baddbmm",
+    "multi_head_attention",
+    "scaled_dot_product_attention",
+]
 
 
 def scaled_dot_product_attention(
@@ -155,6 +162,37 @@ def multi_head_attention(
     return out, attention_out
 
 
+def baddbmm(
+    input: torch.Tensor,  # torch's names: callers pass them as keywords
+    batch1: torch.Tensor,
+    batch2: torch.Tensor,
+    *,
+    beta: float = 1.0,
+    alpha: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``β·input + α·(batch1 @ batch2)``, as ``torch.baddbmm`` computes it.
+
+    Attention scores with an additive bias (Bloom's ALiBi): the product of two activations and
+    the addition become operations of their own, which the composite's rules apply to. As in
+    torch, ``input`` is ignored where ``β = 0``.
+
+    Raises:
+        UnsupportedModelError: For ``out=`` (the pass cannot write into a given tensor).
+    """
+    if out is not None:
+        raise UnsupportedModelError(
+            "baddbmm writes into out=: the relevance engine cannot follow a result written into "
+            "a given tensor; assign the result instead (scores = torch.baddbmm(...))"
+        )
+    product = batch1 @ batch2
+    if alpha != 1:
+        product = product * alpha
+    if beta == 0:
+        return product
+    return product + (input if beta == 1 else input * beta)
+
+
 def _constant(tensor: torch.Tensor | None) -> torch.Tensor | None:
     """A weight as a constant of the pass (its views are not activations)."""
     return None if tensor is None else tensor.detach()
@@ -192,6 +230,7 @@ def _additive_mask(
 DECOMPOSED: dict[str, Callable[..., Any]] = {
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "multi_head_attention_forward": multi_head_attention,
+    "baddbmm": baddbmm,
     "lstm": recurrent.lstm,
     "gru": recurrent.gru,
     "rnn_tanh": recurrent.rnn_tanh,

@@ -77,14 +77,18 @@ class Constant(Rule):
 def elementwise_module(name: str, module: nn.Module) -> bool:
     """Modules that act element-wise though written with several operations.
 
-    Hugging Face's activation modules (``NewGELUActivation``: ``0.5·x·(1 + tanh(…))``) and
-    RMSNorm modules written with tensor operations (``LlamaRMSNorm`` and its copies: with the
-    scale held constant ``y = w ⊙ x / rms`` is element-wise), which the pass rule explains as a
-    whole (``R_x = R_y``).
+    Hugging Face's activation modules (``NewGELUActivation``: ``0.5·x·(1 + tanh(…))``; a model's
+    own, such as ``BloomGelu``, which runs a custom autograd Function) and RMSNorm modules
+    written with tensor operations (``LlamaRMSNorm`` and its copies: with the scale held constant
+    ``y = w ⊙ x / rms`` is element-wise), which the pass rule explains as a whole
+    (``R_x = R_y``).
     """
     kind = type(module)
-    return kind.__module__ == "transformers.activations" or (
-        kind.__name__.endswith("RMSNorm") and not isinstance(module, nn.RMSNorm)
+    from_transformers = kind.__module__.startswith("transformers.")
+    return (
+        kind.__module__ == "transformers.activations"
+        or (from_transformers and kind.__name__.endswith("Gelu"))
+        or (kind.__name__.endswith("RMSNorm") and not isinstance(module, nn.RMSNorm))
     )
 
 
