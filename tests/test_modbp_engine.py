@@ -231,11 +231,46 @@ def test_model_state_is_identical_after_attribution_and_after_exceptions():
     assert model.user_attribute == [1, 2]
 
 
-def test_reused_module_is_an_error_naming_it():
-    shared = nn.Linear(4, 4)
-    model = nn.Sequential(shared, nn.ReLU(), shared).double().eval()
-    with pytest.raises(UnsupportedModelError, match=r"'0' \(Linear\) is called more than once"):
-        explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
+@pytest.mark.parametrize(
+    "method",
+    ["lrp.epsilon", "lrp.zplus", "lrp.gamma", "lrp.alpha2beta1", "deeplift.rescale", "guided_bp"],
+)
+def test_a_reused_module_is_explained_as_copies_of_it_with_its_weights(method):
+    # A known equivalence: the rule applies at every call, as to copies of the module.
+    shared = nn.Linear(4, 4).double()
+    model = nn.Sequential(shared, nn.ReLU(), shared).eval()
+    copies = nn.Sequential(shared, nn.ReLU(), copy.deepcopy(shared)).eval()
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    expected = explain(copies, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    before = state_fingerprint(model)
+    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
+    assert_same_state(before, state_fingerprint(model))
+
+
+@pytest.mark.parametrize(
+    ("method", "match"),
+    [
+        ("lrp.w2", r"'0' \(Linear\) is called 2 times .* on the model input in some calls"),
+        ("excitation_bp.contrastive", r"'0' \(Linear\) is called 2 times .* output layer"),
+        ("deeplift.reveal_cancel", r"'0' is called more than once .* records of this pass"),
+    ],
+)
+def test_a_reused_module_whose_calls_need_different_rules_is_refused(method, match):
+    # the input-layer rule, the output-layer rule, per-layer records: one call each
+    shared = nn.Linear(4, 4).double()
+    model = nn.Sequential(shared, nn.ReLU(), shared).eval()
+    with pytest.raises(UnsupportedModelError, match=match):
+        explain(model, torch.randn(2, 4, dtype=torch.float64), method, 1)
+    assert not shared._forward_hooks and not shared._forward_pre_hooks
+
+
+def test_a_reused_module_with_a_batch_norm_folded_in_is_refused():
+    conv, norm = nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2)
+    model = nn.Sequential(conv, norm, nn.ReLU(), conv, norm, nn.Flatten(), nn.Linear(32, 3))
+    match = r"'0' \(Conv2d\) is called 2 times .* folds '0' and '1' into one layer"
+    with pytest.raises(UnsupportedModelError, match=match):
+        explain(model.double().eval(), torch.rand(2, 2, 4, 4, dtype=torch.float64), "lrp.epsilon")
 
 
 def test_unsupported_layer_is_an_error_naming_path_type_and_how_to_register():

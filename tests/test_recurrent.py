@@ -480,3 +480,70 @@ def test_a_cell_stepped_by_hand_is_explained_as_the_layer_with_its_weights(kind,
     torch.testing.assert_close(
         explain(stepped, x, method, 2).attribution, expected, rtol=1e-9, atol=1e-12
     )
+
+
+class LSTMByHand(nn.Module):
+    """An LSTM written out by hand: one Linear on ``[x_t; h]`` called at every step."""
+
+    def __init__(self, lstm: nn.LSTM, head: nn.Linear) -> None:
+        super().__init__()
+        self.width = lstm.hidden_size
+        self.gates = nn.Linear(lstm.input_size + self.width, 4 * self.width).double()
+        with torch.no_grad():
+            self.gates.weight.copy_(torch.cat([lstm.weight_ih_l0, lstm.weight_hh_l0], 1))
+            self.gates.bias.copy_(lstm.bias_ih_l0 + lstm.bias_hh_l0)
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = c = x.new_zeros(x.shape[0], self.width)
+        for t in range(x.shape[1]):
+            i, f, g, o = self.gates(torch.cat([x[:, t], h], 1)).chunk(4, 1)
+            c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+            h = torch.sigmoid(o) * torch.tanh(c)
+        return self.head(h)
+
+
+class ElmanByHand(nn.Module):
+    """An Elman RNN written out by hand: ``h = tanh(ih(x_t) + hh(h))``, two Linears per step."""
+
+    def __init__(self, rnn: nn.RNN, head: nn.Linear) -> None:
+        super().__init__()
+        self.ih = nn.Linear(rnn.input_size, rnn.hidden_size).double()
+        self.hh = nn.Linear(rnn.hidden_size, rnn.hidden_size).double()
+        with torch.no_grad():
+            for linear, kind in ((self.ih, "ih"), (self.hh, "hh")):
+                linear.weight.copy_(getattr(rnn, f"weight_{kind}_l0"))
+                linear.bias.copy_(getattr(rnn, f"bias_{kind}_l0"))
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], self.hh.in_features)
+        for t in range(x.shape[1]):
+            h = torch.tanh(self.ih(x[:, t]) + self.hh(h))
+        return self.head(h)
+
+
+@pytest.mark.parametrize(
+    ("kind", "method"),
+    [
+        ("lstm", "lrp.epsilon"),
+        ("lstm", "lrp.z"),
+        ("lstm", "lrp.epsilon_plus"),
+        ("lstm", "integrated_gradients"),
+        ("rnn_tanh", "lrp.z"),  # two linear maps and an addition: LRP-0 as for one map
+        ("rnn_tanh", "deeplift.rescale"),
+    ],
+)
+def test_a_cell_written_by_hand_reusing_its_linear_layers_equals_the_layer(kind, method):
+    # A known equivalence: the same weights as one nn.LSTM / nn.RNN (whose written-out cells
+    # the tests above compare with Arras et al.'s LRP and DeepLIFT by hand); the by-hand
+    # model calls its Linear layers once per step, each call with its own rule.
+    torch.manual_seed(6)
+    layer = recurrent(kind, 4, 5, batch_first=True).double()
+    model = Classifier(layer).double().eval()
+    by_hand = (LSTMByHand if kind == "lstm" else ElmanByHand)(layer, model.head).eval()
+    x = sequences()
+    torch.testing.assert_close(by_hand(x), model(x))
+    expected = explain(model, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(by_hand, x, method, 1).attribution, expected)

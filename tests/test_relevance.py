@@ -1,10 +1,11 @@
+import copy
+
 import pytest
 import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
 from explain_core import Composite, InputLayer, OutputLayer, Rule, RuleCall
-from explain_core.errors import UnsupportedModelError
 
 
 class Epsilon(Rule):
@@ -131,12 +132,14 @@ def test_composite_leaves_model_bit_identical_after_use_and_after_exceptions():
     torch.testing.assert_close(model(x), expected_out, rtol=0, atol=0)
 
 
-def test_a_reused_module_is_refused_with_a_clear_error():
+def test_a_reused_module_gets_its_rule_at_every_call():
     shared = nn.Linear(4, 4).double()
     model = nn.Sequential(shared, nn.ReLU(), shared).eval()
+    copies = nn.Sequential(shared, nn.ReLU(), copy.deepcopy(shared)).eval()
     x = torch.randn(2, 4, dtype=torch.float64)
-    with pytest.raises(UnsupportedModelError, match=r"'0' \(Linear\) is called more than once"):
-        propagate(model, Composite([(nn.Linear, Epsilon())]), x, torch.ones(2, 4).double())
+    composite, start = Composite([(nn.Linear, Epsilon(0.1))]), torch.ones(2, 4).double()
+    expected = propagate(copies, composite, x, start)
+    torch.testing.assert_close(propagate(model, composite, x, start), expected)
     assert not shared._forward_hooks and not shared._forward_pre_hooks
 
 

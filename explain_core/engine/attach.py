@@ -550,10 +550,24 @@ class RulePass(ModuleListener):
             call.inputs = tuple(_stand_in(t) for t in call.inputs)
         out = _RuleFunction.apply(x, rule, call, keep_input)
         if self.record:  # a record holds the layer's output, which the model may free (ReLU)
+            self._check_recorded_once(call.name)
             self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
         if masks_rectified_outputs(rule, call):
             self.masked_outputs[id(out)] = weakref.ref(out)
         return out
+
+    def _check_recorded_once(self, name: str) -> None:
+        """Records are per layer: a layer called twice cannot be recorded (nor checked by them).
+
+        Raises:
+            UnsupportedModelError: If ``name`` was recorded in this pass already.
+        """
+        if name in self.records:
+            raise UnsupportedModelError(
+                f"module {name!r} is called more than once in one forward pass; the records of "
+                "this pass (record=True: per-layer relevance, the layer checks) keep one call "
+                "per layer: give each use its own module (copy.deepcopy) to record it"
+            )
 
     def count_calls(self) -> dict[str, int]:
         """Count the calls of every affine module from now on (to validate a cached plan)."""
@@ -733,6 +747,7 @@ class RulePass(ModuleListener):
                 branch_free=self.plan.branch_free,
             )
             if isinstance(rule, Gradient):  # planned only when recording
+                self._check_recorded_once(name)
                 self.records[name] = LayerRecord(name, x, output, rule, call)
                 return None
             return self.apply_rule(rule, call, x, output)

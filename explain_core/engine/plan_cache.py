@@ -207,8 +207,9 @@ def forget_plan(model: nn.Module) -> None:
 
 
 def expected_calls(plan: Plan) -> dict[str, int]:
-    """Affine (and custom-ruled) module name → calls a pass following ``plan`` makes (1 each)."""
+    """Affine (and custom-ruled) module name → calls a pass following ``plan`` makes."""
     calls = dict.fromkeys(plan.order, 1)
     calls.update(dict.fromkeys(plan.merged.values(), 1))
     calls.update(dict.fromkeys(plan.custom, 1))
+    calls.update(plan.calls)
     return calls

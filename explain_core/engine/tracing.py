@@ -42,7 +42,13 @@ from explain_core.engine.ops import (
     op_name,
 )
 from explain_core.errors import UnsupportedModelError
-from explain_core.interfaces.relevance import AffineRule, Gradient, InputLayer, Rule
+from explain_core.interfaces.relevance import (
+    AffineRule,
+    Gradient,
+    InputLayer,
+    OutputLayer,
+    Rule,
+)
 from explain_core.scoped import ModuleListener, listening
 from explain_core.validation import CHECKPOINT_ADVICE
 
@@ -95,6 +101,8 @@ class Plan:
             whose input is not known to be non-negative are marked ``"signed"``.
         decomposed: The model calls fused attention, which the pass computes in its math form
             (:mod:`explain_core.engine.decompose`).
+        calls: Module name → its calls in one forward pass, where more than one (a layer
+            reused at every step of a loop, shared weights): its rule applies to each call.
     """
 
     order: list[str] = field(default_factory=list)
@@ -112,6 +120,7 @@ class Plan:
     value_dependent: bool = False
     branch_free: bool = False
     decomposed: bool = False
+    calls: dict[str, int] = field(default_factory=dict)
 
     @property
     def input_relevance_form(self) -> bool:
@@ -305,8 +314,10 @@ class _Tracer(ModuleListener):
         self.layer_input: dict[str, int] = {}
         self.layer_input_dims: dict[str, int] = {}
         self.input_layers: set[str] = set()
+        self.not_input_layers: set[str] = set()  # called on something else too
         self.nonnegative: set[int] = set()
         self.nonnegative_layers: set[str] = set()
+        self.signed_layers: set[str] = set()  # called on inputs of either sign too
         self.steps: list[Step] = []
         self.made_by: dict[int, str] = {}
         self.value_dependent = False
@@ -491,13 +502,9 @@ class _Tracer(ModuleListener):
         self.stack.append(name)
         if name not in self.opaque:
             return
-        count = self.calls[name] = self.calls.get(name, 0) + 1
-        if count > 1:
-            raise UnsupportedModelError(
-                f"module {name!r} ({type(module).__name__}) is called more than once in one "
-                "forward pass; relevance rules keep per-layer state, so give each use its own "
-                "module instance (e.g. copy.deepcopy) instead of reusing it"
-            )
+        # A module called again (a layer reused at every step of a loop, shared weights) gets
+        # its rule at every call; what the plan says of the layer must hold for all its calls.
+        self.calls[name] = self.calls.get(name, 0) + 1
         # What the module receives before a full backward hook wraps it (the wrapped copies are
         # made inside the opaque module, where the trace does not look).
         self.opaque_args = args
@@ -505,9 +512,12 @@ class _Tracer(ModuleListener):
         if any(id(t) in self.input_like for t in tensors):
             self.input_layers.add(name)
         elif tensors:
-            self.reads[name] = self.made_by.get(id(tensors[0]), "an intermediate tensor")
+            self.not_input_layers.add(name)
+            self.reads.setdefault(name, self.made_by.get(id(tensors[0]), "an intermediate tensor"))
         if tensors and all(id(t) in self.nonnegative for t in tensors):
             self.nonnegative_layers.add(name)
+        elif tensors:
+            self.signed_layers.add(name)
         if isinstance(module, AFFINE_TYPES) and tensors:
             self.layer_input[name] = id(tensors[0])
             self.layer_input_dims[name] = tensors[0].dim()
@@ -531,7 +541,7 @@ class _Tracer(ModuleListener):
                         self.producer[id(t)] = name
                 problem = None if torch.is_grad_enabled() else self.no_grad_problem()
                 self.record(name, inputs, _tensors(output), problem, module=True)
-                if isinstance(module, AFFINE_TYPES):
+                if isinstance(module, AFFINE_TYPES) and name not in self.order:
                     self.order.append(name)
         if not self.opaque_depth and self.stack and self.stack[-1] == name:
             self.stack.pop()
@@ -627,6 +637,43 @@ class _Tracer(ModuleListener):
             verdicts[layer] = verdicts.get(layer, True) and through_relu
         return {layer for layer, rectified in verdicts.items() if rectified and layer in plan.order}
 
+    def _check_repeated_calls(self, plan: Plan) -> None:
+        """Refuse a module called more than once where its calls would need different rules.
+
+        Raises:
+            UnsupportedModelError: For a BatchNorm folded into (or from) such a layer, a layer
+                that reads the model input in some calls only (under a composite with an
+                input-layer rule), or the output layer (under one with an output-layer rule).
+        """
+        for name, count in plan.calls.items():
+            kind = type(self.model.get_submodule(name)).__name__
+            called = f"module {name!r} ({kind}) is called {count} times in one forward pass"
+            folded = plan.merged.get(name) or next(
+                (layer for layer, bn in plan.merged.items() if bn == name), None
+            )
+            if folded is not None:
+                raise UnsupportedModelError(
+                    f"{called} and the composite's canonizer folds {name!r} and {folded!r} into "
+                    "one layer, which it can do for one call only: give each use its own module "
+                    "(copy.deepcopy), or build the composite with canonizers=() and give the "
+                    "BatchNorm a rule of its own"
+                )
+            mixed = name in self.input_layers and name in self.not_input_layers
+            if mixed and self.composite.position_rule(InputLayer) is not None:
+                raise UnsupportedModelError(
+                    f"{called}, on the model input in some calls and on other tensors in "
+                    f"others, and the composite {self.composite.name!r} has a rule for the layer "
+                    "that reads the input: give each use its own module (copy.deepcopy), or use "
+                    "a composite without an input-layer rule"
+                )
+            last = name == plan.order[-1] if plan.order else False
+            if last and self.composite.position_rule(OutputLayer) is not None:
+                raise UnsupportedModelError(
+                    f"{called} and gives the model's output, and the composite "
+                    f"{self.composite.name!r} has a rule for the output layer, which would apply "
+                    "to its every call: give the last use its own module (copy.deepcopy)"
+                )
+
     def _plan(self, live: list[Step]) -> Plan:
         layers = self.traced_layers(live)
         for canonizer in self.composite.canonizers:
@@ -637,10 +684,14 @@ class _Tracer(ModuleListener):
             plan.types[name] = type(self.model.get_submodule(name)).__name__
             if name not in folded:
                 plan.order.append(name)
-        plan.input_layers = {n for n in self.input_layers if n in plan.order}
+        plan.calls = {n: c for n, c in self.calls.items() if c > 1}
+        self._check_repeated_calls(plan)
+        only_input = self.input_layers - self.not_input_layers
+        plan.input_layers = {n for n in only_input if n in plan.order}
         if plan.order and not plan.input_layers:
             plan.first_reads = self.reads.get(plan.order[0], "")
-        plan.nonnegative_inputs = {n for n in self.nonnegative_layers if n in plan.order}
+        nonnegative = self.nonnegative_layers - self.signed_layers
+        plan.nonnegative_inputs = {n for n in nonnegative if n in plan.order}
         merged_back = {bn: lin for lin, bn in plan.merged.items()}
         for op, inputs, _, _ in live:
             for tensor_id in inputs if self._relu_step(op) else ():
