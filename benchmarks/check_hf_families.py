@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 import transformers as hf
+from bench_transformers_speed import Logits
 from torch import nn
 
 from explain_core import explain
@@ -39,17 +40,6 @@ SMALL = {
 DECODER = {**SMALL, "pad_token_id": 0}
 IMAGE = {**SMALL, "image_size": 16, "patch_size": 4}
 CONSTANTS = ("position", "token_type", "wpe", "cls_token", "mask_token")
-
-
-class Logits(nn.Module):
-    """The model's logits from its embeddings (``inputs_embeds``) or images (``pixel_values``)."""
-
-    def __init__(self, model: nn.Module, key: str) -> None:
-        super().__init__()
-        self.model, self.key = model, key
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(**{self.key: x}).logits
 
 
 def _text(model: type, config: hf.PretrainedConfig, width: int = 32) -> Callable:
