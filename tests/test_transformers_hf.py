@@ -129,6 +129,30 @@ def test_bloom_with_alibi_scores_and_its_gelu_function_is_explained():
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.parametrize("method", ["lrp.attn", "lrp.cp"])
+def test_albert_calls_its_one_shared_layer_at_every_depth_and_is_explained(method):
+    # ALBERT's layers share one module, called once per layer: its rules apply at every call.
+    # A known equivalence: the same weights with one group of layers per depth (no sharing).
+    torch.manual_seed(0)
+    small = {**SMALL, "intermediate_size": 64, "embedding_size": 16}
+    shared = transformers.AlbertForSequenceClassification(transformers.AlbertConfig(**small))
+    shared = bias_free(shared.double().eval())
+    config = transformers.AlbertConfig(**small, num_hidden_groups=2)
+    unshared = transformers.AlbertForSequenceClassification(config).double().eval()
+    state = shared.state_dict()
+    for name in unshared.state_dict():  # every group gets the shared group's weights
+        source = name.replace("albert_layer_groups.1.", "albert_layer_groups.0.")
+        unshared.state_dict()[name].copy_(state[source])
+    x = inputs((2, 6, 16))
+    expected = explain(Logits(unshared, "inputs_embeds"), x, method, 2)
+    assert expected.attribution.abs().sum() > 0
+    result = explain(Logits(shared, "inputs_embeds"), x, method, 2)
+    torch.testing.assert_close(result.output, expected.output)
+    torch.testing.assert_close(result.attribution, expected.attribution)
+    if method == "lrp.cp":  # and CP-LRP conserves on it (bias-free)
+        torch.testing.assert_close(result.delta, torch.zeros(2, dtype=torch.float64))
+
+
 def test_other_relevance_methods_refuse_with_advice():
     model, key, shape = build("bert", "eager")
     with pytest.raises(Exception, match="AttnLRP or CP-LRP"):
