@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import transformers as hf
 from bench_transformers_speed import Logits
+from test_transformers_hf import bias_free
 from torch import nn
 
 from explain_core import explain
@@ -39,7 +40,6 @@ SMALL = {
 }
 DECODER = {**SMALL, "pad_token_id": 0}
 IMAGE = {**SMALL, "image_size": 16, "patch_size": 4}
-CONSTANTS = ("position", "token_type", "wpe", "cls_token", "mask_token")
 
 
 def _text(model: type, config: hf.PretrainedConfig, width: int = 32) -> Callable:
@@ -155,18 +155,6 @@ FAMILIES: dict[str, Callable[[], tuple[nn.Module, str, tuple[int, ...]]]] = {
     ),
 }
 """Family → a builder of (model, input name, input shape)."""
-
-
-def bias_free(model: nn.Module) -> nn.Module:
-    """The model with every bias, additive constant and BatchNorm mean zero."""
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("bias") or any(part in name for part in CONSTANTS):
-                parameter.zero_()
-        for module in model.modules():
-            if isinstance(module, nn.modules.batchnorm._BatchNorm):
-                module.running_mean.zero_()
-    return model
 
 
 def _refusal(error: ExplainError) -> str:

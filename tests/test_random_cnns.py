@@ -4,7 +4,7 @@ The zoo (``tests/test_zoo.py``) checks fixed architectures; here the same layers
 orders, widths and activations, so that no rule is only right next to the neighbours the zoo
 gives it. Every map is checked as the zoo checks it (``zoo.method_outcome``: conservation on the
 bias-free twin, DeepLIFT's summation to delta, autograd, or an independent float64 reference),
-and the model's parameters and buffers must be unchanged after every call. GroupNorm and
+and the model (parameters, buffers, hooks, modes) must be unchanged after every call. GroupNorm and
 InstanceNorm, which the float64 references do not cover, get the exact checks that need no
 reference: LRP-0 conserves on the bias-free twin, the gradient methods equal autograd, and
 every other method gives a finite map or one clear error.
@@ -18,10 +18,12 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_same_state, state_fingerprint
 from torch import nn
 from zoo import (
     AUTOGRAD,
     CONSERVING,
+    NORMS,
     LayerNorm2d,
     Permute,
     SqueezeExcitation,
@@ -149,7 +151,7 @@ def random_cnn(seed: int, per_sample: bool = False) -> nn.Module:
     model = nn.Sequential(*layers)
     with torch.no_grad():  # norms' affine parameters other than their initial ones and zero
         for module in model.modules():
-            if isinstance(module, (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)):
+            if isinstance(module, NORMS):
                 module.weight.uniform_(0.5, 1.5)
                 module.bias.normal_(0.0, 0.1)
     return model
@@ -166,10 +168,6 @@ def _inputs(seed: int) -> torch.Tensor:
     return torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
 
 
-def _state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: value.clone() for name, value in model.state_dict().items()}
-
-
 def test_the_seeds_build_every_kind_of_block():
     assert {kind for seed in SEEDS for kind in _kinds(seed)} == set(range(BLOCK_KINDS))
 
@@ -177,7 +175,7 @@ def test_the_seeds_build_every_kind_of_block():
 def _explain_watched(method: str, model: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """``method``'s map on ``model`` (``None`` for a clear refusal); the model must not change."""
     model.eval()
-    before = _state(model)
+    before = state_fingerprint(model)
     try:
         options = method_options(method, model, x)  # PatternNet's fit may refuse the model
         return explain(model, x, method, 1, **options).attribution
@@ -185,10 +183,7 @@ def _explain_watched(method: str, model: nn.Module, x: torch.Tensor) -> torch.Te
         assert "\n" not in str(error).strip(), (method, str(error))  # one clear line
         return None
     finally:
-        after = model.state_dict()
-        assert after.keys() == before.keys(), method
-        for name, value in before.items():
-            assert torch.equal(after[name], value), (method, name)
+        assert_same_state(before, state_fingerprint(model))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

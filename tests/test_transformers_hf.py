@@ -83,11 +83,15 @@ def test_eager_and_sdpa_attention_give_the_same_relevance(family, method):
 
 
 def bias_free(model: nn.Module) -> nn.Module:
-    constants = ("position", "token_type", "wpe", "cls_token")
+    """The model with every bias, additive embedding and token, and BatchNorm mean zero."""
+    constants = ("position", "token_type", "wpe", "cls_token", "mask_token")
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias") or any(part in name for part in constants):
                 parameter.zero_()
+        for module in model.modules():
+            if isinstance(module, nn.modules.batchnorm._BatchNorm):
+                module.running_mean.zero_()
     return model
 
 

@@ -689,15 +689,15 @@ def randomise_batchnorm(model: nn.Module, seed: int = 0) -> nn.Module:
     return model
 
 
-_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)
+NORMS = (nn.LayerNorm, nn.GroupNorm, nn.InstanceNorm2d)
+"""Norm layers with an affine offset (``bias``)."""
 
 
 def bias_free(model: nn.Module) -> nn.Module:
     """The same model without biases on its signal path: every bias, BatchNorm shift and
     LayerNorm/GroupNorm/InstanceNorm offset zero (a squeeze-excitation gate's own biases do not
-    matter), and
-    the constants a vision transformer adds to its tokens (class token, position embeddings;
-    biases added to attention scores before the softmax do not matter either).
+    matter), and the constants a vision transformer adds to its tokens (class token, position
+    embeddings; biases added to attention scores before the softmax do not matter either).
     """
     with torch.no_grad():
         for module in model.modules():
@@ -705,7 +705,7 @@ def bias_free(model: nn.Module) -> nn.Module:
                 module.bias.zero_()
                 module.running_mean.zero_()
             elif (
-                isinstance(module, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear, *_NORMS))
+                isinstance(module, (nn.Conv2d, nn.ConvTranspose2d, nn.Linear, *NORMS))
                 and module.bias is not None
             ):
                 module.bias.zero_()

@@ -666,7 +666,7 @@ class _Tracer(ModuleListener):
                     "that reads the input: give each use its own module (copy.deepcopy), or use "
                     "a composite without an input-layer rule"
                 )
-            last = name == plan.order[-1] if plan.order else False
+            last = bool(plan.order) and name == plan.order[-1]
             if last and self.composite.position_rule(OutputLayer) is not None:
                 raise UnsupportedModelError(
                     f"{called} and gives the model's output, and the composite "
