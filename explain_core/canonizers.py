@@ -26,8 +26,10 @@ class TracedLayers:
         order: Qualified names of the Linear/Conv/BatchNorm modules the pass ran, in order.
         modules: Name → module.
         reads: Layer name → the layer whose output it reads, where it reads that output
-            unchanged and nothing else reads it.
-        input_dims: Layer name → number of dimensions of the input it read.
+            unchanged and nothing else reads it (for a layer called more than once: at every
+            call, an output of its own call of that layer).
+        input_dims: Layer name → number of dimensions of the input it read (the same at every
+            call).
         merged: Linear/Conv name → the BatchNorm folded into it (what canonizers write).
     """
 

@@ -100,6 +100,62 @@ def test_the_engine_applies_the_canonizer_and_equals_a_model_folded_by_hand():
     assert plan.merged == {"0": "1", "3": "4", "7": "8"}
 
 
+class Siamese(nn.Module):
+    """One branch (conv, BatchNorm, ReLU) on both halves of the input, a head on both outputs.
+
+    ``interleaved`` runs the branch's first layer on both halves before the rest on either.
+    """
+
+    def __init__(self, branch: nn.Sequential, head: nn.Module, interleaved: bool = False) -> None:
+        super().__init__()
+        self.branch, self.head, self.interleaved = branch, head, interleaved
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        left, right = x[:, :3], x[:, 3:]
+        if self.interleaved:
+            first, rest = self.branch[0], self.branch[1:]
+            left, right = first(left), first(right)
+            left, right = rest(left), rest(right)
+        else:
+            left, right = self.branch(left), self.branch(right)
+        return self.head(torch.cat([left, right], dim=1).flatten(1))
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("method", ["lrp.epsilon_plus", "lrp.alpha2beta1", "lrp.epsilon"])
+def test_a_shared_conv_and_its_batchnorm_are_folded_at_every_call(interleaved, method):
+    branch = conv_bn_net()[:3]
+    head = nn.Linear(2 * 6 * 8 * 8, 4).double()
+    model = Siamese(branch, head, interleaved).eval()
+    reference_model = Siamese(folded_by_hand(branch), head, interleaved).eval()
+    x = torch.randn(2, 6, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(reference_model(x), model(x), rtol=1e-12, atol=1e-12)
+    before = state_fingerprint(model)
+
+    merged = explain(model, x, method, target=1).attribution
+    expected = explain(reference_model, x, method, target=1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(merged, expected, rtol=1e-10, atol=1e-12)
+    assert_same_state(before, state_fingerprint(model))
+    plan = ModifiedBackprop(lrp_epsilon_plus()).forward(model, x).plan
+    assert plan.merged == {"branch.0": "branch.1"} and plan.calls["branch.1"] == 2
+
+
+def test_a_shared_conv_followed_by_its_batchnorm_in_some_calls_only_is_not_folded():
+    norm = conv_bn_net()[4]  # four channels, with random statistics
+    conv = nn.Conv2d(4, 4, 3, padding=1, bias=False).double()
+    model = nn.Sequential(conv, norm, nn.ReLU(), conv, nn.Flatten(), nn.Linear(4 * 8 * 8, 3))
+    model = model.double().eval()
+    x = torch.randn(2, 4, 8, 8, dtype=torch.float64)
+    # folding would give the second call the BatchNorm's scale too: the pair stays two layers
+    rules = [((nn.Conv2d,), ZPlus()), ((nn.Linear,), Epsilon())]
+    with pytest.raises(UnsupportedModelError, match=r"no rule for module '1' \(BatchNorm2d\)"):
+        ModifiedBackprop(Composite(rules)).forward(model, x)
+    own_rule = Composite([*rules, (nn.modules.batchnorm._BatchNorm, Epsilon())])
+    forward = ModifiedBackprop(own_rule).forward(model, x)
+    assert forward.plan.merged == {} and forward.plan.calls == {"0": 2}
+
+
 def test_without_the_canonizer_each_batchnorm_is_a_layer_of_its_own():
     model = conv_bn_net()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)

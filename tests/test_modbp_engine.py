@@ -265,14 +265,6 @@ def test_a_reused_module_whose_calls_need_different_rules_is_refused(method, mat
     assert not shared._forward_hooks and not shared._forward_pre_hooks
 
 
-def test_a_reused_module_with_a_batch_norm_folded_in_is_refused():
-    conv, norm = nn.Conv2d(2, 2, 3, padding=1), nn.BatchNorm2d(2)
-    model = nn.Sequential(conv, norm, nn.ReLU(), conv, norm, nn.Flatten(), nn.Linear(32, 3))
-    match = r"'0' \(Conv2d\) is called 2 times .* folds '0' and '1' into one layer"
-    with pytest.raises(UnsupportedModelError, match=match):
-        explain(model.double().eval(), torch.rand(2, 2, 4, 4, dtype=torch.float64), "lrp.epsilon")
-
-
 def test_unsupported_layer_is_an_error_naming_path_type_and_how_to_register():
     model = nn.Sequential(nn.Linear(4, 4), nn.LogSigmoid(), nn.Linear(4, 2)).double().eval()
     match = r"'log_sigmoid' in module '1' \(LogSigmoid\).*with_rules\(\(LogSigmoid, MyRule"

@@ -500,7 +500,9 @@ class RulePass(ModuleListener):
         self.plan = plan
         self.record = record
         self.records: dict[str, LayerRecord] = {}
-        self.stash: dict[str, torch.Tensor] = {}
+        # id of a merged Linear/Conv's output → (a weak reference to it, the layer's input),
+        # until the BatchNorm that reads it runs (calls of a shared pair may interleave)
+        self.stash: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
         self.internal = False
         self.stashed: dict[int, str] = {}  # module id → layer name (a Linear/Conv before its BN)
         # module id → (layer name, BN name, the Linear/Conv whose weights the rule reads)
@@ -669,7 +671,7 @@ class RulePass(ModuleListener):
             return self._apply_custom(name, module, output)
         stashed = self.stashed.get(key)
         if stashed is not None:
-            self.stash[stashed] = args[0]
+            self.stash[id(output)] = (weakref.ref(output), args[0])
             return None
         ruled = self.ruled.get(key)
         if ruled is None:
@@ -696,6 +698,17 @@ class RulePass(ModuleListener):
         with torch.no_grad():
             call.state = rule.forward(call)
         return self.produced(_ModuleRule.apply(rule, call, *inputs), call)
+
+    def _stashed_input(self, name: str, bn_name: str, bn_input: torch.Tensor) -> torch.Tensor:
+        """The input of the call of ``name`` whose output the BatchNorm ``bn_name`` reads."""
+        entry = self.stash.pop(id(bn_input), None)
+        if entry is None or entry[0]() is not bn_input:
+            raise UnsupportedModelError(
+                f"BatchNorm {bn_name!r} read something other than the output of {name!r} in "
+                "this pass, which the traced pass merged it with: build the composite with "
+                "canonizers=() to give each its own rule"
+            )
+        return entry[1]
 
     def _plan_modules(self, modules: dict[str, nn.Module]) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""
@@ -731,7 +744,7 @@ class RulePass(ModuleListener):
                 x = args[0]
                 layer = AffineLayer.from_module(name, module)
             else:
-                x = self.stash.pop(name)
+                x = self._stashed_input(name, bn_name, args[0])
                 layer = AffineLayer.from_module(name, source).merge_batchnorm(bn_name, module)
             layer = replace(
                 layer,

@@ -311,8 +311,8 @@ class _Tracer(ModuleListener):
         self.calls: dict[str, int] = {}
         self.opaque_depth = 0
         self.order: list[str] = []
-        self.layer_input: dict[str, int] = {}
-        self.layer_input_dims: dict[str, int] = {}
+        self.layer_inputs: dict[str, list[int]] = {}  # one tensor id per call on the input
+        self.layer_input_dims: dict[str, set[int]] = {}
         self.input_layers: set[str] = set()
         self.not_input_layers: set[str] = set()  # called on something else too
         self.nonnegative: set[int] = set()
@@ -519,8 +519,8 @@ class _Tracer(ModuleListener):
         elif tensors:
             self.signed_layers.add(name)
         if isinstance(module, AFFINE_TYPES) and tensors:
-            self.layer_input[name] = id(tensors[0])
-            self.layer_input_dims[name] = tensors[0].dim()
+            self.layer_inputs.setdefault(name, []).append(id(tensors[0]))
+            self.layer_input_dims.setdefault(name, set()).add(tensors[0].dim())
         self.opaque_depth += 1
 
     def after(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -592,7 +592,12 @@ class _Tracer(ModuleListener):
         return self._plan(live)
 
     def traced_layers(self, live: list[Step]) -> TracedLayers:
-        """The affine layers and which one each reads alone, for the canonizers."""
+        """The affine layers and which one each reads alone, for the canonizers.
+
+        A layer called more than once reads another one only where each of its calls reads an
+        output of that layer which nothing else reads, and each call of that layer makes one of
+        them: then the two are a pair at every call (a shared conv and its BatchNorm).
+        """
         consumers: dict[int, list[str]] = {}
         for name, inputs, _, _ in live:  # what only a logging hook reads does not count
             for tensor_id in inputs:
@@ -601,12 +606,18 @@ class _Tracer(ModuleListener):
             list(self.order), {name: self.model.get_submodule(name) for name in self.order}
         )
         for name in self.order:
-            read = self.layer_input.get(name)
-            source = self.producer.get(read) if read is not None else None
-            if source is not None and consumers.get(read) == [name]:
+            reads = self.layer_inputs.get(name, [])
+            sources = {self.producer.get(read) for read in reads}
+            source = sources.pop() if len(sources) == 1 else None
+            if (
+                source is not None
+                and all(consumers.get(read) == [name] for read in reads)
+                and len(self.layer_inputs.get(source, [])) == len(reads)
+            ):
                 layers.reads[name] = source
-            if name in self.layer_input_dims:
-                layers.input_dims[name] = self.layer_input_dims[name]
+            dims = self.layer_input_dims.get(name, set())
+            if len(dims) == 1:
+                layers.input_dims[name] = next(iter(dims))
         return layers
 
     def _relu_step(self, step: str) -> bool:
@@ -641,23 +652,13 @@ class _Tracer(ModuleListener):
         """Refuse a module called more than once where its calls would need different rules.
 
         Raises:
-            UnsupportedModelError: For a BatchNorm folded into (or from) such a layer, a layer
-                that reads the model input in some calls only (under a composite with an
-                input-layer rule), or the output layer (under one with an output-layer rule).
+            UnsupportedModelError: For a layer that reads the model input in some calls only
+                (under a composite with an input-layer rule), or the output layer (under one
+                with an output-layer rule).
         """
         for name, count in plan.calls.items():
             kind = type(self.model.get_submodule(name)).__name__
             called = f"module {name!r} ({kind}) is called {count} times in one forward pass"
-            folded = plan.merged.get(name) or next(
-                (layer for layer, bn in plan.merged.items() if bn == name), None
-            )
-            if folded is not None:
-                raise UnsupportedModelError(
-                    f"{called} and the composite's canonizer folds {name!r} and {folded!r} into "
-                    "one layer, which it can do for one call only: give each use its own module "
-                    "(copy.deepcopy), or build the composite with canonizers=() and give the "
-                    "BatchNorm a rule of its own"
-                )
             mixed = name in self.input_layers and name in self.not_input_layers
             if mixed and self.composite.position_rule(InputLayer) is not None:
                 raise UnsupportedModelError(
