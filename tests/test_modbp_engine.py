@@ -535,3 +535,45 @@ def test_starting_at_or_reading_a_layer_of_a_pass_that_recorded_none_says_to_rec
     plain = forward.backward(torch.ones(3, 2, dtype=torch.float64)).input_signal  # still usable
     recorded = ModifiedBackprop(Composite([(nn.Linear, ZPlus())]), record=True).forward(model, x)
     torch.testing.assert_close(recorded.backward(torch.ones(3, 2).double()).input_signal, plain)
+
+
+class Selection(nn.Module):
+    """Linear → a fixed selection of its features (``how``) → Linear."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(8)
+        self.first, self.last, self.how = nn.Linear(4, 6), nn.Linear(5, 2), how
+        self.index = torch.tensor([5, 0, 3, 3, 1])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x))
+        rows = self.index.expand(len(x), -1)
+        if self.how == "index_select":
+            h = h.index_select(1, self.index)
+        elif self.how == "gather":
+            h = h.gather(1, rows)
+        elif self.how == "take_along_dim":
+            h = torch.take_along_dim(h, rows, dim=1)
+        elif self.how == "input-dependent":
+            h = h.index_select(1, (h[0, :5] * 0).to(torch.int64))  # zeros, made from h
+        else:  # the reference: indexing, which the engine has long supported
+            h = h[:, self.index]
+        return self.last(h)
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.zplus", "deeplift.rescale", "guided_bp"])
+@pytest.mark.parametrize("how", ["index_select", "gather", "take_along_dim"])
+def test_selections_by_a_fixed_index_equal_indexing(how, method):
+    model, reference = Selection(how).double().eval(), Selection("getitem").double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = explain(reference, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
+
+
+def test_a_selection_by_an_input_dependent_index_is_refused_by_name():
+    model = Selection("input-dependent").double().eval()
+    match = r"'index_select' .* selects with an input-dependent index"
+    with pytest.raises(UnsupportedModelError, match=match):
+        explain(model, torch.randn(2, 4, dtype=torch.float64), "lrp.epsilon", 1)

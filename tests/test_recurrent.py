@@ -12,9 +12,11 @@ import copy
 
 import pytest
 import torch
+from conftest import assert_same_state, state_fingerprint
 from torch import nn
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from explain_core import ExplainError, ModelRunError, UnsupportedModelError, explain
+from explain_core import Explainer, ExplainError, ModelRunError, UnsupportedModelError, explain
 from explain_core.engine.recurrent import CELLS, gru, lstm, rnn_relu, rnn_tanh
 from explain_core.plugin_manager import get_registry
 
@@ -375,24 +377,127 @@ def test_a_cudnn_rnn_without_backward_in_eval_mode_gives_the_ways_out(method):
         explain(Refused().eval(), sequences(), method, 0)
 
 
-@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
-def test_packed_sequences_are_refused_with_the_way_out(kind):
-    torch.manual_seed(5)
-    rnn = recurrent(kind, 4, 5, batch_first=True).double().eval()
+LENGTHS = torch.tensor([4, 6, 2])
+"""The lengths of the three sequences that ``sequences(steps=6)`` pads."""
 
-    class Packed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.rnn, self.head = rnn, nn.Linear(5, 3).double()
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            packed = nn.utils.rnn.pack_padded_sequence(x, [5] * len(x), batch_first=True)
-            _, state = self.rnn(packed)
-            h = state[0] if isinstance(state, tuple) else state  # an LSTM's is (h, c)
-            return self.head(h[-1])
+@pytest.mark.parametrize(("kind", "options"), [c for c in CASES if "num_layers" in c.values[1]])
+def test_the_written_out_layers_compute_what_the_fused_kernels_do_on_packed_sequences(
+    kind, options
+):
+    torch.manual_seed(4)
+    layer = recurrent(kind, 4, 5, **options).double()
+    x = sequences(layer.batch_first, steps=6)
+    packed = pack_padded_sequence(x, LENGTHS, layer.batch_first, enforce_sorted=False)
+    cells = layer.num_layers * (2 if layer.bidirectional else 1)
+    width = getattr(layer, "proj_size", 0) or layer.hidden_size
+    h0 = torch.randn(cells, 3, width, dtype=torch.float64)
+    common = (layer.bias, layer.num_layers, 0.0, False, layer.bidirectional)
+    data, sizes = packed.data, packed.batch_sizes
+    with torch.no_grad():
+        if kind == "lstm":
+            c0 = torch.randn(cells, 3, 5, dtype=torch.float64)
+            fused, (h_n, c_n) = layer(packed, (h0, c0))
+            # the module hands the kernel the states in the packed order, and back
+            order = packed.sorted_indices
+            states = [h0.index_select(1, order), c0.index_select(1, order)]
+            written = lstm(data, sizes, states, layer._flat_weights, *common)
+            expected = (fused.data, h_n.index_select(1, order), c_n.index_select(1, order))
+        else:
+            fused, h_n = layer(packed, h0)
+            written_out = {"gru": gru, "rnn_tanh": rnn_tanh, "rnn_relu": rnn_relu}[kind]
+            state = h0.index_select(1, packed.sorted_indices)
+            written = written_out(data, sizes, state, layer._flat_weights, *common)
+            expected = (fused.data, h_n.index_select(1, packed.sorted_indices))
+    for got, want in zip(written, expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
-    with pytest.raises(UnsupportedModelError, match=r"PackedSequence.*pad the sequences"):
-        explain(Packed().eval(), sequences(), "lrp.epsilon", 0)
+
+class PackedClassifier(nn.Module):
+    """Padded sequences of their own lengths, packed, read at their final states or outputs.
+
+    The lengths are a forward argument, or (for ``explain``) the first ``len(x)`` of
+    ``lengths``. With ``packed=False`` the same layers run on the sequences as they are: the
+    reference, on each sequence cut to its length.
+    """
+
+    def __init__(self, rnn: nn.Module, readout: str, lengths: torch.Tensor, bias: bool = True):
+        super().__init__()
+        self.rnn, self.readout, self.lengths, self.packed = rnn, readout, lengths, True
+        self.padding_value = 0.0
+        self.directions = 2 if rnn.bidirectional else 1
+        self.head = nn.Linear(rnn.hidden_size * self.directions, 3, bias=bias)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed:
+            lengths = self.lengths[: len(x)] if lengths is None else lengths
+            x = pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+        out, state = self.rnn(x)
+        if self.readout == "outputs":  # zeros at the padded steps
+            if self.packed:
+                out, _ = pad_packed_sequence(out, True, padding_value=self.padding_value)
+            return self.head(out.sum(1))
+        h = state[0] if isinstance(state, tuple) else state  # an LSTM's is (h, c)
+        return self.head(torch.cat(list(h[-self.directions :]), dim=-1))
+
+
+def packed_classifier(kind: str, readout: str, bias: bool = True) -> PackedClassifier:
+    torch.manual_seed(6)
+    layer = recurrent(kind, 4, 5, num_layers=2, bidirectional=True, batch_first=True, bias=bias)
+    return PackedClassifier(layer, readout, LENGTHS, bias).double().eval()
+
+
+def padded_sequences() -> torch.Tensor:
+    x = sequences(steps=6)
+    for row, length in enumerate(LENGTHS):
+        x[row, length:] = 0
+    return x
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.z", "gradient"])
+@pytest.mark.parametrize("readout", ["final", "outputs"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_sequences_are_explained_as_each_sequence_alone(kind, readout, method):
+    # A known equivalence: packing runs each sequence over its own length, both directions.
+    model = packed_classifier(kind, readout)
+    x = padded_sequences()
+    before = state_fingerprint(model)
+    attribution = explain(model, x, method, 1).attribution
+    assert_same_state(before, state_fingerprint(model))
+    model.packed = False
+    for row, length in enumerate(LENGTHS.tolist()):
+        alone = explain(model, x[row : row + 1, :length], method, 1).attribution
+        torch.testing.assert_close(attribution[row : row + 1, :length], alone)
+        assert alone.abs().sum() > 0 and not attribution[row, length:].any()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lengths_given_as_a_forward_argument_explain_the_same(kind):
+    model = packed_classifier(kind, "final")
+    x = padded_sequences()
+    expected = explain(model, x, "lrp.epsilon", 1).attribution
+    model.lengths = None  # the lengths must come with the call
+    explainer = Explainer(model, "lrp.epsilon")
+    got = explainer.attribute(x, 1, additional_forward_args=LENGTHS)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_lrp_zero_conserves_on_bias_free_packed_sequences(kind):
+    model = packed_classifier(kind, "outputs", bias=False)
+    result = explain(model, padded_sequences(), "lrp.z", 0)
+    assert result.attribution.abs().sum() > 0
+    torch.testing.assert_close(
+        result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )
+
+
+def test_a_packed_sequence_padded_with_other_values_than_zero_is_refused_by_name():
+    model = packed_classifier("lstm", "outputs")
+    model.padding_value = 1.0
+    match = r"'_pad_packed_sequence' .* pads with padding_value=1\.0"
+    with pytest.raises(UnsupportedModelError, match=match):
+        explain(model, padded_sequences(), "lrp.epsilon", 1)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -18,6 +18,7 @@ __all__ = [
     "ADD_OPS",
     "AVGPOOL_OPS",
     "DROPOUT_OPS",
+    "INDEX_OPS",
     "LINEAR_OPS",
     "MAXPOOL_OPS",
     "PAD_MODES",
@@ -109,8 +110,16 @@ _GATHER_OPS = frozenset(
         "mean",
         "masked_fill",
         "masked_fill_",
+        "index_select",
+        "gather",
+        "take_along_dim",
+        # pack_padded_sequence and pad_packed_sequence: the steps of each sequence, rearranged
+        "_pack_padded_sequence",
+        "_pad_packed_sequence",
     ]
 )
+# Selections whose index (argument 2) the trace checks does not depend on the input.
+INDEX_OPS = frozenset({"index_select", "gather", "take_along_dim"})
 AVGPOOL_OPS = frozenset(
     [
         "avg_pool1d",

@@ -15,6 +15,9 @@ direction and time step, with the layer's own weights:
 - Elman RNN: ``h_t = act(W [x_t; h_{t−1}] + b)`` with ``act`` tanh or ReLU (one linear map, as for
   the LSTM).
 
+On a packed sequence (``pack_padded_sequence``) each sequence runs over its own length, as in
+the fused kernels; the output is packed too.
+
 The composite's rules then apply to them as to a cell written by hand: LRP's presets hold the
 sigmoid gates constant (all relevance to the signal: "signal-take-all"), pass relevance through
 the tanh of the candidate and of the cell, and take their dense rule at the linear maps. The
@@ -33,13 +36,7 @@ from explain_core.errors import UnsupportedModelError
 __all__ = ["CELLS", "gru", "lstm", "rnn_relu", "rnn_tanh"]
 
 
-def _check(kind: str, packed: bool, dropout: float, train: bool) -> None:
-    if packed:
-        raise UnsupportedModelError(
-            f"the {kind} runs on a PackedSequence, which the relevance engine does not unpack; "
-            "pad the sequences instead (torch.nn.utils.rnn.pad_packed_sequence, or pass the "
-            "padded batch), and mask the padded steps in the explained output"
-        )
+def _check(kind: str, dropout: float, train: bool) -> None:
     if dropout and train:
         raise UnsupportedModelError(
             f"the {kind} runs with dropout={dropout} between layers in training mode: explain "
@@ -62,26 +59,70 @@ def _layer_weights(
     return weights
 
 
-def _sequence_first(x: torch.Tensor, batch_first: bool) -> torch.Tensor:
-    return x.transpose(0, 1) if batch_first else x
-
-
 State = tuple[torch.Tensor, ...]
 Step = Callable[[tuple[torch.Tensor | None, ...], torch.Tensor, State], State]
 
 
-def _unrolled(
+def _rows(state: State, start: int, stop: int) -> State:
+    """Rows ``start:stop`` (sequences) of each tensor of ``state``; itself where that is all."""
+    if start == 0 and stop == len(state[0]):
+        return state
+    return tuple(tensor[start:stop] for tensor in state)
+
+
+def _joined(parts: list[State]) -> State:
+    """The states of consecutive groups of sequences, as one state."""
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(torch.cat(tensors) for tensors in zip(*parts, strict=True))
+
+
+def _packed_step(
+    step: Step,
+    weights: tuple[torch.Tensor | None, ...],
     x: torch.Tensor,
+    state: State,
+    initial: State,
+) -> tuple[torch.Tensor, State]:
+    """One time step of a packed batch: the output of its sequences, the state of all so far.
+
+    ``x`` holds the inputs of the first ``len(x)`` sequences, ``state`` the state of those
+    started so far (the first ``len(state[0])``). Sequences whose first step this is (backwards
+    in time: whose last step) start from ``initial`` in a call of ``step`` of their own, not as
+    rows of the running state, so that a constant initial state stays a constant for the
+    rules, as in a padded batch. Sequences that have ended keep their final state.
+    """
+    rows, started = len(x), len(state[0])
+    going = min(rows, started)
+    parts = []
+    if going:
+        parts.append(step(weights, x if going == rows else x[:going], _rows(state, 0, going)))
+    if rows > going:
+        parts.append(step(weights, x[going:] if going else x, _rows(initial, going, rows)))
+    advanced = _joined(parts)
+    if started > rows:
+        return advanced[0], _joined([advanced, _rows(state, rows, started)])
+    return advanced[0], advanced
+
+
+def _unrolled(
+    steps: list[torch.Tensor],
+    packed: bool,
     weights: list[tuple[torch.Tensor | None, ...]],
     initial: list[State],
     step: Step,
     num_layers: int,
     bidirectional: bool,
-) -> tuple[torch.Tensor, list[State]]:
+) -> tuple[list[torch.Tensor], list[State]]:
     """Run ``step(weights, x_t, state) → state`` (``state[0]`` the output) over the sequence.
 
-    Per layer and direction (``weights[i]`` and ``initial[i]`` for cell ``i``), forwards in time
-    or backwards; the directions' outputs are concatenated as the next layer's input.
+    ``steps[t]`` holds the inputs at time ``t``: of every sequence for a padded batch; for a
+    packed one (sorted by length, longest first, as ``pack_padded_sequence`` packs them) of
+    the first ``len(steps[t])``, those at least ``t + 1`` long, so that each sequence runs over
+    its own length: forwards from its first step, backwards from its last, its final state the
+    one after its own last step. Per layer and direction (``weights[i]`` and ``initial[i]`` for
+    cell ``i``); the directions' outputs are concatenated as the next layer's input. Returns
+    the last layer's outputs per time step and each cell's final state.
     """
     directions = 2 if bidirectional else 1
     last = []
@@ -89,16 +130,25 @@ def _unrolled(
         outputs = []
         for direction in range(directions):
             index = layer * directions + direction
-            state = initial[index]
-            steps = range(x.shape[0]) if direction == 0 else reversed(range(x.shape[0]))
-            sequence: list[torch.Tensor] = [x[0]] * x.shape[0]
-            for t in steps:
-                state = step(weights[index], x[t], state)
-                sequence[t] = state[0]
-            outputs.append(torch.stack(sequence))
+            # packed: the sequences started so far (none); padded: every one, from the start
+            state = _rows(initial[index], 0, 0) if packed else initial[index]
+            times = range(len(steps)) if direction == 0 else reversed(range(len(steps)))
+            sequence = list(steps)
+            for t in times:
+                if packed:
+                    sequence[t], state = _packed_step(
+                        step, weights[index], steps[t], state, initial[index]
+                    )
+                else:  # no sizes compared: an export keeps the batch size symbolic
+                    state = step(weights[index], steps[t], state)
+                    sequence[t] = state[0]
+            outputs.append(sequence)
             last.append(state)
-        x = torch.cat(outputs, dim=-1) if directions == 2 else outputs[0]
-    return x, last
+        if directions == 2:
+            steps = [torch.cat(pair, dim=-1) for pair in zip(*outputs, strict=True)]
+        else:
+            steps = outputs[0]
+    return steps, last
 
 
 def _joint_linear(
@@ -146,35 +196,34 @@ def _fused_layer(kind: str, operation: str, step: Step, states: int) -> FusedLay
 
     With the fused operation's argument order; ``hx`` is the initial state (``(h_0, c_0)`` for
     an LSTM's two states), each tensor stacked over layers and directions. It returns
-    ``(output, h_n)`` or ``(output, h_n, c_n)``, as the operation does.
+    ``(output, h_n)`` or ``(output, h_n, c_n)``, as the operation does: on a packed sequence
+    (``data, batch_sizes`` in place of ``input``) ``output`` is packed too.
 
     Raises:
-        UnsupportedModelError: For packed sequences or dropout in training mode.
+        UnsupportedModelError: For dropout in training mode.
     """
 
-    def layer(
-        input: torch.Tensor,
-        hx: Sequence[torch.Tensor] | torch.Tensor,
-        params: Sequence[torch.Tensor] | torch.Tensor,
-        has_biases: bool = True,
-        num_layers: int = 1,
-        dropout: float = 0.0,
-        train: bool = False,
-        bidirectional: bool = False,
-        batch_first: bool = False,
-        *rest: object,
-    ) -> tuple[torch.Tensor, ...]:
-        # Packed, the operation takes (data, batch_sizes, hx, params, …): one tensor more first
-        packed = isinstance(hx, torch.Tensor) if states > 1 else isinstance(params, torch.Tensor)
-        _check(kind, packed, dropout, train)
-        initial = tuple(hx) if states > 1 else (hx,)
-        cells = num_layers * (2 if bidirectional else 1)
+    def layer(*args: object) -> tuple[torch.Tensor, ...]:
+        # Packed, the operation takes (data, batch_sizes, hx, params, has_biases, num_layers,
+        # dropout, train, bidirectional); padded, (input, hx, params, …, batch_first). hx is a
+        # list for an LSTM, one tensor otherwise: what follows input is a tensor only packed.
+        packed = isinstance(args[1 if states > 1 else 2], torch.Tensor)
+        if packed:
+            data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidi = args
+            steps = list(data.split(batch_sizes.tolist()))  # type: ignore[union-attr]
+        else:
+            data, hx, params, has_biases, num_layers, dropout, train, bidi, batch_first = args
+            steps = list(data.unbind(1 if batch_first else 0))  # type: ignore[union-attr]
+        _check(kind, dropout, train)  # type: ignore[arg-type]
+        initial = tuple(hx) if states > 1 else (hx,)  # type: ignore[arg-type]
+        cells = num_layers * (2 if bidi else 1)  # type: ignore[operator]
         weights = _layer_weights(params, has_biases, cells)  # type: ignore[arg-type]
         per_cell = [tuple(state[i] for state in initial) for i in range(cells)]
-        x = _sequence_first(input, batch_first)  # type: ignore[arg-type]
-        x, last = _unrolled(x, weights, per_cell, step, num_layers, bidirectional)
+        outputs, last = _unrolled(steps, packed, weights, per_cell, step, num_layers, bidi)  # type: ignore[arg-type]
+        # packed: the steps one after another; padded: stacked along the time dimension
+        output = torch.cat(outputs) if packed else torch.stack(outputs, dim=int(batch_first))
         final = (torch.stack(state) for state in zip(*last, strict=True))
-        return _sequence_first(x, batch_first), *final
+        return output, *final
 
     layer.__name__ = operation
     finals = "h_n, c_n" if states > 1 else "h_n"

@@ -32,6 +32,7 @@ from explain_core.engine.ops import (
     _SIGN_PRESERVING,
     ACTIVATION_OPS,
     DROPOUT_OPS,
+    INDEX_OPS,
     LINEAR_OPS,
     MAXPOOL_OPS,
     PAD_MODES,
@@ -161,6 +162,8 @@ class _TraceMode(TorchFunctionMode):
             return result
         # h[i] = v writes into h (and returns None); an in-place op on a view writes into its base
         outputs = [args[0]] if name == "setitem" else _tensors(result)
+        if name in ("_pack_padded_sequence", "_pad_packed_sequence"):
+            outputs = outputs[:1]  # the batch sizes or lengths beside the data: the lengths'
         if not outputs:
             return result
         writes = name == "setitem" or name.endswith("_")
@@ -411,6 +414,10 @@ class _Tracer(ModuleListener):
             problem = "masks with an input-dependent mask"
         elif name == "where" and any(t.dtype == torch.bool for t in inputs):
             problem = "selects with an input-dependent condition"
+        elif name in INDEX_OPS and any(t is not args[0] for t in inputs):
+            problem = "selects with an input-dependent index"
+        elif name == "_pad_packed_sequence" and args[3] not in (0, 0.0):
+            problem = f"pads with padding_value={args[3]!r} (zero padding is supported)"
         elif name in DROPOUT_OPS:
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training:
