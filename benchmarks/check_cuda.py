@@ -4,12 +4,13 @@ Three parts (``--parts``, default all), each writing a results file:
 
 - ``parity`` (``results/cuda_parity.md``): every registered method on every architecture of the
   test suite's zoo (``tests/zoo.py``: the CNN re-creations and the U-Net) and on an LSTM, a GRU,
-  the digits ViT, a CoDA-Net and a capsule net, in float64, on the GPU and on the CPU. Each cell
-  says whether the GPU's map equals the CPU's (``max |Δ| / max |map|``, goal ≤ 1e-9: the CPU's
-  maps are the ones the test suite checks against independent references), or whether both
-  refuse with the same message. SmoothGrad draws its noise from a generator on the input's
-  device, so its GPU map is checked against the float64 reference computed on the GPU instead.
-  Every cell also checks that the map lies on the GPU and that the model's state is unchanged.
+  an LSTM over packed sequences, the digits ViT, a CoDA-Net and a capsule net, in float64, on
+  the GPU and on the CPU. Each cell says whether the GPU's map equals the CPU's
+  (``max |Δ| / max |map|``, goal ≤ 1e-9: the CPU's maps are the ones the test suite checks
+  against independent references), or whether both refuse with the same message. SmoothGrad
+  draws its noise from a generator on the input's device, so its GPU map is checked against the
+  float64 reference computed on the GPU instead. Every cell also checks that the map lies on
+  the GPU and that the model's state is unchanged.
 - ``precision`` (``results/cuda_precision.json``): the ResNet-50 re-creation at 224×224 in
   float32 on the GPU against float64, with torch's default settings (cuDNN convolutions in TF32)
   and with TF32 off.
@@ -43,7 +44,7 @@ import zoo_references
 from bench_resnet_lrp import BOUNDS, build, candidates
 from harness import alternated_times, median_ratio, write_results
 from test_capsule_compaction import small_capsule_net
-from test_recurrent import Classifier
+from test_recurrent import Classifier, PackedClassifier
 from torch import nn
 from zoo import (
     AUTOGRAD,
@@ -85,6 +86,15 @@ def parity_cases() -> dict[str, tuple[Callable[[], nn.Module], torch.Tensor]]:
         sequences,
     )
     cases["gru (time first)"] = (lambda: Classifier(nn.GRU(4, 5)), sequences)
+    # packed, of lengths 5, 3, 5, 3, … by row (for every batch a method feeds the model)
+    cases["packed lstm (lengths 5, 3)"] = (
+        lambda: PackedClassifier(
+            nn.LSTM(4, 5, num_layers=2, bidirectional=True, batch_first=True),
+            "final",
+            torch.tensor([5, 3]).repeat(512),
+        ),
+        sequences,
+    )
     cases["digits ViT"] = (_digits_vit, torch.rand(2, 1, 8, 8, generator=generator))
     cases["CoDA-Net"] = (_coda_net, torch.rand(2, 2, 7, 9, generator=generator))
     cases["capsule net"] = (small_capsule_net, torch.rand(2, 1, 16, 16, generator=generator))

@@ -577,3 +577,45 @@ def test_a_selection_by_an_input_dependent_index_is_refused_by_name():
     match = r"'index_select' .* selects with an input-dependent index"
     with pytest.raises(UnsupportedModelError, match=match):
         explain(model, torch.randn(2, 4, dtype=torch.float64), "lrp.epsilon", 1)
+
+
+class MaxOver(nn.Module):
+    """Linear → ReLU → a maximum over the last dimension of (batch, 3, 4) (``how``) → Linear."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.first, self.last, self.how = nn.Linear(4, 12), nn.Linear(3, 2), how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x)).view(-1, 3, 4)
+        if self.how == "max":
+            h = h.max(2).values
+        elif self.how == "torch.max":
+            h = torch.max(h, dim=-1, keepdim=True)[0].squeeze(-1)
+        elif self.how == "amax":
+            h = h.amax(2)
+        elif self.how == "of two tensors":
+            h = torch.max(h, h.flip(2))[..., 0]
+        else:  # the reference: max pooling over that dimension
+            h = F.adaptive_max_pool1d(h, 1).squeeze(-1)
+        return self.last(h)
+
+
+@pytest.mark.parametrize(
+    "method", ["lrp.epsilon", "lrp.zplus", "deeplift.rescale", "guided_bp", "excitation_bp"]
+)
+@pytest.mark.parametrize("how", ["max", "torch.max", "amax"])
+def test_a_maximum_over_a_dimension_is_max_pooling_over_it(how, method):
+    model, reference = MaxOver(how).double().eval(), MaxOver("pool").double().eval()
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    expected = explain(reference, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
+
+
+def test_a_maximum_of_two_tensors_is_refused_as_a_comparison():
+    model = MaxOver("of two tensors").double().eval()
+    match = r"'max' .* has no relevance rule.* a maximum of two tensors is a comparison"
+    with pytest.raises(UnsupportedModelError, match=match):
+        explain(model, torch.randn(2, 4, dtype=torch.float64), "lrp.epsilon", 1)

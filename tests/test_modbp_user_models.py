@@ -290,7 +290,14 @@ class Unusual(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.conv(x))
-        h = h.amax((2, 3)) if self.pooling == "amax" else h.mean((2, 3))
+        if self.pooling == "amax":
+            h = h.amax((2, 3))
+        elif self.pooling == "max pooling":
+            h = F.adaptive_max_pool2d(h, 1).flatten(1)
+        elif self.pooling == "clamp":
+            h = h.clamp(min=0.1).mean((2, 3))
+        else:
+            h = h.mean((2, 3))
         return self.fc(torch.cat([h, torch.zeros_like(h)], 1))
 
 
@@ -301,8 +308,15 @@ def test_value_free_operations_pass_and_unsupported_ones_suggest_a_rewrite():
     torch.testing.assert_close(
         explain(model, x, "lrp.z", target=1).attribution, input_x_gradient(model, x, 1)
     )
-    with pytest.raises(UnsupportedModelError, match="adaptive_max_pool2d"):
-        explain(Unusual("amax").double().eval(), x, "lrp.z", target=1)
+    torch.manual_seed(0)
+    amax, pooled = Unusual("amax").double().eval(), Unusual("max pooling").double().eval()
+    pooled.load_state_dict(amax.state_dict())
+    torch.testing.assert_close(  # a maximum over dimensions is max pooling over them
+        explain(amax, x, "lrp.z", target=1).attribution,
+        explain(pooled, x, "lrp.z", target=1).attribution,
+    )
+    with pytest.raises(UnsupportedModelError, match=r"for clamp\(min=0\) use F.relu"):
+        explain(Unusual("clamp").double().eval(), x, "lrp.z", target=1)
 
 
 def test_gradient_rule_for_one_module_through_lrp_custom_equals_the_gradient_there():

@@ -145,6 +145,24 @@ def test_a_constant_batch_size_is_named(tmp_path):
     }
 
 
+class PackedLSTM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(3, 4, batch_first=True), nn.Linear(4, 2)
+
+    def forward(self, x):
+        lengths = torch.full((x.shape[0],), x.shape[1])
+        _, (h, _) = self.lstm(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True))
+        return self.head(h[-1])
+
+
+@pytest.mark.parametrize("method", [None, "lrp.epsilon_plus", "input_x_gradient"])
+def test_a_packed_sequence_is_named_with_the_way_out(tmp_path, method):
+    match = r"^PackedLSTM runs a recurrent layer on a PackedSequence.* on padded sequences"
+    with pytest.raises(ExportError, match=match):
+        export_onnx(PackedLSTM().eval(), torch.rand(2, 5, 3), tmp_path / "m.onnx", explain=method)
+
+
 def test_the_models_line_is_found_among_native_frames():
     """torch 2.8 lists C++ and CPython frames after the model's own; the message quotes the
     model's line, not ``??:0 in torch``."""

@@ -652,3 +652,23 @@ def test_a_cell_written_by_hand_reusing_its_linear_layers_equals_the_layer(kind,
     expected = explain(model, x, method, 1).attribution
     assert expected.abs().sum() > 0
     torch.testing.assert_close(explain(by_hand, x, method, 1).attribution, expected)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_max_over_time_readout_is_max_pooling_and_conserves_bias_free(kind):
+    class MaxOverTime(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rnn = recurrent(kind, 4, 5, bidirectional=True, batch_first=True, bias=False)
+            self.head = nn.Linear(10, 3, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.rnn(x)[0].max(1).values)
+
+    torch.manual_seed(10)
+    model = MaxOverTime().double().eval()
+    result = explain(model, sequences(), "lrp.z", 2)
+    assert result.attribution.abs().sum() > 0
+    torch.testing.assert_close(
+        result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
+    )

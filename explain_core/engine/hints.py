@@ -21,8 +21,11 @@ SOFTMAX_HINT = (
 
 # Supported ways to write what a model's own forward does with an unsupported operation.
 _OP_ALTERNATIVES = {
-    "max": "for global max pooling use F.adaptive_max_pool2d(x, 1) (or nn.AdaptiveMaxPool*d)",
-    "amax": "for global max pooling use F.adaptive_max_pool2d(x, 1) (or nn.AdaptiveMaxPool*d)",
+    "max": (
+        "a maximum of two tensors is a comparison of activations, which has no relevance rule "
+        "(a maximum over dimensions, x.max(dim) or x.amax(dim), is max pooling and has one); "
+        "use F.relu where that is what it computes"
+    ),
     "clamp": "for clamp(min=0) use F.relu",
     "clamp_min": "for clamp_min(0) use F.relu",
     "clamp_min_": "for clamp_min_(0) use F.relu(x, inplace=True)",

@@ -21,6 +21,7 @@ __all__ = [
     "INDEX_OPS",
     "LINEAR_OPS",
     "MAXPOOL_OPS",
+    "MAX_REDUCTIONS",
     "PAD_MODES",
     "RELU_OPS",
     "RESHAPE_OPS",
@@ -192,6 +193,10 @@ MAXPOOL_OPS = frozenset(
         "adaptive_max_pool3d_with_indices",
     ]
 )
+# A maximum over dimensions of one tensor (torch.max(x, dim), x.amax(dim), the global max):
+# max pooling over those dimensions. torch.max(x, other) of two tensors is not one (the trace
+# tells the two apart).
+MAX_REDUCTIONS = frozenset({"max", "amax"})
 DROPOUT_OPS = frozenset(
     [
         "dropout",
@@ -232,6 +237,7 @@ _JOIN_OPS = frozenset({"cat", "concat", "concatenate", "stack"})
 _SIGN_PRESERVING = (
     RESHAPE_OPS
     | MAXPOOL_OPS
+    | MAX_REDUCTIONS
     | DROPOUT_OPS
     | _GATHER_OPS
     | AVGPOOL_OPS

@@ -34,6 +34,7 @@ from explain_core.engine.ops import (
     DROPOUT_OPS,
     INDEX_OPS,
     LINEAR_OPS,
+    MAX_REDUCTIONS,
     MAXPOOL_OPS,
     PAD_MODES,
     RELU_OPS,
@@ -270,6 +271,12 @@ def user_hook_codes(model: nn.Module) -> dict[Any, str]:
     return codes
 
 
+def _maximum_of_two(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether ``torch.max`` gets a second tensor (``other``) rather than dimensions."""
+    other = kwargs.get("other", args[1] if len(args) > 1 else None)
+    return isinstance(other, torch.Tensor)
+
+
 def _no_negative_operands(
     name: str, args: tuple[Any, ...], kwargs: dict[str, Any], dependent: dict[int, torch.Tensor]
 ) -> bool:
@@ -280,6 +287,8 @@ def _no_negative_operands(
     every operand is. Tensors that do not depend on the input may change after tracing (the plan
     is cached), so they count as signed; numbers must be ``>= 0``.
     """
+    if name in MAX_REDUCTIONS:
+        return not _maximum_of_two(args, kwargs)  # the other operand: refused anyway
     if name in ("add", "add_"):
         alpha = kwargs.get("alpha", args[2] if len(args) > 2 else 1)
         operands = [*args[:2], kwargs.get("other"), alpha]
@@ -437,7 +446,11 @@ class _Tracer(ModuleListener):
                 "networks refuse them; a composite of one's own "
                 f"maps Op({name!r}) to a rule)"
             )
-        elif not (name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS):
+        elif name in MAX_REDUCTIONS and _maximum_of_two(args, kwargs):
+            problem = "has no relevance rule"  # an element-wise comparison of two tensors
+        elif not (
+            name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS or name in MAX_REDUCTIONS
+        ):
             problem = "has no relevance rule"
         if problem is None:
             return None

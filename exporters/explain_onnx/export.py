@@ -176,9 +176,14 @@ def export_onnx(
     # Two samples: a batch of one would let torch.export specialise the batch axis to 1.
     tracing_example = example[torch.arange(2) % len(example)]
     if spec is not None:
-        module = explained_module(
-            model, spec.name, tracing_example, target_input=target_input, **options
-        )
+        try:  # the explanation is traced into a graph here, before torch.export sees it
+            module = explained_module(
+                model, spec.name, tracing_example, target_input=target_input, **options
+            )
+        except ExplainError:
+            raise
+        except Exception as error:
+            raise _tracing_error(error, type(model).__name__) from error
         if target_input:
             module = InvalidTargetsAsNaN(module)
     else:
@@ -476,9 +481,26 @@ def _user_call_site(text: str) -> str:
     return ""
 
 
+def _runs_packed_sequence(error: Exception) -> bool:
+    """Whether a frame of the failed trace held a ``PackedSequence`` (a recurrent layer's input)."""
+    packed = torch.nn.utils.rnn.PackedSequence
+    frame = error.__traceback__
+    while frame is not None:
+        if any(isinstance(value, packed) for value in frame.tb_frame.f_locals.values()):
+            return True
+        frame = frame.tb_next
+    return False
+
+
 def _tracing_error(error: Exception, model_name: str) -> ExportError:
     text = str(error)
     where = _user_call_site(text)
+    if _runs_packed_sequence(error):
+        return ExportError(
+            f"{model_name} runs a recurrent layer on a PackedSequence, which cannot be traced "
+            "into a graph (its batch sizes are tensor values that decide the loop): export the "
+            "model on padded sequences, without pack_padded_sequence"
+        )
     if "data-dependent" in text or "GuardOnDataDependentSymNode" in text:
         return ExportError(
             f"{model_name} branches on tensor values{where}, which a graph cannot do; guard such "
@@ -491,7 +513,7 @@ def _tracing_error(error: Exception, model_name: str) -> ExportError:
             f"of a constant batch size{_planned_einsum_hint()}"
         )
     return ExportError(
-        f"torch.export could not trace {model_name}{where}: {_last_summary_line(text)}"
+        f"{model_name} could not be traced into a graph{where}: {_last_summary_line(text)}"
     )
 
 
