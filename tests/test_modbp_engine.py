@@ -562,23 +562,6 @@ class Selection(nn.Module):
         return self.last(h)
 
 
-@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.zplus", "deeplift.rescale", "guided_bp"])
-@pytest.mark.parametrize("how", ["index_select", "gather", "take_along_dim"])
-def test_selections_by_a_fixed_index_equal_indexing(how, method):
-    model, reference = Selection(how).double().eval(), Selection("getitem").double().eval()
-    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    expected = explain(reference, x, method, 1).attribution
-    assert expected.abs().sum() > 0
-    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
-
-
-def test_a_selection_by_an_input_dependent_index_is_refused_by_name():
-    model = Selection("input-dependent").double().eval()
-    match = r"'index_select' .* selects with an input-dependent index"
-    with pytest.raises(UnsupportedModelError, match=match):
-        explain(model, torch.randn(2, 4, dtype=torch.float64), "lrp.epsilon", 1)
-
-
 class MaxOver(nn.Module):
     """Linear → ReLU → a maximum over the last dimension of (batch, 3, 4) (``how``) → Linear."""
 
@@ -602,20 +585,36 @@ class MaxOver(nn.Module):
         return self.last(h)
 
 
+def assert_explained_alike(model: nn.Module, reference: nn.Module, method: str) -> None:
+    """``model`` gets the maps of ``reference``, the same function in long-supported operations."""
+    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = explain(reference.double().eval(), x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(model.double().eval(), x, method, 1).attribution, expected)
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.zplus", "deeplift.rescale", "guided_bp"])
+@pytest.mark.parametrize("how", ["index_select", "gather", "take_along_dim"])
+def test_selections_by_a_fixed_index_equal_indexing(how, method):
+    assert_explained_alike(Selection(how), Selection("getitem"), method)
+
+
 @pytest.mark.parametrize(
     "method", ["lrp.epsilon", "lrp.zplus", "deeplift.rescale", "guided_bp", "excitation_bp"]
 )
 @pytest.mark.parametrize("how", ["max", "torch.max", "amax"])
 def test_a_maximum_over_a_dimension_is_max_pooling_over_it(how, method):
-    model, reference = MaxOver(how).double().eval(), MaxOver("pool").double().eval()
-    x = torch.randn(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
-    expected = explain(reference, x, method, 1).attribution
-    assert expected.abs().sum() > 0
-    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
+    assert_explained_alike(MaxOver(how), MaxOver("pool"), method)
 
 
-def test_a_maximum_of_two_tensors_is_refused_as_a_comparison():
-    model = MaxOver("of two tensors").double().eval()
-    match = r"'max' .* has no relevance rule.* a maximum of two tensors is a comparison"
+@pytest.mark.parametrize(
+    ("kind", "how", "match"),
+    [
+        (Selection, "input-dependent", r"'index_select' .* selects with an input-dependent index"),
+        (MaxOver, "of two tensors", r"'max' .* no relevance rule.* a maximum of two tensors is a"),
+    ],
+)
+def test_a_selection_by_the_input_or_a_maximum_of_two_tensors_is_refused_by_name(kind, how, match):
+    model = kind(how).double().eval()
     with pytest.raises(UnsupportedModelError, match=match):
         explain(model, torch.randn(2, 4, dtype=torch.float64), "lrp.epsilon", 1)

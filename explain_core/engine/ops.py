@@ -119,7 +119,7 @@ _GATHER_OPS = frozenset(
         "_pad_packed_sequence",
     ]
 )
-# Selections whose index (argument 2) the trace checks does not depend on the input.
+# Selections by an index tensor, which must not depend on the input (the trace checks).
 INDEX_OPS = frozenset({"index_select", "gather", "take_along_dim"})
 AVGPOOL_OPS = frozenset(
     [

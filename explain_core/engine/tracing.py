@@ -164,7 +164,8 @@ class _TraceMode(TorchFunctionMode):
         # h[i] = v writes into h (and returns None); an in-place op on a view writes into its base
         outputs = [args[0]] if name == "setitem" else _tensors(result)
         if name in ("_pack_padded_sequence", "_pad_packed_sequence"):
-            outputs = outputs[:1]  # the batch sizes or lengths beside the data: the lengths'
+            # the batch sizes or lengths returned beside the data come from the lengths alone
+            outputs = outputs[:1]
         if not outputs:
             return result
         writes = name == "setitem" or name.endswith("_")
@@ -269,6 +270,11 @@ def user_hook_codes(model: nn.Module) -> dict[Any, str]:
                     where = f"module {name or '<root>'!r} ({type(module).__name__})"
                     codes[code] = f"the {kind} {label} registered on {where}"
     return codes
+
+
+def _padding_value(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``torch._pad_packed_sequence``'s padding value (its fourth argument)."""
+    return kwargs.get("padding_value", args[3] if len(args) > 3 else 0.0)
 
 
 def _maximum_of_two(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -425,8 +431,9 @@ class _Tracer(ModuleListener):
             problem = "selects with an input-dependent condition"
         elif name in INDEX_OPS and any(t is not args[0] for t in inputs):
             problem = "selects with an input-dependent index"
-        elif name == "_pad_packed_sequence" and args[3] not in (0, 0.0):
-            problem = f"pads with padding_value={args[3]!r} (zero padding is supported)"
+        elif name == "_pad_packed_sequence" and _padding_value(args, kwargs) != 0:
+            value = _padding_value(args, kwargs)
+            problem = f"pads with padding_value={value!r} (zero padding is supported)"
         elif name in DROPOUT_OPS:
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
             if training:
