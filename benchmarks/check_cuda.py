@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 import zoo_references
 from bench_resnet_lrp import BOUNDS, build, candidates
-from harness import alternated_times, median_ratio, write_results
+from harness import alternated_times, median_ratio, registered_methods, write_results
 from test_capsule_compaction import small_capsule_net
 from test_recurrent import Classifier, PackedClassifier
 from torch import nn
@@ -57,7 +57,6 @@ from zoo import (
 )
 
 from explain_core import ExplainError, explain
-from explain_core.plugin_manager import get_registry
 
 RESULTS = Path(__file__).parent / "results"
 PARITY_GOAL = 1e-9
@@ -245,7 +244,7 @@ def kernel_differences(device: str) -> str:
 def parity(device: str, out: Path) -> bool:
     """Write the method × model parity table; return whether every cell passed."""
     cases = parity_cases()
-    methods = sorted(get_registry())
+    methods = registered_methods()
     rows = ["| method | " + " | ".join(cases) + " |", "|" + " --- |" * (len(cases) + 1)]
     outputs = [output_cell(make, x, device) for make, x in cases.values()]
     rows.append("| (the model's output) | " + " | ".join(outputs) + " |")

@@ -5,6 +5,7 @@ runs in a throw-away environment (REFERENCE §4):
 
     python -m venv /tmp/tv-env
     /tmp/tv-env/bin/pip install torch==2.14.1 torchvision==0.29.1 numpy pluggy tqdm safetensors
+    /tmp/tv-env/bin/pip install --no-deps -e .  # the built-in methods register through it
     PYTHONPATH=.:plugins:exporters:tests /tmp/tv-env/bin/python benchmarks/check_torchvision_zoo.py
 
 Each cell is what ``tests/zoo.py``'s ``method_outcome`` reports, with the same exact checks as
@@ -81,9 +82,8 @@ def _without_zero_layers(model: torch.nn.Module) -> torch.nn.Module:
 def main() -> None:
     """Run the methods on the real models and write the table."""
     import torchvision
+    from harness import registered_methods
     from zoo import method_outcome
-
-    from explain_core.plugin_manager import get_registry
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="*", default=None)
@@ -98,7 +98,7 @@ def main() -> None:
     args.models = args.models or list(MORE_MODELS if args.more else MODELS)
     results = RESULTS / ("torchvision_zoo_more.md" if args.more else "torchvision_zoo.md")
     torch.set_num_threads(args.threads)
-    methods = args.methods or sorted(get_registry())
+    methods = args.methods or registered_methods()
     image = torch.rand(1, 3, 224, 224, generator=torch.Generator().manual_seed(1))
     documented = _documented()
     rows = ["| method | " + " | ".join(args.models) + " |", "|" + " --- |" * (len(args.models) + 1)]

@@ -65,6 +65,24 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def registered_methods() -> list[str]:
+    """Every registered method's name, sorted.
+
+    Raises:
+        SystemExit: If none is: the project is not installed in this environment (its built-in
+            plugins are found through its metadata), and a table of no methods would pass.
+    """
+    from explain_core.plugin_manager import get_registry
+
+    methods = sorted(get_registry())
+    if not methods:
+        raise SystemExit(
+            "no methods are registered: install the project in this environment "
+            "(pip install --no-deps -e .) and run again"
+        )
+    return methods
+
+
 def median_seconds(fn: Callable[[], Any], *, repeats: int = 7, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` untimed runs."""
     for _ in range(warmup):
