@@ -22,6 +22,7 @@ __all__ = [
     "LINEAR_OPS",
     "MAXPOOL_OPS",
     "MAX_REDUCTIONS",
+    "PACKING_OPS",
     "PAD_MODES",
     "RELU_OPS",
     "RESHAPE_OPS",
@@ -114,11 +115,11 @@ _GATHER_OPS = frozenset(
         "index_select",
         "gather",
         "take_along_dim",
-        # pack_padded_sequence and pad_packed_sequence: the steps of each sequence, rearranged
-        "_pack_padded_sequence",
-        "_pad_packed_sequence",
     ]
 )
+# pack_padded_sequence and pad_packed_sequence: the steps of each sequence, rearranged. Beside
+# the data they return batch sizes or lengths, which come from the lengths alone.
+PACKING_OPS = frozenset({"_pack_padded_sequence", "_pad_packed_sequence"})
 # Selections by an index tensor, which must not depend on the input (the trace checks).
 INDEX_OPS = frozenset({"index_select", "gather", "take_along_dim"})
 AVGPOOL_OPS = frozenset(
@@ -134,6 +135,7 @@ AVGPOOL_OPS = frozenset(
 LINEAR_OPS = (
     RESHAPE_OPS
     | _GATHER_OPS
+    | PACKING_OPS
     | AVGPOOL_OPS
     | frozenset(
         # where: a selection by a mask that does not depend on the input (the trace refuses
@@ -240,6 +242,7 @@ _SIGN_PRESERVING = (
     | MAX_REDUCTIONS
     | DROPOUT_OPS
     | _GATHER_OPS
+    | PACKING_OPS
     | AVGPOOL_OPS
     | frozenset(["add", "add_", "pad", "setitem"])
 )

@@ -27,6 +27,7 @@ values equal the fused kernels' up to float rounding; the model and ``torch`` ar
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -203,23 +204,23 @@ def _fused_layer(kind: str, operation: str, step: Step, states: int) -> FusedLay
         UnsupportedModelError: For dropout in training mode.
     """
 
-    def layer(*args: object) -> tuple[torch.Tensor, ...]:
+    def layer(*args: Any) -> tuple[torch.Tensor, ...]:
         # Packed, the operation takes (data, batch_sizes, hx, params, has_biases, num_layers,
         # dropout, train, bidirectional); padded, (input, hx, params, …, batch_first). hx is a
         # list for an LSTM, one tensor otherwise: what follows input is a tensor only packed.
         packed = isinstance(args[1 if states > 1 else 2], torch.Tensor)
         if packed:
             data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidi = args
-            steps = list(data.split(batch_sizes.tolist()))  # type: ignore[union-attr]
+            steps = list(data.split(batch_sizes.tolist()))
         else:
             data, hx, params, has_biases, num_layers, dropout, train, bidi, batch_first = args
-            steps = list(data.unbind(1 if batch_first else 0))  # type: ignore[union-attr]
-        _check(kind, dropout, train)  # type: ignore[arg-type]
-        initial = tuple(hx) if states > 1 else (hx,)  # type: ignore[arg-type]
-        cells = num_layers * (2 if bidi else 1)  # type: ignore[operator]
-        weights = _layer_weights(params, has_biases, cells)  # type: ignore[arg-type]
+            steps = list(data.unbind(1 if batch_first else 0))
+        _check(kind, dropout, train)
+        initial = tuple(hx) if states > 1 else (hx,)
+        cells = num_layers * (2 if bidi else 1)
+        weights = _layer_weights(params, has_biases, cells)
         per_cell = [tuple(state[i] for state in initial) for i in range(cells)]
-        outputs, last = _unrolled(steps, packed, weights, per_cell, step, num_layers, bidi)  # type: ignore[arg-type]
+        outputs, last = _unrolled(steps, packed, weights, per_cell, step, num_layers, bidi)
         # packed: the steps one after another; padded: stacked along the time dimension
         output = torch.cat(outputs) if packed else torch.stack(outputs, dim=int(batch_first))
         final = (torch.stack(state) for state in zip(*last, strict=True))

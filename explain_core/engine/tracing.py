@@ -36,6 +36,7 @@ from explain_core.engine.ops import (
     LINEAR_OPS,
     MAX_REDUCTIONS,
     MAXPOOL_OPS,
+    PACKING_OPS,
     PAD_MODES,
     RELU_OPS,
     RESHAPE_OPS,
@@ -163,9 +164,8 @@ class _TraceMode(TorchFunctionMode):
             return result
         # h[i] = v writes into h (and returns None); an in-place op on a view writes into its base
         outputs = [args[0]] if name == "setitem" else _tensors(result)
-        if name in ("_pack_padded_sequence", "_pad_packed_sequence"):
-            # the batch sizes or lengths returned beside the data come from the lengths alone
-            outputs = outputs[:1]
+        if name in PACKING_OPS:
+            outputs = outputs[:1]  # the data; not the batch sizes or lengths beside it
         if not outputs:
             return result
         writes = name == "setitem" or name.endswith("_")
@@ -431,8 +431,7 @@ class _Tracer(ModuleListener):
             problem = "selects with an input-dependent condition"
         elif name in INDEX_OPS and any(t is not args[0] for t in inputs):
             problem = "selects with an input-dependent index"
-        elif name == "_pad_packed_sequence" and _padding_value(args, kwargs) != 0:
-            value = _padding_value(args, kwargs)
+        elif name == "_pad_packed_sequence" and (value := _padding_value(args, kwargs)) != 0:
             problem = f"pads with padding_value={value!r} (zero padding is supported)"
         elif name in DROPOUT_OPS:
             training = kwargs.get("training", args[2] if len(args) > 2 else True)
