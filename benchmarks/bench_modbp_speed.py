@@ -19,11 +19,14 @@ within one process, in several fresh processes, and the table gives their median
 process first times ε+z⁺ and the gradient alone: how a fresh process that runs nothing else sees
 it (glibc returns the engine's larger working memory after each call and faults it in again until
 something has grown the heap; ``MALLOC_TOP_PAD_`` changes that), and then ε+z⁺ and its lower bound
-alternately (ABBA…, the ratio ``bench_resnet_lrp.py`` reports; goal of issue 21: ≤ 1.05×).
+alternately (ABBA…, the ratio ``bench_resnet_lrp.py`` reports; goal of issue 21: ≤ 1.05×),
+counting each one's page faults per call; then that pair again in as many fresh processes with
+glibc keeping freed memory in its heap (``harness.KEEP_FREED_MEMORY``), which takes the page faults
+out of the ratio.
 Peak memory: each candidate in a fresh process, as ``bench_resnet_lrp.py`` measures it (goal:
 ≤ 2× the gradient's).
 
-    python benchmarks/bench_modbp_speed.py            # ~5 min on 2 loaded cores
+    python benchmarks/bench_modbp_speed.py            # ~8 min on 2 loaded cores
     python benchmarks/bench_modbp_speed.py --profile  # one process, printing the top operators
 """
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,7 +44,9 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from harness import (
+    KEEP_FREED_MEMORY,
     alternated_times,
+    counting_page_faults,
     gradient_plus_rule_convolutions,
     interleaved_medians,
     median_ratio,
@@ -240,7 +246,7 @@ def measure(rounds: int, threads: int, profile: bool = False) -> dict[str, objec
         rounds,
     )
     runs = candidates(model, x, target)
-    mine, bound = alternated_times(runs["lrp.epsilon_plus"], runs[LOWER_BOUND], rounds)
+    pair = alternated_pair(runs["lrp.epsilon_plus"], runs[LOWER_BOUND], rounds)
     reference = explain(model, x, "lrp.epsilon_plus", target).attribution
     by_hand_gap = float(
         (handwritten_epsilon_plus(model, x, target) - reference).abs().max() / reference.abs().max()
@@ -274,10 +280,36 @@ def measure(rounds: int, threads: int, profile: bool = False) -> dict[str, objec
 
     return {
         "medians": {**interleaved_medians(runs, rounds), **alone},
-        "to_bound": median_ratio(mine, bound),
+        **pair,
         "by_hand_gap": by_hand_gap,
         "notes_captum": notes_captum,
     }
+
+
+def alternated_pair(
+    explain_run: Callable[[], object], bound_run: Callable[[], object], rounds: int
+) -> dict[str, float]:
+    """ε+z⁺ and its lower bound timed alternately: the median ratio, and each one's median
+    count of page faults per call."""
+    explain_counted, explain_faults = counting_page_faults(explain_run)
+    bound_counted, bound_faults = counting_page_faults(bound_run)
+    mine, bound = alternated_times(explain_counted, bound_counted, rounds)
+    return {
+        "to_bound": median_ratio(mine, bound),
+        "faults": statistics.median(explain_faults),
+        "bound_faults": statistics.median(bound_faults),
+    }
+
+
+def measure_pair(rounds: int, threads: int) -> dict[str, float]:
+    """:func:`alternated_pair` alone in this process (nothing else run before it)."""
+    torch.set_num_threads(threads)
+    model, x, target = build()
+    return alternated_pair(
+        lambda: explain(model, x, "lrp.epsilon_plus", target),
+        lambda: gradient_plus_rule_convolutions(model, x, target, z_plus_weights),
+        rounds,
+    )
 
 
 def memory_worker(candidate: str) -> None:
@@ -303,6 +335,34 @@ def measure_in_fresh_processes(processes: int, rounds: int, threads: int) -> lis
         ratio = runs[-1]["medians"]["lrp.epsilon_plus"] / runs[-1]["medians"]["gradient"]
         print(f"process {index + 1}/{processes}: ε+z⁺ {ratio:.2f}× gradient", flush=True)
     return runs
+
+
+def pairs_in_fresh_processes(
+    processes: int, rounds: int, threads: int, environment: dict[str, str]
+) -> list[dict]:
+    """:func:`measure_pair` once per fresh interpreter, with ``environment`` added to its own."""
+    command = [sys.executable, __file__, "--pair", f"--rounds={rounds}", f"--threads={threads}"]
+    said = " ".join(environment) or "glibc's defaults"
+    runs = []
+    for index in range(processes):
+        done = subprocess.run(
+            command, env=dict(os.environ, **environment), check=True, capture_output=True, text=True
+        )
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"pair alone {index + 1}/{processes} ({said}): ε+z⁺ {runs[-1]['to_bound']:.3f}× "
+              f"its bound", flush=True)  # fmt: skip
+    return runs
+
+
+def pair_summary(runs: Sequence[dict]) -> str:
+    """The median and range of the ratio to the bound, and the median page faults of each."""
+    ratios = [run["to_bound"] for run in runs]
+    faults = statistics.median(run["faults"] for run in runs)
+    bound_faults = statistics.median(run["bound_faults"] for run in runs)
+    return (
+        f"{statistics.median(ratios):.3f}× its bound ({min(ratios):.3f}–{max(ratios):.3f}; page "
+        f"faults per call {faults:.0f} against the bound's {bound_faults:.0f})"
+    )
 
 
 def summary_rows(runs: Sequence[dict], memory: dict[str, int]) -> list[dict[str, object]]:
@@ -332,10 +392,14 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--pair", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--memory-worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_worker:
         memory_worker(args.memory_worker)
+        return
+    if args.pair:
+        print(json.dumps(measure_pair(args.rounds, args.threads)))
         return
     if args.child or args.profile:
         result = measure(args.rounds, args.threads, args.profile)
@@ -343,6 +407,8 @@ def main() -> None:
         return
 
     runs = measure_in_fresh_processes(args.processes, args.rounds, args.threads)
+    alone = pairs_in_fresh_processes(args.processes, args.rounds, args.threads, {})
+    kept = pairs_in_fresh_processes(args.processes, args.rounds, args.threads, KEEP_FREED_MEMORY)
     memory = {
         name: peak_memory(name)
         for name in runs[0]["medians"]
@@ -352,7 +418,6 @@ def main() -> None:
     ratio = {row["method"]: row["× gradient"] for row in rows}
     spread = {row["method"]: row["range over processes"] for row in rows}
     in_memory = {row["method"]: row["× gradient memory"] for row in rows}
-    to_bound = [run["to_bound"] for run in runs]
     others = "; ".join(
         f"{name} {in_memory[name]:.2f}×" for name in (CAPTUM_LRP, ZENNIT) if name in in_memory
     )
@@ -370,9 +435,23 @@ def main() -> None:
             f"Against its lower bound (one gradient plus only the z⁺ convolutions W⁺∗a, no rule "
             f"at all: no z⁺ implementation on torch's kernels can cost less), the two timed "
             f"alternately in each process as bench_resnet_lrp.py times them, ε+z⁺ costs "
-            f"{statistics.median(to_bound):.3f}× (processes: {min(to_bound):.3f}–"
-            f"{max(to_bound):.3f}; goal of issue 21: ≤ 1.05×); from the rotation's medians "
-            f"{ratio['lrp.epsilon_plus'] / ratio[LOWER_BOUND]:.2f}×. "
+            f"{pair_summary(runs)}; from the rotation's medians "
+            f"{ratio['lrp.epsilon_plus'] / ratio[LOWER_BOUND]:.2f}× (goal of issue 21: ≤ "
+            f"1.05×). Timed alone in "
+            f"{len(alone)} more fresh processes (nothing else run before them): "
+            f"{pair_summary(alone)}. glibc hands the top of its heap back to the system whenever "
+            f"more than its trim threshold is free there (twice the largest block it has "
+            f"unmapped so far), and the next call that needs the memory faults its pages in "
+            f"again; how often that happens in a call depends on what the process ran before "
+            f"(above, after Captum's larger allocations, both pay about alike). The engine's "
+            f"working memory is larger than the gradient's (the ratio of every convolution until "
+            f"backward, beside the max-pooling inputs that the gradient shares with the ReLUs' "
+            f"saved outputs), so in a process that ran nothing else it alone grows the heap and "
+            f"has it trimmed again within each call. In {len(kept)} more fresh processes with "
+            f"glibc keeping freed memory "
+            f"({' '.join(f'{k}={v}' for k, v in KEEP_FREED_MEMORY.items())}, what a "
+            f"long-running service may set): "
+            f"{pair_summary(kept)}. "
             f"Peak memory (each candidate in a fresh process, glibc's mmap threshold at 64 KiB, "
             f"the largest resident set above the built model): ε+z⁺ "
             f"{in_memory['lrp.epsilon_plus']:.2f}× the gradient's (goal ≤ 2×){'; ' + others}. "

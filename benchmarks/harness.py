@@ -14,6 +14,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -148,6 +149,29 @@ def alternated_times(
             (first, second)[index]()
             times[index].append(time.perf_counter() - start)
     return times
+
+
+def counting_page_faults(run: Callable[[], Any]) -> tuple[Callable[[], Any], list[int]]:
+    """``run`` wrapped to record the minor page faults of each call, and the list they go to.
+
+    A minor fault is a page of fresh memory touched for the first time: what glibc costs a call
+    whose working memory it handed back to the system after the previous one (it trims the top of
+    its heap once more than its trim threshold is free there) and must fault in again.
+    """
+    faults: list[int] = []
+
+    def counted() -> Any:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        try:
+            return run()
+        finally:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+
+    return counted, faults
+
+
+# glibc told to keep freed memory in its heap: no trimming, and 512 MiB of headroom on each growth.
+KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(2**40), "MALLOC_TOP_PAD_": str(2**29)}
 
 
 def median_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> float:
