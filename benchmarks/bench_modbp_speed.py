@@ -20,9 +20,9 @@ process first times ε+z⁺ and the gradient alone: how a fresh process that run
 it (glibc returns the engine's larger working memory after each call and faults it in again until
 something has grown the heap; ``MALLOC_TOP_PAD_`` changes that), and then ε+z⁺ and its lower bound
 alternately (ABBA…, the ratio ``bench_resnet_lrp.py`` reports; goal of issue 21: ≤ 1.05×),
-counting each one's page faults per call; then that pair again in as many fresh processes with
-glibc keeping freed memory in its heap (``harness.KEEP_FREED_MEMORY``), which takes the page faults
-out of the ratio.
+counting each one's page faults per call; then that pair alone (nothing else run before it) in as
+many more fresh processes with glibc's defaults, and in as many again with glibc keeping freed
+memory in its heap (``harness.KEEP_FREED_MEMORY``), which takes the page faults out of the ratio.
 Peak memory: each candidate in a fresh process, as ``bench_resnet_lrp.py`` measures it (goal:
 ≤ 2× the gradient's).
 

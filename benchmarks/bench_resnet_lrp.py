@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from harness import (
     alternated_times,
+    counting_page_faults,
     gamma_weights,
     gradient_plus_rule_convolutions,
     median_ratio,
@@ -180,12 +181,15 @@ def peak_memory(candidate: str, batch: int, side: int, torchvision: bool) -> int
 def time_pairs(batch: int, side: int, torchvision: bool, rounds: int) -> dict[str, Any]:
     """Each candidate against the gradient, each composite against its lower bound (one process).
 
-    Returns the seconds of every candidate and the two ratios, each the median over rounds of the
-    ratio within a round of the pair timed alternately.
+    Returns the seconds of every candidate, the two ratios, each the median over rounds of the
+    ratio within a round of the pair timed alternately, and each candidate's median page faults
+    per call.
     """
     torch.set_num_threads(2)
     model, x, target = build(batch, side, torchvision)
-    runs = candidates(model, x, target)
+    plain = candidates(model, x, target)
+    counted = {name: counting_page_faults(run) for name, run in plain.items()}
+    runs = {name: run for name, (run, _) in counted.items()}
     times: dict[str, list[float]] = {}
     to_gradient: dict[str, float] = {"gradient": 1.0}
     to_bound: dict[str, float] = {}
@@ -200,7 +204,8 @@ def time_pairs(batch: int, side: int, torchvision: bool, rounds: int) -> dict[st
             mine, bound = alternated_times(runs[candidate], runs[BOUNDS[candidate]], rounds)
             to_bound[candidate] = median_ratio(mine, bound)
         print(candidate, to_gradient[candidate], to_bound.get(candidate), file=sys.stderr)
-    return {"times": times, "to_gradient": to_gradient, "to_bound": to_bound}
+    faults = {name: statistics.median(calls) for name, (_, calls) in counted.items()}
+    return {"times": times, "to_gradient": to_gradient, "to_bound": to_bound, "faults": faults}
 
 
 def timing_process(batch: int, side: int, torchvision: bool, rounds: int) -> dict[str, Any]:
@@ -257,6 +262,7 @@ def main() -> None:
                 if candidate in bound_ratios
                 else None
             ),
+            "page faults per call": statistics.median(p["faults"][candidate] for p in processes),
             "peak MiB above model": memory[candidate] / 2**20,
             "× gradient memory": memory[candidate] / memory["gradient"],
         }
@@ -285,7 +291,10 @@ def main() -> None:
             f"{args.processes} fresh processes, {args.rounds} rounds per pair in each; times: "
             "medians, ratios: each candidate timed alternately (ABBA…) with the gradient and each "
             "composite with its lower bound, the median of the ratios within a round, then the "
-            "median over processes (and their range); peak memory: the largest resident set "
+            "median over processes (and their range); page faults: the median per call over "
+            "all of a candidate's timed calls (pages of memory touched for the first time: what "
+            "glibc costs a call when it has handed freed heap memory back to the system), then "
+            "over processes; peak memory: the largest resident set "
             "above the built model, one fresh process per candidate. Goals: ≤ 1.05× the lower "
             "bound (one gradient plus the convolutions the composite's rule adds: W⁺∗a for z⁺; "
             "(W + γW⁺)∗a for γ, whose (W + γW⁻)∗a follows from the two adding up to (2 + γ)z, "
