@@ -325,13 +325,20 @@ def peak_memory(candidate: str) -> int:
     return json.loads(memory_worker_output(command))["extra_bytes"]
 
 
+def child_result(mode: str, rounds: int, threads: int, environment: dict[str, str]) -> dict:
+    """What this script prints as ``--child`` or ``--pair`` in a fresh interpreter, with
+    ``environment`` added to this one's."""
+    command = [sys.executable, __file__, mode, f"--rounds={rounds}", f"--threads={threads}"]
+    env = dict(os.environ, **environment)
+    done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def measure_in_fresh_processes(processes: int, rounds: int, threads: int) -> list[dict]:
     """:func:`measure` once per fresh interpreter."""
-    command = [sys.executable, __file__, "--child", f"--rounds={rounds}", f"--threads={threads}"]
     runs = []
     for index in range(processes):
-        done = subprocess.run(command, check=True, capture_output=True, text=True)
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs.append(child_result("--child", rounds, threads, {}))
         ratio = runs[-1]["medians"]["lrp.epsilon_plus"] / runs[-1]["medians"]["gradient"]
         print(f"process {index + 1}/{processes}: ε+z⁺ {ratio:.2f}× gradient", flush=True)
     return runs
@@ -341,14 +348,10 @@ def pairs_in_fresh_processes(
     processes: int, rounds: int, threads: int, environment: dict[str, str]
 ) -> list[dict]:
     """:func:`measure_pair` once per fresh interpreter, with ``environment`` added to its own."""
-    command = [sys.executable, __file__, "--pair", f"--rounds={rounds}", f"--threads={threads}"]
     said = " ".join(environment) or "glibc's defaults"
     runs = []
     for index in range(processes):
-        done = subprocess.run(
-            command, env=dict(os.environ, **environment), check=True, capture_output=True, text=True
-        )
-        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        runs.append(child_result("--pair", rounds, threads, environment))
         print(f"pair alone {index + 1}/{processes} ({said}): ε+z⁺ {runs[-1]['to_bound']:.3f}× "
               f"its bound", flush=True)  # fmt: skip
     return runs
