@@ -7,7 +7,14 @@ import torch
 from modbp_nets import reference
 from torch import nn
 
-from explain_core import Composite, InputLayer, InvalidInputError, Op, Rule
+from explain_core import (
+    Composite,
+    InputLayer,
+    InvalidInputError,
+    Op,
+    Rule,
+    UnsupportedModelError,
+)
 from explain_core.engine import ModifiedBackprop
 from explain_modbp import (
     AlphaBeta,
@@ -245,6 +252,52 @@ def test_a_rule_on_a_layer_only_a_relu_reads_matches_the_matrix_reference(inplac
     relevance_a = reference(rule, model[4], a, target * model[4](a).detach())
     expected = reference(rule, model[:2], x, relevance_a.reshape(z.shape))
     torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-11)
+
+
+READING_THE_RELU = [Epsilon(0.1), Gamma(0.25), ZPlus(), AlphaBeta(2.0, 1.0)]
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("rule", READING_THE_RELU, ids=repr)
+def test_a_rule_on_a_layer_only_a_relu_reads_keeps_that_relus_output_not_a_ratio(inplace, rule):
+    """Its per-output factors come from the ReLU's own output in backward (no tensor the size
+    of the output is kept from forward; the model keeps the ReLU's output anyway)."""
+    model = _conv_bn_relu(inplace)
+    seen: list[torch.Tensor] = []
+    model[2].register_forward_hook(lambda module, args, output: seen.append(output))
+    x = torch.rand(2, 2, 4, 4, dtype=torch.float64)
+    forward = ModifiedBackprop(Composite([(nn.Module, rule)]), record=True).forward(model, x)
+    call = forward.records["0"].call
+    assert rule.reads_rectified_output(call)
+    assert call.rectified_output.data_ptr() == seen[-1].data_ptr()  # the pass's ReLU, no copy
+    kept = [t for t in torch.utils._pytree.tree_leaves(call.state) if isinstance(t, torch.Tensor)]
+    assert all(t.numel() < seen[-1].numel() for t in kept)
+
+
+class _ChangedAfterReLU(nn.Module):
+    """conv → ReLU, whose output forward then doubles in place, → linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(48, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        h.mul_(2.0)
+        return self.fc(h.flatten(1))
+
+
+@pytest.mark.parametrize("rule", READING_THE_RELU, ids=repr)
+def test_a_relu_output_a_rule_reads_changed_in_place_later_is_refused_as_autograd_does(rule):
+    torch.manual_seed(0)
+    model = _ChangedAfterReLU().double().eval()
+    x = torch.rand(2, 2, 4, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(model(x).sum(), x)  # the ReLU keeps its output for its gradient
+    forward = ModifiedBackprop(Composite([(nn.Module, rule)])).forward(model, x)
+    assert forward.plan.rectified == {"conv"}
+    with pytest.raises(UnsupportedModelError, match="'conv' was changed in place later in forward"):
+        forward.backward(torch.ones(2, 2, dtype=torch.float64))
 
 
 class _TwoReaderModules(_TwoReaders):

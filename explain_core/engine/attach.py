@@ -95,9 +95,9 @@ class _RuleFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, rule: Rule, call: RuleCall, keep_input: bool
+        ctx: Any, x: torch.Tensor, rule: Rule, call: RuleCall, keep_input: bool, reads_relu: bool
     ) -> torch.Tensor:
-        ctx.rule, ctx.call, ctx.stand_in = rule, call, not keep_input
+        ctx.rule, ctx.call, ctx.stand_in, ctx.reads_relu = rule, call, not keep_input, reads_relu
         # Kept, it raises at backward if x was changed in place meanwhile; else the rule reads
         # only x's stand-in (shape and layout) and x is the model's to free.
         ctx.save_for_backward(x if keep_input else None)
@@ -108,9 +108,13 @@ class _RuleFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None]:
+    def backward(
+        ctx: Any, signal: torch.Tensor
+    ) -> tuple[torch.Tensor | None, None, None, None, None]:
         ctx.saved_tensors  # noqa: B018  (the in-place check)
         rule, call = ctx.rule, _begin_backward(ctx)
+        if ctx.reads_relu:
+            _check_rectified_output(call)
         try:
             (grad,) = rule.backward(call, signal)
         except (RuntimeError, NotImplementedError) as error:
@@ -120,7 +124,25 @@ class _RuleFunction(torch.autograd.Function):
         if ctx.stand_in and grad is not None and grad.device.type == "meta":
             raise _read_stand_in(rule, call)
         _release(ctx)
-        return grad, None, None, None
+        return grad, None, None, None, None
+
+
+def _check_rectified_output(call: RuleCall) -> None:
+    """Before backward: the ReLU output the rule reads is there, unchanged since the ReLU."""
+    relu_output = call.rectified_output
+    if relu_output is None:
+        raise UnsupportedModelError(
+            f"no ReLU read the output of layer {call.name!r} in this pass, though the traced "
+            "pass found only a ReLU reading it (its rule computes from that ReLU's output): "
+            "the model's forward took another path than when it was traced; make forward "
+            "take one path for inputs of one shape (no randomness or state that changes it)"
+        )
+    if relu_output._version != call.rectified_version:
+        raise UnsupportedModelError(
+            f"the output of the ReLU that reads layer {call.name!r} was changed in place later "
+            "in forward (as autograd's own backward would refuse: a ReLU keeps its output for "
+            "its gradient); write that change out of place (e.g. h = h * 2, not h *= 2)"
+        )
 
 
 def _read_stand_in(rule: Rule, call: RuleCall) -> InvalidInputError:
@@ -401,6 +423,7 @@ class OperationMode(TorchFunctionMode):
         if name in RELU_OPS and args and self.attached.is_masked_output(args[0]):
             with torch.no_grad():  # the layer's rule applies this ReLU's gradient
                 y = func(*args, **kwargs)
+            self.attached.note_relu_output(args[0], y)
             return y if y is args[0] else _PassedThrough.apply(args[0], y)
         if name in self.kinds:
             rule = self.composite.rule_for_op(name)
@@ -526,8 +549,9 @@ class RulePass(ModuleListener):
         self.affine_depth = 0
         self.stack: list[nn.Module] = []  # the modules running now, for messages
         # tensor id → a weak reference to a ruled layer's output whose rule masks what a ReLU
-        # reading it stops; such ReLUs run without autograd (see _PassedThrough)
-        self.masked_outputs: dict[int, weakref.ref[torch.Tensor]] = {}
+        # reading it stops (such ReLUs run without autograd: see _PassedThrough), and the
+        # layer's call where its rule reads that ReLU's output
+        self.masked_outputs: dict[int, tuple[weakref.ref[torch.Tensor], RuleCall | None]] = {}
         self._plan_modules(modules)
 
     @contextlib.contextmanager
@@ -550,12 +574,14 @@ class RulePass(ModuleListener):
         )
         if not keep_input:
             call.inputs = tuple(_stand_in(t) for t in call.inputs)
-        out = _RuleFunction.apply(x, rule, call, keep_input)
+        masks = masks_rectified_outputs(rule, call)
+        reads_relu = masks and isinstance(rule, AffineRule) and rule.reads_rectified_output(call)
+        out = _RuleFunction.apply(x, rule, call, keep_input, reads_relu)
         if self.record:  # a record holds the layer's output, which the model may free (ReLU)
             self._check_recorded_once(call.name)
             self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
-        if masks_rectified_outputs(rule, call):
-            self.masked_outputs[id(out)] = weakref.ref(out)
+        if masks:
+            self.masked_outputs[id(out)] = (weakref.ref(out), call if reads_relu else None)
         return out
 
     def _check_recorded_once(self, name: str) -> None:
@@ -619,7 +645,14 @@ class RulePass(ModuleListener):
     def is_masked_output(self, value: Any) -> bool:
         """Whether ``value`` is a layer's output whose rule applies the ReLU reading it."""
         entry = self.masked_outputs.get(id(value))
-        return entry is not None and entry() is value
+        return entry is not None and entry[0]() is value
+
+    def note_relu_output(self, layer_output: torch.Tensor, relu_output: torch.Tensor) -> None:
+        """Hand the ReLU's output to the rule of the layer it read, where the rule reads it."""
+        _, call = self.masked_outputs[id(layer_output)]
+        if call is not None:
+            call.rectified_output = relu_output.detach()
+            call.rectified_version = relu_output._version
 
     def place(self) -> str:
         """Where the running operation is: a user's hook on a module, or the module."""

@@ -74,6 +74,12 @@ class RuleCall:
         last_backward: Set by the engine during backward: no other backward pass will read
             ``state`` (the graph is not kept), so the rule may write into its tensors, e.g.
             multiply the signal into a kept ratio instead of allocating a new tensor.
+        rectified_output: Set by the engine, for a rule whose
+            :meth:`AffineRule.reads_rectified_output` says so: the output ``max(z, 0)`` of the
+            ReLU that reads the layer's output, detached (not copied; changed in place before
+            backward, it is refused, as autograd refuses for a ReLU's own saved output).
+        rectified_version: The version counter of ``rectified_output`` when the ReLU returned
+            it (the engine's, for that check).
     """
 
     module: nn.Module | None
@@ -89,6 +95,8 @@ class RuleCall:
     sources: tuple[RuleCall | None, ...] = field(default=(), repr=False)
     branch_free: bool = False
     last_backward: bool = False
+    rectified_output: torch.Tensor | None = field(default=None, repr=False)
+    rectified_version: int = field(default=0, repr=False)
 
 
 class Rule(ABC):
@@ -194,6 +202,18 @@ class AffineRule(Rule):
         signals there) keeps the input whatever this says. Default: ``True``.
         """
         return True
+
+    def reads_rectified_output(self, call: RuleCall) -> bool:
+        """Whether :meth:`backward` reads ``call.rectified_output`` for this call.
+
+        Asked once :meth:`forward` has run, for a rule that :attr:`uses_rectified_outputs` on a
+        layer whose ``output_rectified`` is set. The ReLU's output ``max(z, 0)`` is what the
+        model keeps for its own backward anyway (the next layer's input, a pooling's), so a
+        rule that computes its per-output factors from it in backward, instead of keeping them
+        from forward, holds no tensor the size of the layer's output until then. Default:
+        ``False``.
+        """
+        return False
 
     @staticmethod
     def affine(call: RuleCall) -> tuple[AffineLayer, torch.Tensor, torch.Tensor]:

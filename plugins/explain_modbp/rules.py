@@ -101,8 +101,10 @@ class Epsilon(AffineRule):
     """LRP-ε: the output (with bias) stabilised by ``ε·sign(z)``; ``ε=0`` is LRP-0.
 
     Backward keeps one tensor per layer, the ratio ``z / (z + ε·sign z)`` (for LRP-0 the mask
-    ``z ≠ 0``; both 0 where ``z <= 0`` on a layer only a ReLU reads), and not the output: the
-    model may free or change it.
+    ``z ≠ 0``), and not the output: the model may free or change it. On a layer only a ReLU
+    reads, the ratio is 0 where ``z <= 0``: ``y / (y + ε)`` of the ReLU's output ``y``, which
+    the model keeps anyway, computed in backward (LRP-0 keeps its mask ``z > 0``: a byte per
+    output).
 
     Args:
         epsilon: Stabiliser, ``>= 0``.
@@ -121,17 +123,30 @@ class Epsilon(AffineRule):
         rectified = layer.output_rectified  # the ReLU's gradient: no signal where z <= 0
         if not self.epsilon:  # z / z = 1 where z != 0: the gradient (LRP-0 = Input×Gradient)
             return z > 0 if rectified else z != 0
-        # z / (z + ε·sign z) = |z| / (|z| + ε), exactly (negation does not round)
-        magnitude = z.clamp(min=0) if rectified else z.abs()
-        return torch.div(magnitude, magnitude + self.epsilon, out=magnitude)
+        if rectified:  # from the ReLU's output, in backward
+            return None
+        return self._ratio(z.abs())
+
+    def _ratio(self, magnitude: torch.Tensor) -> torch.Tensor:
+        """``|z| / (|z| + ε)``, which is ``z / (z + ε·sign z)`` exactly (negation does not round).
+
+        ``magnitude``: ``|z|``, or the ReLU's output ``max(z, 0)``.
+        """
+        denominator = magnitude + self.epsilon
+        return torch.div(magnitude, denominator, out=denominator)
 
     def reads_input_in_backward(self, call: RuleCall) -> bool:  # noqa: D102
         return False  # only its shape, for the transposed product
 
+    def reads_rectified_output(self, call: RuleCall) -> bool:  # noqa: D102
+        return call.state is None
+
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         ratio = call.state
-        if ratio.dtype == torch.bool:
+        if ratio is None:  # max(z, 0) / (max(z, 0) + ε), a temporary
+            signal = self._ratio(call.rectified_output).mul_(grad_output)
+        elif ratio.dtype == torch.bool:
             signal = torch.where(ratio, grad_output, 0.0)
         else:
             signal = _times_ratio(call, grad_output, ratio)
@@ -219,37 +234,50 @@ class Gamma(_SignAware):
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
         # Kept for backward: the sign form, the ratio z / |d| (generalised: its sign is the
-        # output's, so no mask is kept) and, where small enough, the amplified weight.
+        # output's, so no mask is kept; on a layer only a ReLU reads, computed in backward from
+        # the ReLU's output) and, where small enough, the amplified weight.
         signed = self.generalised and not nonnegative
-        falling = self.generalised and not layer.output_rectified
-        amplified = self._up(layer)
-        denominator = self._denominator(layer, x, z, signed, falling, amplified)
-        ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
         if self.uses_rectified_outputs and layer.output_rectified:
-            ratio.clamp_(min=0)  # the ReLU's gradient: no signal where z <= 0
+            return signed, None, None
+        amplified = self._up(layer)
+        denominator = self._denominator(layer, x, z, signed, self.generalised, amplified)
+        ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
         up = amplified[0]
         return signed, ratio, up if _kept_for_backward((up,), ratio) else None
 
     def reads_input_in_backward(self, call: RuleCall) -> bool:  # noqa: D102
-        return call.state[0]  # the signed form reads the input's signs
+        # the signed form reads the input's signs; from the ReLU's output, d needs the input
+        return call.state[0] or call.state[1] is None
+
+    def reads_rectified_output(self, call: RuleCall) -> bool:  # noqa: D102
+        return call.state[1] is None
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        layer, _, _ = self.affine(call)
-        ratio = call.state[1]
-        if not self.generalised or layer.output_rectified:  # no signal on falling outputs
-            return (self._propagate(call, _times_ratio(call, grad_output, ratio)),)
+        layer, x, _ = self.affine(call)
+        signed, ratio, up = call.state
+        if ratio is None:  # max(z, 0) / d_up: the ReLU's gradient, no signal where z <= 0
+            amplified = self._up(layer)
+            relu_output = call.rectified_output
+            denominator = self._denominator(layer, x, relu_output, signed, False, amplified)
+            signal = torch.div(relu_output, denominator, out=denominator).mul_(grad_output)
+            return (self._propagate(call, amplified[0], signal),)
+        up = up if up is not None else self._up(layer)[0]
+        if not self.generalised:  # no signal on falling outputs
+            return (self._propagate(call, up, _times_ratio(call, grad_output, ratio)),)
         s_falling = ratio.clamp(max=0).mul_(grad_output)  # before the ratio is overwritten
-        return (self._propagate(call, _times_ratio(call, grad_output, ratio), s_falling),)
+        return (self._propagate(call, up, _times_ratio(call, grad_output, ratio), s_falling),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         signed = call.state[0]
         z = layer.forward(x, bias=layer.bias)
-        denominator = self._denominator(layer, x, z, signed, self.generalised, self._up(layer))
+        amplified = self._up(layer)
+        denominator = self._denominator(layer, x, z, signed, self.generalised, amplified)
         s = safe_divide(relevance, denominator)
+        up = amplified[0]
         if not self.generalised:
-            return (self._propagate(call, s),)
-        return (self._propagate(call, s, torch.where(z < 0, s, 0.0)),)
+            return (self._propagate(call, up, s),)
+        return (self._propagate(call, up, s, torch.where(z < 0, s, 0.0)),)
 
     def _up(self, layer: AffineLayer) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``W + γW⁺`` and ``b + γb⁺``."""
@@ -289,9 +317,13 @@ class Gamma(_SignAware):
         return d_up.clamp_(min=self.epsilon)
 
     def _propagate(
-        self, call: RuleCall, s: torch.Tensor, s_falling: torch.Tensor | None = None
+        self,
+        call: RuleCall,
+        up: torch.Tensor,
+        s: torch.Tensor,
+        s_falling: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The signal at the input from the output signal ``s``.
+        """The signal at the input from the output signal ``s`` (``up``: ``W + γW⁺``).
 
         Generalised, ``s = R / |d|`` is ``a = R / d`` on the rising outputs (``z >= 0``) and
         ``−b``, ``b = R / d``, on the falling ones; ``s_falling`` is ``−b`` there, else 0
@@ -301,7 +333,6 @@ class Gamma(_SignAware):
         products with ``up`` and ``W``.
         """
         layer, x, _ = self.affine(call)
-        up = call.state[2] if call.state[2] is not None else self._up(layer)[0]
         scale = 2 + self.gamma
         if not call.state[0]:  # non-negative inputs, or not generalised: x⁺ reads up only
             signal = layer.transpose(s, x, up)
@@ -357,35 +388,62 @@ class AlphaBeta(_SignAware):
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
         # Kept for backward: the sign form, the ratios z / z⁺ (and z / z⁻) and, where small
-        # enough, the clamped weights; the denominators are not needed.
+        # enough, the clamped weights; the denominators are not needed. On a layer only a ReLU
+        # reads, nothing: the ratios come from the ReLU's output in backward.
+        if layer.output_rectified:
+            return nonnegative, None, None
         weights = self._weights(layer, nonnegative)
+        ratios = self._ratios(layer, x, z, nonnegative, weights)
+        return nonnegative, ratios, weights if _kept_for_backward(weights, ratios[0]) else None
+
+    def _ratios(
+        self,
+        layer: AffineLayer,
+        x: torch.Tensor,
+        z: torch.Tensor,
+        nonnegative: bool,
+        weights: tuple[torch.Tensor, torch.Tensor | None],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``α z / z⁺`` and ``β z / z⁻`` (``None`` without β), 0 where a denominator is 0.
+
+        From the ReLU's output ``max(z, 0)`` as ``z`` they are 0 where ``z <= 0``: the ReLU's
+        gradient.
+        """
         pos, neg = self._denominators(layer, x, nonnegative, weights)
         ratio_neg = _ratio(z, neg, self.beta, overwrite=True) if neg is not None else None
-        ratio_pos = _ratio(z, pos, self.alpha, overwrite=True)
-        if layer.output_rectified:  # the ReLU's gradient: no signal where z <= 0
-            ratio_pos.clamp_(min=0)
-            if ratio_neg is not None:
-                ratio_neg.clamp_(max=0)
-        kept = weights if _kept_for_backward(weights, ratio_pos) else None
-        return nonnegative, (ratio_pos, ratio_neg), kept
+        return _ratio(z, pos, self.alpha, overwrite=True), ratio_neg
 
     def reads_input_in_backward(self, call: RuleCall) -> bool:  # noqa: D102
-        return not call.state[0]  # the form for inputs of either sign reads their signs
+        # the form for inputs of either sign reads their signs; from the ReLU's output, the
+        # denominators need the input
+        return not call.state[0] or call.state[1] is None
+
+    def reads_rectified_output(self, call: RuleCall) -> bool:  # noqa: D102
+        return call.state[1] is None
 
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
-        ratio_pos, ratio_neg = call.state[1]
-        s_neg = _times_ratio(call, grad_output, ratio_neg) if ratio_neg is not None else None
-        return (self._propagate(call, _times_ratio(call, grad_output, ratio_pos), s_neg),)
+        layer, x, _ = self.affine(call)
+        nonnegative, ratios, weights = call.state
+        if ratios is None:  # temporaries: the signal goes into them
+            weights = self._weights(layer, nonnegative)
+            ratios = self._ratios(layer, x, call.rectified_output, nonnegative, weights)
+            s_pos, s_neg = (r.mul_(grad_output) if r is not None else None for r in ratios)
+        else:
+            weights = weights if weights is not None else self._weights(layer, nonnegative)
+            s_pos, s_neg = (_times_ratio(call, grad_output, r) if r is not None else None
+                            for r in ratios)  # fmt: skip
+        return (self._propagate(call, weights, s_pos, s_neg),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         nonnegative = call.state[0]
-        pos, neg = self._denominators(layer, x, nonnegative, self._weights(layer, nonnegative))
+        weights = self._weights(layer, nonnegative)
+        pos, neg = self._denominators(layer, x, nonnegative, weights)
         s_pos = safe_divide(relevance, pos)
         if self.alpha != 1:
             s_pos = s_pos * self.alpha
         s_neg = safe_divide(relevance, neg) * self.beta if neg is not None else None
-        return (self._propagate(call, s_pos, s_neg),)
+        return (self._propagate(call, weights, s_pos, s_neg),)
 
     def _weights(
         self, layer: AffineLayer, nonnegative: bool
@@ -419,11 +477,16 @@ class AlphaBeta(_SignAware):
         return pos, layer.forward_stacked((xp, xn), (negative, positive), bias_neg)
 
     def _propagate(
-        self, call: RuleCall, s_pos: torch.Tensor, s_neg: torch.Tensor | None
+        self,
+        call: RuleCall,
+        weights: tuple[torch.Tensor, torch.Tensor | None],
+        s_pos: torch.Tensor,
+        s_neg: torch.Tensor | None,
     ) -> torch.Tensor:
+        """The signal at the input from the output signals ``s_pos`` and ``s_neg`` (``W⁺, W⁻``)."""
         layer, x, _ = self.affine(call)
-        nonnegative, _, kept = call.state
-        positive, negative = kept if kept is not None else self._weights(layer, nonnegative)
+        nonnegative = call.state[0]
+        positive, negative = weights
         if nonnegative:
             signal = layer.transpose(s_pos, x, positive)
             if s_neg is not None:
