@@ -17,12 +17,13 @@ layers, 3×32×32 inputs and batch 32. Within one run the script times, interlea
 It reports medians and their ratios to the gradient (goal for ε+z⁺: ≤ 1.3×). Each ratio is taken
 within one process, in several fresh processes, and the table gives their median and range. Each
 process first times ε+z⁺ and the gradient alone: how a fresh process that runs nothing else sees
-it (glibc returns the engine's larger working memory after each call and faults it in again until
-something has grown the heap; ``MALLOC_TOP_PAD_`` changes that), and then ε+z⁺ and its lower bound
-alternately (ABBA…, the ratio ``bench_resnet_lrp.py`` reports; goal of issue 21: ≤ 1.05×),
-counting each one's page faults per call; then that pair alone (nothing else run before it) in as
-many more fresh processes with glibc's defaults, and in as many again with glibc keeping freed
-memory in its heap (``harness.KEEP_FREED_MEMORY``), which takes the page faults out of the ratio.
+it (glibc hands memory freed at the top of its heap back after a call and faults it in again in
+the next, until something has grown the heap; ``MALLOC_TOP_PAD_`` changes that), and then ε+z⁺
+and its lower bound alternately (ABBA…, the ratio ``bench_resnet_lrp.py`` reports; goal of issue
+21: ≤ 1.05×), counting each one's page faults per call; then that pair alone (nothing else run
+before it) in as many more fresh processes with glibc's defaults, and in as many again with glibc
+keeping freed memory in its heap (``harness.KEEP_FREED_MEMORY``), which takes the page faults out
+of the ratio.
 Peak memory: each candidate in a fresh process, as ``bench_resnet_lrp.py`` measures it (goal:
 ≤ 2× the gradient's).
 
@@ -236,8 +237,8 @@ def measure(rounds: int, threads: int, profile: bool = False) -> dict[str, objec
     model, x, target = build()
 
     # First the pair alone, before any other candidate has grown this process's heap: glibc hands
-    # the engine's larger working memory back after each call and faults it in again, which the
-    # other candidates' allocations (Captum's) can hide.
+    # memory freed at its top back after each call and faults it in again, which the other
+    # candidates' allocations (Captum's) can hide.
     alone = interleaved_medians(
         {
             GRADIENT_ALONE: lambda: plain_gradient(model, x, target),
@@ -446,11 +447,8 @@ def main() -> None:
             f"more than its trim threshold is free there (twice the largest block it has "
             f"unmapped so far), and the next call that needs the memory faults its pages in "
             f"again; how often that happens in a call depends on what the process ran before "
-            f"(above, after Captum's larger allocations, both pay about alike). The engine's "
-            f"working memory is larger than the gradient's (the ratio of every convolution until "
-            f"backward, beside the max-pooling inputs that the gradient shares with the ReLUs' "
-            f"saved outputs), so in a process that ran nothing else it alone grows the heap and "
-            f"has it trimmed again within each call. In {len(kept)} more fresh processes with "
+            f"and on the sizes and order of each candidate's allocations (the engine makes z⁺ = "
+            f"W⁺∗a in backward, the bound in forward). In {len(kept)} more fresh processes with "
             f"glibc keeping freed memory "
             f"({' '.join(f'{k}={v}' for k, v in KEEP_FREED_MEMORY.items())}, what a "
             f"long-running service may set): "
@@ -460,9 +458,7 @@ def main() -> None:
             f"{in_memory['lrp.epsilon_plus']:.2f}× the gradient's (goal ≤ 2×){'; ' + others}. "
             f"Timed first in its "
             f"process, before the other candidates ran, ε+z⁺ costs {ratio[ALONE]:.2f}× "
-            f"({spread[ALONE]}) the gradient timed beside it: glibc returns "
-            f"the engine's larger working memory after every call and faults it in again, "
-            f"unless something else has grown the heap. "
+            f"({spread[ALONE]}) the gradient timed beside it. "
             f"The same rules written out by hand for this one network (no autograd, no hooks; "
             f"its map equals ours to {max(run['by_hand_gap'] for run in runs):.1e} relative) "
             f"cost {ratio[BY_HAND]:.2f}×. {NOTES}{runs[0]['notes_captum']}"
@@ -476,13 +472,14 @@ NOTES = (
     "and its backward is one transposed convolution with W⁺, as costly as the gradient's. Per "
     "convolution that is three convolutions against the gradient's two, and forward and backward "
     "convolutions cost about the same here (the lower-bound row measures what that leaves). "
-    "What the engine adds beyond it: per convolution output the ratio z/z⁺ (a division written "
-    "into z⁺'s buffer, a NaN fix, and a clamp to 0 where z ≤ 0: the ReLU's gradient, applied by "
-    "the rule, so that the ReLU's own backward pass is skipped) and one multiplication in the "
-    "backward (the layer hands the model its output without a copy: the rule keeps only the "
-    "ratio, and neither the layer's output nor, z⁺ and ε reading only its shape, its input: "
-    "before 2026-11-26 the pass held both until backward, 2.35× the gradient's memory and "
-    "≈ 1.10× the bound); per call the model "
+    "What the engine adds beyond it: per convolution, in backward, the ratio max(z, 0)/z⁺ of "
+    "the ReLU's output to z⁺ = W⁺∗a (made there from the layer's input: the bound's convolution, "
+    "moved; a division written into z⁺'s buffer and a NaN fix; 0 where z ≤ 0, the ReLU's "
+    "gradient, so that the ReLU's own backward pass is skipped) and one multiplication. The rule "
+    "keeps nothing from forward but the layer's input and the ReLU's output, which the gradient "
+    "keeps too (until 2026-11-27 it kept the ratio, made in forward: 1.45× the gradient's memory "
+    "and 1.06–1.14× the bound; before 2026-11-26 also the layer's input and output: 2.35× and "
+    "≈ 1.10×); per call the model "
     "guard reads every parameter once before and once after (sums that detect in-place "
     "changes; a copy of the weights instead cost ≈ 1.61×). Changes made to "
     "get close to it: the one-sample trace is cached per model, composite shape and input "

@@ -9,7 +9,9 @@ redistribute relevance exactly and conserve it. Only layers with weights need ru
 Linear/Conv (merged with the BatchNorm that follows it by the composite's canonizer, without
 touching the model) returns the same output values through a small autograd function whose
 backward is the rule, computed from the tensors saved in the forward pass (one transposed
-convolution per weight variant; no module is run again).
+convolution per weight variant; no module is run again). On a layer only a ReLU reads, rules may
+read that ReLU's output instead of keeping anything the size of the layer's output
+(:meth:`~explain_core.interfaces.relevance.AffineRule.reads_rectified_output`).
 
 **Checks.** Before attaching anything the engine traces the model once on the first sample with a
 :class:`~torch.overrides.TorchFunctionMode`: every operation on input-dependent tensors outside a
