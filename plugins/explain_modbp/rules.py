@@ -240,7 +240,7 @@ class Gamma(_SignAware):
         if self.uses_rectified_outputs and layer.output_rectified:
             return signed, None, None
         amplified = self._up(layer)
-        denominator = self._denominator(layer, x, z, signed, self.generalised, amplified)
+        denominator = self._denominator(layer, x, z, signed, amplified)
         ratio = torch.div(z, denominator, out=denominator)  # |d| >= ε: no zero
         up = amplified[0]
         return signed, ratio, up if _kept_for_backward((up,), ratio) else None
@@ -258,7 +258,7 @@ class Gamma(_SignAware):
         if ratio is None:  # max(z, 0) / d_up: the ReLU's gradient, no signal where z <= 0
             amplified = self._up(layer)
             relu_output = call.rectified_output
-            denominator = self._denominator(layer, x, relu_output, signed, False, amplified)
+            denominator = self._denominator(layer, x, None, signed, amplified)
             signal = torch.div(relu_output, denominator, out=denominator).mul_(grad_output)
             return (self._propagate(call, amplified[0], signal),)
         up = up if up is not None else self._up(layer)[0]
@@ -272,7 +272,7 @@ class Gamma(_SignAware):
         signed = call.state[0]
         z = layer.forward(x, bias=layer.bias)
         amplified = self._up(layer)
-        denominator = self._denominator(layer, x, z, signed, self.generalised, amplified)
+        denominator = self._denominator(layer, x, z, signed, amplified)
         s = safe_divide(relevance, denominator)
         up = amplified[0]
         if not self.generalised:
@@ -287,9 +287,8 @@ class Gamma(_SignAware):
         self,
         layer: AffineLayer,
         x: torch.Tensor,
-        z: torch.Tensor,
+        falling: torch.Tensor | None,
         signed: bool,
-        falling: bool,
         amplified: tuple[torch.Tensor, torch.Tensor | None],
     ) -> torch.Tensor:
         """The stabilised denominators: ``d`` (not generalised) or ``|d| + ε`` (generalised).
@@ -299,8 +298,9 @@ class Gamma(_SignAware):
         so ``d_up + d_down = (2 + γ) z`` and ``|d| = max(d_up, −d_down) = d_up + (2 + γ)·max(−z,
         0)``: one convolution, not two, and no mask of the outputs' signs. ``ε`` rides in the
         convolution's bias; the clamp to ``ε`` only catches rounding where the exact value is
-        ``>= ε``. Without ``falling`` (no signal reaches the outputs ``z < 0``: a ReLU reads
-        them) ``d_up`` serves everywhere: where ``z < 0`` its ratio only has to be finite.
+        ``>= ε``. ``falling`` is the output ``z``, whose falling part corrects ``d_up``; ``None``
+        where no signal reaches the outputs ``z < 0`` (a ReLU reads them): ``d_up`` then serves
+        everywhere, where ``z < 0`` its ratio only has to be finite (not generalised, unused).
         ``amplified`` is :meth:`_up`'s ``(W + γW⁺, b + γb⁺)``.
         """
         up, bias_up = amplified
@@ -312,8 +312,8 @@ class Gamma(_SignAware):
         else:  # x⁻ contributes positively through W⁻: amplified by W + γW⁻
             down = _amplified(layer.weight, self.gamma, -1)
             d_up = layer.forward_stacked((x.clamp(min=0), x.clamp(max=0)), (up, down), bias_up)
-        if falling:  # in place: a new tensor this size costs more in page faults than a pass
-            d_up.sub_(z.clamp(max=0), alpha=2 + self.gamma)
+        if falling is not None:  # in place: a new tensor costs more in page faults than a pass
+            d_up.sub_(falling.clamp(max=0), alpha=2 + self.gamma)
         return d_up.clamp_(min=self.epsilon)
 
     def _propagate(
@@ -424,14 +424,13 @@ class AlphaBeta(_SignAware):
     def backward(self, call: RuleCall, grad_output: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         nonnegative, ratios, weights = call.state
-        if ratios is None:  # temporaries: the signal goes into them
+        if weights is None:
             weights = self._weights(layer, nonnegative)
+        if ratios is None:  # made now from the ReLU's output: temporaries the signal goes into
             ratios = self._ratios(layer, x, call.rectified_output, nonnegative, weights)
-            s_pos, s_neg = (r.mul_(grad_output) if r is not None else None for r in ratios)
+            s_pos, s_neg = (r if r is None else r.mul_(grad_output) for r in ratios)
         else:
-            weights = weights if weights is not None else self._weights(layer, nonnegative)
-            s_pos, s_neg = (_times_ratio(call, grad_output, r) if r is not None else None
-                            for r in ratios)  # fmt: skip
+            s_pos, s_neg = (r if r is None else _times_ratio(call, grad_output, r) for r in ratios)
         return (self._propagate(call, weights, s_pos, s_neg),)
 
     def relevance(self, call: RuleCall, relevance: torch.Tensor) -> tuple[torch.Tensor]:  # noqa: D102
