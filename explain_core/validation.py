@@ -260,9 +260,11 @@ def diagnose_failure(
     The methods call the model themselves, so its first forward pass cannot be wrapped. Instead,
     only after a failure, one sample is run through the plain model: if that fails too, the
     inputs do not fit the model (or the model raises on any input); if the model wrote into that
-    sample, it works in place on its input, which autograd refuses; otherwise the error is the
-    method's or the model's own. Run it inside the model guard, so that the probe leaves no trace
-    on the model.
+    sample, it works in place on its input, which autograd refuses; if it runs on the batch but
+    not on one sample, or not on one row more than the batch, its forward depends on the batch
+    size, which the methods' own batches (a one-sample trace, path points, references) meet;
+    otherwise the error is the method's or the model's own. Run it inside the model guard, so
+    that the probes leave no trace on the model.
     """
     if is_out_of_memory(error):  # a batch too large, not a mismatch
         return None
@@ -274,7 +276,9 @@ def diagnose_failure(
     try:
         with torch.no_grad():
             model(probe)
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError) as failure:
+        if inputs.shape[0] > 1 and _rows_or_error(model, inputs) == inputs.shape[0]:
+            return _batch_size_dependent(inputs.shape[0], 1, f"it raised {_first_line(failure)}")
         return model_error(model, inputs, error)
     if inputs.shape[0] > 1:  # one row per sample, else axis 0 is no batch axis
         try:
@@ -284,6 +288,13 @@ def diagnose_failure(
             return clear
         except (RuntimeError, ValueError):
             pass  # the whole batch fails where one sample runs: the method's own error follows
+    # Methods also run batches of their own sizes (path points, noisy copies, references): does
+    # the model run on one row more than it was given?
+    larger = torch.cat([inputs, inputs[:1]])
+    rows = _rows_or_error(model, larger)
+    if isinstance(rows, str) or (rows is not None and rows != larger.shape[0]):
+        happened = rows if isinstance(rows, str) else f"it returned {rows} row(s)"
+        return _batch_size_dependent(inputs.shape[0], larger.shape[0], happened)
     if probe._version > 0 and "in-place" in str(error):  # a fresh clone's version is 0
         return ModelRunError(
             "the model modifies its input in place (e.g. nn.ReLU(inplace=True) or torch.relu_ "
@@ -291,6 +302,37 @@ def diagnose_failure(
             "make that first operation out of place (inplace=False)"
         )
     return None
+
+
+def _rows_or_error(model: nn.Module, inputs: torch.Tensor) -> int | str | None:
+    """The rows of ``model``'s output on ``inputs``, or what it raised (``"it raised …"``).
+
+    ``None`` where that says nothing about the batch: out of memory, or no tensor returned.
+    """
+    try:
+        with torch.no_grad():
+            output = model(inputs.clone())
+    except (RuntimeError, ValueError, MemoryError) as error:
+        return None if is_out_of_memory(error) else f"it raised {_first_line(error)}"
+    return output.shape[0] if isinstance(output, torch.Tensor) and output.dim() else None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}({lines[0] if lines else ''!r})"
+
+
+def _batch_size_dependent(samples: int, other: int, happened: str) -> ModelRunError:
+    """The error for a model that returns one row per sample only for some batch sizes."""
+    return ModelRunError(
+        f"the model runs on this batch of {samples} sample(s) but not on a batch of {other} "
+        f"({happened}): its forward depends on the batch size (e.g. x.view({samples}, -1), or "
+        f"a tensor of {samples} rows built into it), while the method runs the model on "
+        "batches of other sizes (one sample to trace it, or path points, noisy copies or "
+        "references stacked along axis 0). Take sizes from the input instead "
+        "(x.view(x.shape[0], -1) or x.flatten(1)); a method with an internal_batch_size option "
+        f"runs one copy of the batch per pass with internal_batch_size={samples}"
+    )
 
 
 def check_output_rows(output: Any, inputs: torch.Tensor, given: torch.Tensor | None = None) -> None:

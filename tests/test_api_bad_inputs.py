@@ -373,3 +373,69 @@ def test_a_model_that_returns_other_rows_than_samples_is_told_about_the_batch_ax
             explain(model, image, method, target=0)
     batched = explain(model, image.unsqueeze(0), "gradient", target=0)
     assert batched.attribution.shape == (1, 3, 4, 4)
+
+
+class _FixedRows(nn.Module):
+    """Returns the first three rows only: right for a batch of three, wrong for any larger."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = cnn()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)[:3]
+
+
+class _FixedView(nn.Module):
+    """Flattens with the batch size written in (x.view(3, -1)): runs on batches of three only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 2, 3, padding=1)
+        self.fc = nn.Linear(32, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(x)).view(3, -1))
+
+
+class _RowWeights(nn.Module):
+    """Scales row i by a buffer's entry i: raises inside forward on more than three rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = cnn()
+        self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) * self.scale[: x.shape[0], None]
+
+
+@pytest.mark.parametrize(
+    ("model", "methods", "other"),
+    [
+        (_FixedRows, ("integrated_gradients", "smoothgrad", "deeplift.rescale"), 4),
+        (_FixedView, ("integrated_gradients", "deeplift.rescale", "lrp.epsilon"), 1),
+        (_RowWeights, ("integrated_gradients", "smoothgrad", "deeplift.rescale"), 4),
+    ],
+)
+def test_a_model_that_runs_only_at_its_batch_size_is_told_so(model, methods, other):
+    # The methods run the model on batches of their own sizes; before, these raised torch's
+    # errors about mismatched sizes from deep inside the method.
+    torch.manual_seed(0)
+    net = model().eval()
+    x = images(3)
+    assert explain(net, x, "gradient", target=1).attribution.shape == x.shape  # it runs at 3
+    for method in methods:
+        with pytest.raises(InvalidInputError) as raised:
+            explain(net, x, method, target=1)
+        message = str(raised.value)
+        assert f"runs on this batch of 3 sample(s) but not on a batch of {other}" in message
+        assert "x.view(x.shape[0], -1)" in message and "internal_batch_size=3" in message
+
+
+def test_the_advised_internal_batch_size_runs_a_model_fixed_to_its_batch_size():
+    torch.manual_seed(0)
+    net, x = _FixedRows().eval(), images(3)
+    fixed = explain(net, x, "integrated_gradients", target=1, internal_batch_size=3)
+    reference = explain(net.net, x, "integrated_gradients", target=1)  # the same rows, any batch
+    torch.testing.assert_close(fixed.attribution, reference.attribution)
