@@ -409,6 +409,41 @@ def test_affine_subclass_with_its_own_forward_is_refused():
         explain(model.eval(), torch.randn(2, 2, 4, 4).double(), "lrp.epsilon_plus")
 
 
+def _error_to_float64(model: nn.Module, x: torch.Tensor, method: str) -> float:
+    """Max error of ``method``'s map against the same weights and inputs in float64 (exact)."""
+    half = explain(model, x, method, target=[0, 2, 4]).attribution
+    exact = explain(copy.deepcopy(model).double(), x.double(), method, target=[0, 2, 4])
+    gap = (half.double() - exact.attribution).abs().max() / exact.attribution.abs().max()
+    return float(gap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_batchnorm_nets_in_half_precision_are_explained_as_accurately_as_the_gradient(dtype):
+    # BatchNorm's kernel rounds once, the merged affine map at each step: in bfloat16 they
+    # differed by more than the trace's check allowed, which refused plain BatchNorm layers.
+    # Where a ReLU's input rounds to the other side of 0, any map of the half-precision model
+    # moves (the gradient's too): the yardstick is the gradient's own error, or 16 roundings.
+    for seed in range(5):
+        torch.manual_seed(seed)
+        model, x = copy.deepcopy(vgg_bn()).to(dtype), torch.randn(3, 3, 8, 8).to(dtype)
+        allowed = max(_error_to_float64(model, x, "gradient"), 16 * torch.finfo(dtype).eps)
+        assert _error_to_float64(model, x, "lrp.epsilon_plus") <= allowed
+        deeplift = explain(model, x, "deeplift.rescale", target=[0, 2, 4]).attribution
+        assert deeplift.dtype == dtype and bool(deeplift.isfinite().all())
+
+
+def test_affine_subclass_with_its_own_forward_is_refused_in_bfloat16_too():
+    class StandardisedConv(nn.Conv2d):
+        def forward(self, x):
+            w = (self.weight - self.weight.mean()) / self.weight.std()
+            return self._conv_forward(x, w, self.bias)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(StandardisedConv(2, 3, 3), nn.Flatten(), nn.Linear(12, 2))
+    with pytest.raises(UnsupportedModelError, match=r"'0' \(StandardisedConv\) does not compute"):
+        explain(model.bfloat16().eval(), torch.randn(2, 2, 4, 4).bfloat16(), "lrp.epsilon_plus")
+
+
 class ResidualBlockNet(nn.Module):
     def __init__(self):
         super().__init__()
