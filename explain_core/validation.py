@@ -252,8 +252,13 @@ _CUDNN_RNN_ADVICE = (
 """What to do where torch's cuDNN RNN kernels refuse a backward pass in eval mode."""
 
 
+# What a forward raises on inputs it cannot take: torch's own errors, ValueError from norm layers
+# on bad ranks, AssertionError from a torch.export'ed module's guards (and the model's asserts).
+_FORWARD_ERRORS = (RuntimeError, ValueError, AssertionError)
+
+
 def diagnose_failure(
-    model: nn.Module, inputs: torch.Tensor, error: RuntimeError | ValueError
+    model: nn.Module, inputs: torch.Tensor, error: Exception
 ) -> ModelRunError | None:
     """A clear error for a method that failed with a raw torch error, or ``None`` to re-raise.
 
@@ -276,7 +281,7 @@ def diagnose_failure(
     try:
         with torch.no_grad():
             model(probe)
-    except (RuntimeError, ValueError) as failure:
+    except _FORWARD_ERRORS as failure:
         if inputs.shape[0] > 1 and _rows_or_error(model, inputs) == inputs.shape[0]:
             return _batch_size_dependent(inputs.shape[0], 1, f"it raised {_first_line(failure)}")
         return model_error(model, inputs, error)
@@ -286,7 +291,7 @@ def diagnose_failure(
                 check_output_rows(model(inputs.clone()), inputs)
         except ModelRunError as clear:
             return clear
-        except (RuntimeError, ValueError):
+        except _FORWARD_ERRORS:
             pass  # the whole batch fails where one sample runs: the method's own error follows
     # Methods also run batches of their own sizes (path points, noisy copies, references): does
     # the model run on one row more than it was given?
@@ -312,7 +317,7 @@ def _rows_or_error(model: nn.Module, inputs: torch.Tensor) -> int | str | None:
     try:
         with torch.no_grad():
             output = model(inputs.clone())
-    except (RuntimeError, ValueError, MemoryError) as error:
+    except (*_FORWARD_ERRORS, MemoryError) as error:
         return None if is_out_of_memory(error) else f"it raised {_first_line(error)}"
     return output.shape[0] if isinstance(output, torch.Tensor) and output.dim() else None
 
@@ -324,6 +329,12 @@ def _first_line(error: BaseException) -> str:
 
 def _batch_size_dependent(samples: int, other: int, happened: str) -> ModelRunError:
     """The error for a model that returns one row per sample only for some batch sizes."""
+    exported = (
+        " (a torch.export'ed module checks the batch size it was exported with: export it with "
+        "a dynamic batch axis, dynamic_shapes={'x': {0: torch.export.Dim('batch')}})"
+        if "Guard failed" in happened
+        else ""
+    )
     return ModelRunError(
         f"the model runs on this batch of {samples} sample(s) but not on a batch of {other} "
         f"({happened}): its forward depends on the batch size (e.g. x.view({samples}, -1), or "
@@ -331,7 +342,7 @@ def _batch_size_dependent(samples: int, other: int, happened: str) -> ModelRunEr
         "batches of other sizes (one sample to trace it, or path points, noisy copies or "
         "references stacked along axis 0). Take sizes from the input instead "
         "(x.view(x.shape[0], -1) or x.flatten(1)); a method with an internal_batch_size option "
-        f"runs one copy of the batch per pass with internal_batch_size={samples}"
+        f"runs one copy of the batch per pass with internal_batch_size={samples}{exported}"
     )
 
 
@@ -369,7 +380,7 @@ def clear_model_errors(model: nn.Module, inputs: torch.Tensor) -> Iterator[None]
         yield
     except ExplainError:
         raise
-    except (RuntimeError, ValueError) as error:  # norm layers raise ValueError on bad ranks
+    except _FORWARD_ERRORS as error:
         clear = diagnose_failure(model, inputs, error)
         if clear is None:
             raise

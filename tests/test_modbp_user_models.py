@@ -644,3 +644,56 @@ def test_activation_checkpointing_is_named_with_the_way_out(reentrant):
         )
     plain_map = explain(plain, x, "lrp.epsilon", 1).attribution  # the way out: no checkpointing
     assert plain_map.abs().sum() > 0
+
+
+class _ResidualCNN(nn.Module):
+    """A small residual CNN written so that TorchScript and torch.export both take it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.bn(self.conv1(x)))
+        h = F.relu(self.conv2(h)) + h
+        return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit:DeprecationWarning")  # deprecated in torch 2.13
+@pytest.mark.parametrize("compile_with", ["script", "trace"])
+def test_torchscript_is_refused_by_name_and_explained_by_the_gradient_methods(compile_with):
+    # TorchScript runs its operations in its own interpreter: the trace saw none of them and
+    # blamed the model's output ("does not depend on its input through operations ...").
+    torch.manual_seed(0)
+    model, x = _ResidualCNN().eval(), torch.rand(2, 3, 6, 6)
+    scripted = torch.jit.script(model) if compile_with == "script" else torch.jit.trace(model, x)
+    for method in ("lrp.epsilon_plus", "deeplift.rescale", "guided_bp"):
+        with pytest.raises(UnsupportedModelError, match=r"'<root>' \(\w+\) is TorchScript"):
+            explain(scripted, x, method, target=1)
+    wrapped = nn.Sequential(scripted, nn.ReLU())  # a TorchScript submodule: named by its path
+    with pytest.raises(UnsupportedModelError, match=r"module '0' \(\w+\) is TorchScript"):
+        explain(wrapped, x, "lrp.epsilon", target=1)
+    for method in ("gradient", "integrated_gradients"):
+        expected = explain(model, x, method, target=1).attribution
+        torch.testing.assert_close(explain(scripted, x, method, target=1).attribution, expected)
+
+
+def test_an_exported_program_is_refused_by_the_rules_and_its_batch_guard_explained():
+    torch.manual_seed(0)
+    model, x = _ResidualCNN().eval(), torch.rand(2, 3, 6, 6)
+    fixed = torch.export.export(model, (x,)).module()  # checks the batch size it was made with
+    with pytest.raises(UnsupportedModelError, match=r"runs ATen operations.*torch\.export"):
+        explain(fixed, x, "lrp.epsilon_plus", target=1)
+    with pytest.raises(
+        InvalidInputError, match=r"not on a batch of 1.*Guard failed.*dynamic_shapes"
+    ):
+        explain(fixed, x, "integrated_gradients", target=1)
+    dynamic = {"x": {0: torch.export.Dim("batch")}}
+    exported = torch.export.export(model, (x,), dynamic_shapes=dynamic).module()
+    expected = explain(model, x, "integrated_gradients", target=1).attribution
+    torch.testing.assert_close(
+        explain(exported, x, "integrated_gradients", target=1).attribution, expected
+    )

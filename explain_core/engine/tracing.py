@@ -819,6 +819,7 @@ def trace(
         UnsupportedModelError: For reused modules, layers without a rule and operations the
             engine cannot propagate through.
     """
+    _refuse_compiled_graphs(model)
     tracer = _Tracer(model, composite, extra_ops)
     plan = tracer.run(inputs[:1].detach())
     if tracer.value_dependent and inputs.shape[0] > 1:
@@ -832,6 +833,35 @@ def trace(
     plan.opaque_custom = list(plan.custom)
     move_custom_rules(plan)
     return plan
+
+
+def _refuse_compiled_graphs(model: nn.Module) -> None:
+    """Refuse TorchScript and ATen-level graphs: their layers are not modules rules attach to.
+
+    Without this the trace saw no operation at all (TorchScript runs in its own interpreter)
+    and blamed the output, or refused an exported program's first ``aten.conv2d`` by name.
+    """
+    for name, module in model.named_modules():
+        path = name or "<root>"
+        if isinstance(module, torch.jit.ScriptModule):
+            raise UnsupportedModelError(
+                f"module {path!r} ({type(module).__name__}) is TorchScript (torch.jit.script, "
+                "trace or load): its operations run inside the TorchScript interpreter, where "
+                "the relevance engine cannot see them, and it will not fall back to the "
+                "gradient. Explain the Python nn.Module it was made from (its state_dict() loads "
+                "into it); the gradient methods run on TorchScript as it is"
+            )
+        if isinstance(module, torch.fx.GraphModule) and any(
+            node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+            for node in module.graph.nodes
+        ):
+            raise UnsupportedModelError(
+                f"module {path!r} ({type(module).__name__}) runs ATen operations "
+                "(torch.ops.aten.conv2d.default and the like), as a torch.export'ed program's "
+                "module() does: its layers are no longer the nn.Modules the rules attach to. "
+                "Explain the nn.Module it was exported from (the program's state_dict() loads "
+                "into it); the gradient methods run on it as it is"
+            )
 
 
 def move_custom_rules(plan: Plan) -> None:
