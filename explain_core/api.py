@@ -113,7 +113,7 @@ def explain(
             f"model must be a torch.nn.Module; got {type(model).__name__}, so wrap it in an "
             "nn.Module whose forward calls it"
         )
-    refuse_inference_mode("explain()")
+    refuse_inference_mode("explain()", model)
     spec = get_registry()[method]
     engine = spec.create(**options)
     model = uncompiled(model)
@@ -406,7 +406,7 @@ class Explainer:
                 f"model must be a torch.nn.Module; got {type(model).__name__}, so wrap it in an "
                 "nn.Module whose forward calls it"
             )
-        refuse_inference_mode("Explainer.attribute()")
+        refuse_inference_mode("Explainer.attribute()", model)
         require_eval_mode(model)  # before the probe: a BatchNorm in training mode would update
         forward = ForwardWithArgs(model, group.args, flatten=False)
         probe = check_inputs(inputs[:1], model)

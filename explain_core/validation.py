@@ -7,6 +7,7 @@ do, so that every entry point refuses the same bad input in the same words.
 
 from __future__ import annotations
 
+import itertools
 import re
 import textwrap
 from collections.abc import Iterator
@@ -16,7 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from explain_core.errors import ExplainError, InvalidInputError, ModelRunError, OutOfMemoryError
+from explain_core.errors import (
+    ExplainError,
+    InvalidInputError,
+    ModelRunError,
+    ModelStateError,
+    OutOfMemoryError,
+)
 
 __all__ = [
     "check_inputs",
@@ -214,19 +221,38 @@ def check_output_finite(output: torch.Tensor) -> None:
         )
 
 
-def refuse_inference_mode(caller: str) -> None:
-    """Refuse a call inside ``torch.inference_mode()``, where no gradient can be computed.
+def refuse_inference_mode(caller: str, model: nn.Module | None = None) -> None:
+    """Refuse a call inside ``torch.inference_mode()``, or a model made inside it.
+
+    Either way no gradient can be computed: autograd cannot save inference tensors (a
+    ``model``'s parameters or buffers created or loaded under ``torch.inference_mode()``) for
+    the backward pass, and torch's own error says nothing about where they came from.
 
     Args:
         caller: The entry point named in the message, e.g. ``"explain()"``.
+        model: The model to check, if any.
 
     Raises:
         InvalidInputError: If inference mode is enabled.
+        ModelStateError: If ``model`` holds inference tensors.
     """
     if torch.is_inference_mode_enabled():
         raise InvalidInputError(
             f"{caller} was called inside torch.inference_mode(), where no gradients can be "
             "computed; call it outside torch.inference_mode() (torch.no_grad() is fine)"
+        )
+    if not isinstance(model, nn.Module):  # none given, or not a model: refused elsewhere
+        return
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    made_there = [name for name, tensor in tensors if tensor.is_inference()]
+    if made_there:
+        more = f" and {len(made_there) - 1} more" if len(made_there) > 1 else ""
+        raise ModelStateError(
+            f"the model holds inference tensors ({made_there[0]!r}{more}): it was created or "
+            "loaded inside torch.inference_mode(), and autograd cannot save such tensors "
+            f"for the backward pass {caller} needs; explain a copy made outside it "
+            "(copy.deepcopy(model)), or create or load the model outside "
+            "torch.inference_mode() (torch.no_grad() serves inference as well)"
         )
 
 

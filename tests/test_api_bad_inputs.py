@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import sys
 
@@ -111,6 +112,23 @@ def test_inference_tensors_work_but_a_call_inside_inference_mode_is_refused():
     torch.testing.assert_close(result.attribution, explain(model, x, "gradient", 1).attribution)
     with torch.inference_mode(), pytest.raises(InvalidInputError, match=r"outside torch\.infer"):
         explain(model, x, "gradient", 1)
+
+
+@pytest.mark.parametrize("method", [*METHODS, "deeplift.rescale"])
+def test_a_model_made_inside_inference_mode_is_refused_and_its_copy_explained(method):
+    # Its parameters are inference tensors, which autograd cannot save for backward: torch
+    # raised "Inference tensors cannot be saved for backward" (the LRP engine: "... do not
+    # track version counter") from inside the method.
+    x = images()
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        model = cnn()
+    with pytest.raises(ModelStateError, match=r"inference tensors \('0\.weight' and 3 more\)"):
+        explain(model, x, method, 1)
+    copied = explain(copy.deepcopy(model), x, method, 1)  # what the message advises
+    torch.manual_seed(0)
+    expected = explain(cnn(), x, method, 1)  # the same seed: the same weights
+    torch.testing.assert_close(copied.attribution, expected.attribution)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -255,11 +255,11 @@ def cosine_similarity_convergence(
     """
     from explain_core.model_guard import ModelGuard, require_eval_mode
 
-    refuse_inference_mode("cosine_similarity_convergence()")
     n_vectors = check_int(n_vectors, "n_vectors", 2)
     seed = check_int(seed, "seed", 0)
-    # Non-finite inputs would give NaN relevance, counted as "undefined" cosines: refuse them.
     model = uncompiled(model)
+    refuse_inference_mode("cosine_similarity_convergence()", model)
+    # Non-finite inputs would give NaN relevance, counted as "undefined" cosines: refuse them.
     inputs = check_inputs(inputs, model)
     layouts = _check_layouts(layouts)
     require_eval_mode(model)

@@ -143,7 +143,7 @@ def explicit_matrix(model: CoDANet, inputs: torch.Tensor, classes: Classes = "al
 def _check_call(model: nn.Module, inputs: torch.Tensor, name: str) -> torch.Tensor:
     """A private copy of ``inputs`` if they fit ``model`` and gradients can be computed."""
     # As explain(): autograd's own error ("does not require grad") says nothing.
-    refuse_inference_mode(name)
+    refuse_inference_mode(name, model)
     require_dau_model(model)
     inputs = check_inputs(inputs, model)  # dtype and device against the model, as explain()
     if isinstance(model, CoDANet):

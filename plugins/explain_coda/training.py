@@ -103,7 +103,7 @@ def train_coda(
         ModelLoadError: If the checkpoint in ``checkpoint_dir`` was written by another kind of
             model, a model with other settings (e.g. temperature) or another configuration.
     """
-    refuse_inference_mode("train_coda()")
+    refuse_inference_mode("train_coda()", model)
     labels = _check_training_data(model, images, labels)
     checkpoint = None if checkpoint_dir is None else _checkpoint_file(checkpoint_dir)
 
