@@ -210,6 +210,26 @@ def test_layer_norm_over_channels_holds_its_scale_constant(method):
     assert_same_maps(model, reference, method)
 
 
+@pytest.mark.parametrize(
+    ("layer", "op"),
+    [
+        (lambda: _affine(nn.GroupNorm(2, 4)), "group_norm"),
+        (lambda: ChannelsLastLayerNorm(_affine(nn.LayerNorm(4))), "layer_norm"),
+        (lambda: SqueezeExcitation(4, nn.Sigmoid()), "mul"),
+    ],
+    ids=["group_norm", "layer_norm", "squeeze_excitation"],
+)
+@pytest.mark.parametrize("method", ["deeplift.rescale", "deeplift.reveal_cancel"])
+def test_methods_without_rules_for_norms_and_gates_point_to_the_lrp_composites(layer, op, method):
+    # The advice was AttnLRP's for a transformer, also for a ConvNeXt's LayerNorm or an SE gate.
+    torch.manual_seed(0)
+    model = Body(layer()).double().eval()
+    with pytest.raises(UnsupportedModelError, match=rf"'{op}'.*The LRP composites give") as e:
+        explain(model, images(), method, 1)
+    assert "For an attention model (a transformer)" not in str(e.value)
+    explain(model, images(), "lrp.epsilon", 1)  # which they do
+
+
 class RunningAffine(nn.Module):
     """An eval-mode InstanceNorm with running statistics, as the affine map it is."""
 

@@ -43,13 +43,23 @@ _OP_ALTERNATIVES = {
 
 
 # Operations of attention models, which AttnLRP and CP-LRP give rules.
-_ATTENTION_OPS = frozenset(
-    {"layer_norm", "rms_norm", "normalize", "softmax", "matmul", "bmm", "einsum", "mul"}
-    | {"scaled_dot_product_attention"}
-)
+_ATTENTION_OPS = frozenset({"softmax", "matmul", "bmm", "einsum", "scaled_dot_product_attention"})
 ATTENTION_HINT = (
     "For an attention model (a transformer), explain with AttnLRP or CP-LRP, whose composites "
     "give layer_norm, softmax and products of activations their rules"
+)
+# Normalisations and products, which CNNs use too (ConvNeXt's LayerNorm, squeeze-excitation).
+_NORM_OPS = frozenset({"layer_norm", "rms_norm", "group_norm", "instance_norm", "normalize"})
+_NORM_HINT = (
+    "The LRP composites give normalisations a rule (the normalising scale held constant), and "
+    "so do AttnLRP and CP-LRP for attention models; methods without one (DeepLIFT, Guided BP, "
+    "Excitation BP) refuse them"
+)
+_PRODUCT_HINT = (
+    "The LRP composites give a product with a gate an activation made (squeeze-excitation, "
+    "gating) a rule (the gate held constant, all relevance to the signal); for products of two "
+    "activations in an attention model explain with AttnLRP or CP-LRP; methods without such "
+    "rules (DeepLIFT, Guided BP, Excitation BP) refuse them"
 )
 
 
@@ -67,8 +77,17 @@ def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
             f"If it is the model's final {op}, relevance methods explain the scores before it: "
             f"let forward return the logits. {ATTENTION_HINT}."
         )
-    if op in _ATTENTION_OPS:
-        return f"{ATTENTION_HINT}; or give the operation a rule of your own ({_by_kind(op)})."
+    advice = (
+        ATTENTION_HINT
+        if op in _ATTENTION_OPS
+        else _NORM_HINT
+        if op in _NORM_OPS
+        else _PRODUCT_HINT
+        if op in ("mul", "mul_")
+        else None
+    )
+    if advice is not None:
+        return f"{advice}; or give the operation a rule of your own ({_by_kind(op)})."
     if op in _OP_ALTERNATIVES:
         return f"Rewrite it: {_OP_ALTERNATIVES[op]}."
     if leaf:
