@@ -24,10 +24,12 @@ from explain_core.errors import UnsupportedModelError
 __all__ = [
     "AFFINE_TYPES",
     "BATCHNORM_TYPES",
+    "FUNCTIONAL_LINEAR_OPS",
     "LINEAR_TYPES",
     "TRANSPOSED_CONV_TYPES",
     "AffineLayer",
     "batchnorm_affine",
+    "functional_linear",
     "is_affine",
 ]
 
@@ -296,6 +298,39 @@ class AffineLayer:
     def ones_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """``weight ∗ 1`` over the input's shape (zero padding counts as absent inputs)."""
         return self.forward(torch.ones_like(x), weight)
+
+
+FUNCTIONAL_LINEAR_OPS = frozenset({"linear", "addmm", "matmul", "mm"})
+"""Operations that are a dense layer where they multiply an input by a weight."""
+
+
+def functional_linear(
+    kind: str, args: tuple, kwargs: dict, operand: torch.Tensor
+) -> AffineLayer | None:
+    """The dense-layer view of a call that multiplies ``operand`` by a weight, else ``None``.
+
+    ``F.linear(x, W, b)``, ``torch.addmm(b, x, W)``, and ``x @ W`` or ``torch.mm(x, W)`` with a
+    2-D ``W`` on the right (a projection written as a matrix product, as CLIP's heads are), where
+    ``operand``, the call's one input-dependent tensor, is ``x``. With it, affine rules (LRP-ε,
+    …) apply to such calls as to Linear modules.
+    """
+    if kind == "linear":
+        x, weight, bias = (*args, None, None, None)[:3]
+        x, weight = kwargs.get("input", x), kwargs.get("weight", weight)
+        bias = kwargs.get("bias", bias)
+    elif kind == "addmm" and not {"beta", "alpha"} & set(kwargs) and len(args) == 3:
+        bias, x, weight = args
+        weight = weight.mT if isinstance(weight, torch.Tensor) else None
+    elif kind in ("matmul", "mm") and len(args) == 2 and not kwargs:
+        (x, weight), bias = args, None
+        two_dimensional = isinstance(weight, torch.Tensor) and weight.dim() == 2
+        weight = weight.mT if two_dimensional else None
+    else:
+        return None
+    if x is not operand or not isinstance(weight, torch.Tensor):
+        return None
+    bias = bias.detach() if isinstance(bias, torch.Tensor) else None
+    return AffineLayer(kind, "linear", weight.detach(), bias)
 
 
 def batchnorm_affine(name: str, bn: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:

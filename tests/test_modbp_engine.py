@@ -290,11 +290,34 @@ def test_custom_rule_registered_for_an_unsupported_layer_is_used():
 @pytest.mark.parametrize(
     "forward, message",
     [
-        (lambda self, x: x @ self.fc.weight.T, r"'matmul' in module '<root>' \(Net\)"),
+        (
+            lambda self, x: torch.einsum("bi,ji->bj", x, self.fc.weight),
+            r"'einsum' in module '<root>' \(Net\)",
+        ),
         (lambda self, x: self.fc(x) * self.fc2(x), r"'mul'.*multiplies"),
+        (
+            lambda self, x: self.fc(x) @ (self.fc2(x).T @ self.fc2(x)),
+            r"'matmul' in module '<root>' \(Net\) multiplies two input-dependent tensors, "
+            r"which no dense rule applies to.*explain with AttnLRP or CP-LRP",
+        ),
+        (
+            lambda self, x: F.linear(x, self.fc2(x).sum(0)[:, None].expand(3, 4)),  # from the input
+            r"'linear' in module '<root>' \(Net\) multiplies two input-dependent tensors",
+        ),
+        (
+            lambda self, x: (self.fc.weight @ x.T).T,  # the weight on the left
+            r"'matmul' in module '<root>' \(Net\) is not a dense layer's product.*x @ W",
+        ),
         (lambda self, x: self.fc(F.logsigmoid(x)), r"'log_sigmoid' in module '<root>'"),
     ],
-    ids=["matmul", "product", "log_sigmoid"],
+    ids=[
+        "einsum",
+        "product",
+        "matmul_of_activations",
+        "linear_of_activations",
+        "weight_left",
+        "log_sigmoid",
+    ],
 )
 def test_operations_the_engine_cannot_see_are_errors(forward, message):
     class Net(nn.Module):
@@ -309,10 +332,19 @@ def test_operations_the_engine_cannot_see_are_errors(forward, message):
         explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
 
 
+LRP_DENSE = ("lrp.epsilon", "lrp.zplus", "lrp.epsilon_plus")
+
+
+# DeepLIFT takes F.linear only: its gradient would pass a matrix product of two activations too,
+# for which it has no rule.
 @pytest.mark.parametrize(
-    "method", ["lrp.epsilon", "lrp.zplus", "lrp.epsilon_plus", "deeplift.rescale"]
+    ("method", "how"),
+    [
+        *((method, how) for method in LRP_DENSE for how in ("linear", "matmul", "mm")),
+        ("deeplift.rescale", "linear"),
+    ],
 )
-def test_f_linear_in_forward_gets_the_dense_layers_rule(method):
+def test_f_linear_in_forward_gets_the_dense_layers_rule(method, how):
     class Functional(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -320,7 +352,12 @@ def test_f_linear_in_forward_gets_the_dense_layers_rule(method):
             self.fc, self.out = nn.Linear(4, 6), nn.Linear(6, 2)
 
         def forward(self, x):
-            return F.linear(torch.relu(F.linear(x, self.fc.weight, self.fc.bias)), self.out.weight)
+            h = torch.relu(F.linear(x, self.fc.weight, self.fc.bias))
+            if how == "linear":
+                return F.linear(h, self.out.weight)
+            if how == "matmul":  # a projection written as a matrix product (CLIP's heads)
+                return h @ self.out.weight.T
+            return torch.mm(h, self.out.weight.T)
 
     model = Functional().double().eval()
     modules = nn.Sequential(model.fc, nn.ReLU(), nn.Linear(6, 2, bias=False)).double().eval()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 for _module in ("onnx", "onnxscript", "onnxruntime"):
@@ -175,6 +176,34 @@ def test_activation_operation_rules_export(tmp_path):
     held_back = torch.randn(3, 8)
     _, relevance = OnnxSession(path).run(held_back)
     assert_maps_close(relevance, explain(model, held_back, "lrp.epsilon_plus").attribution)
+
+
+class _ProjectionHead(nn.Module):
+    """A CNN whose dense layers are written as products with weights (``F.linear``, ``@``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.hidden = nn.Parameter(torch.randn(6, 4))
+        self.projection = nn.Parameter(torch.randn(6, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x)).mean((2, 3))
+        return torch.relu(F.linear(h, self.hidden)) @ self.projection
+
+
+@pytest.mark.parametrize("method", ["lrp.gamma", "lrp.epsilon_plus"])
+def test_dense_layers_written_as_products_export_branch_free(tmp_path, method):
+    # γ's rule looked at the input's sign on such calls (the modules' layers are told the graph
+    # cannot), and the export refused the model as "branches on tensor values".
+    torch.manual_seed(6)
+    model = _ProjectionHead().eval()
+    path = tmp_path / "head.onnx"
+    result = export_onnx(model, torch.randn(4, 1, 8, 8), path, explain=method)
+    assert result.parity is not None and result.parity.passed
+    held_back = torch.randn(3, 1, 8, 8)
+    _, relevance = OnnxSession(path).run(held_back)
+    assert_maps_close(relevance, explain(model, held_back, method).attribution)
 
 
 def test_custom_composite_with_a_lone_batchnorm_exports(tmp_path):

@@ -22,7 +22,7 @@ from torch.autograd.function import once_differentiable
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from explain_core.affine import AFFINE_TYPES, AffineLayer
+from explain_core.affine import AFFINE_TYPES, AffineLayer, functional_linear
 from explain_core.engine.decompose import DECOMPOSED, scaled_dot_product_attention
 from explain_core.engine.ops import RELU_OPS, OpHandler, op_name, without_function_modes
 from explain_core.engine.tracing import Plan, user_hook_codes
@@ -330,13 +330,16 @@ def _apply_op_rule(
     # An in-place call (relu_, F.elu(x, inplace=True), F.elu(x, 1.0, True)) overwrites its
     # inputs: rules see copies of them
     in_place = kind.endswith("_") or kwargs.get("inplace") is True or any(a is True for a in args)
+    layer = functional_linear(kind, args, kwargs, inputs[0]) if len(inputs) == 1 else None
+    if layer is not None and attached.plan.branch_free:  # a graph cannot look at the input's sign
+        layer = replace(layer, input_sign="signed")
     call = RuleCall(
         None,
         kind,
         tuple(t.detach().clone() if in_place else t.detach() for t in inputs),
         torch.empty(0),
         function=out_of_place if in_place else apply,
-        layer=_linear_layer(kind, args, kwargs) if len(inputs) == 1 else None,
+        layer=layer,
         args=args,
         kwargs=kwargs,
         sources=tuple(attached.source_of(t) for t in inputs),
@@ -377,25 +380,6 @@ def _from_weights(tensor: torch.Tensor, inputs: torch.Tensor | None, budget: int
             continue
         pending.extend(next_node for next_node, _ in node.next_functions)
     return True
-
-
-def _linear_layer(kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AffineLayer | None:
-    """The affine view of ``F.linear(x, W, b)`` or ``torch.addmm(b, x, W)``, else ``None``.
-
-    With it, affine rules (LRP-ε, …) apply to such calls as to Linear modules.
-    """
-    if kind == "linear":
-        _, weight, bias = (*args, None, None)[:3]
-        weight, bias = kwargs.get("weight", weight), kwargs.get("bias", bias)
-    elif kind == "addmm" and not {"beta", "alpha"} & set(kwargs) and len(args) == 3:
-        bias, _, weight = args
-        weight = weight.T if isinstance(weight, torch.Tensor) else None
-    else:
-        return None
-    if not isinstance(weight, torch.Tensor):
-        return None
-    bias = bias.detach() if isinstance(bias, torch.Tensor) else None
-    return AffineLayer(kind, "linear", weight.detach(), bias)
 
 
 class OperationMode(TorchFunctionMode):

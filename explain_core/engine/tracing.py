@@ -22,7 +22,13 @@ from torch.nn.modules._functions import BackwardHookFunction
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
-from explain_core.affine import AFFINE_TYPES, BATCHNORM_TYPES, AffineLayer
+from explain_core.affine import (
+    AFFINE_TYPES,
+    BATCHNORM_TYPES,
+    FUNCTIONAL_LINEAR_OPS,
+    AffineLayer,
+    functional_linear,
+)
 from explain_core.canonizers import TracedLayers
 from explain_core.engine.decompose import DECOMPOSED
 from explain_core.engine.hints import RULE_HINT, op_hint
@@ -416,7 +422,7 @@ class _Tracer(ModuleListener):
                 return self.function_problem(function)
             return self.no_grad_problem(name)
         if name in self.handled:
-            return None
+            return self._dense_call_problem(name, args, kwargs, inputs)
         problem = None
         if name in _PRODUCT_OPS | {"rmul", "rdiv"}:
             if len(inputs) > 1 or (
@@ -465,6 +471,35 @@ class _Tracer(ModuleListener):
             f"operation {name!r} in {self.place()} {problem}: the "
             f"modified-backpropagation engine cannot see through it and will not fall back "
             f"to the gradient. {op_hint(name, type_name, leaf=self._is_leaf(path))}"
+        )
+
+    def _dense_call_problem(
+        self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[torch.Tensor]
+    ) -> str | None:
+        """The error for a matrix product mapped to an affine rule that is not a dense layer's.
+
+        ``x @ W`` and ``F.linear(x, W)`` get the composite's dense rule; a product of two
+        input-dependent tensors (attention's ``Q·Kᵀ``, a weight computed from the input) has no
+        weight for it to modify (product rules, and the gradient, decide for themselves).
+        """
+        rule = self.composite.rule_for_op(name)
+        if name not in FUNCTIONAL_LINEAR_OPS or not isinstance(rule, AffineRule):
+            return None
+        if len(inputs) > 1:
+            problem = "multiplies two input-dependent tensors, which no dense rule applies to"
+        elif functional_linear(name, args, kwargs, inputs[0]) is None:
+            problem = (
+                "is not a dense layer's product, which the dense rules take as x @ W or "
+                "torch.mm(x, W) with a 2-D weight W on the right, F.linear(x, W, b) or "
+                "torch.addmm(b, x, W)"
+            )
+        else:
+            return None
+        path, type_name = self.where()
+        return (
+            f"operation {name!r} in {self.place()} {problem}: the modified-backpropagation "
+            f"engine will not fall back to the gradient. "
+            f"{op_hint(name, type_name, leaf=self._is_leaf(path))}"
         )
 
     def function_problem(self, function: type) -> str:

@@ -37,7 +37,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES, TRANSPOSED_CONV_TYPES
+from explain_core.affine import (
+    BATCHNORM_TYPES,
+    FUNCTIONAL_LINEAR_OPS,
+    LINEAR_TYPES,
+    TRANSPOSED_CONV_TYPES,
+)
 from explain_core.engine import Composite
 from explain_core.engine.ops import ACTIVATION_OPS
 from explain_core.interfaces.relevance import Gradient, InputLayer, Op, OutputLayer, Rule
@@ -46,8 +51,10 @@ from explain_modbp.activations import PassRelevance
 from explain_modbp.norms import NORM_OPS, NormScale
 from explain_modbp.products import HoldGate
 
-LINEAR_OPS = Op("linear", "addmm")
-"""``F.linear`` and ``torch.addmm`` called in forward (an LSTM's gates, written out): dense."""
+LINEAR_OPS = Op(*FUNCTIONAL_LINEAR_OPS)
+"""``F.linear``, ``torch.addmm``, and ``x @ W`` or ``torch.mm(x, W)`` with a weight, called in
+forward (an LSTM's gates, written out; a projection head): dense layers to the affine rules,
+which refuse a product of two activations."""
 CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, *TRANSPOSED_CONV_TYPES)
 DENSE_TYPES = (nn.Linear,)
 
@@ -114,8 +121,10 @@ def gradient_composite(name: str = "gradient") -> Composite:
 
     Guided BP, Deconv, RectGrad and DeepLIFT Rescale change only the activations.
     """
+    # Not matrix products: the gradient would pass through one of two activations unchecked.
+    functional = Op("linear", "addmm")
     return Composite(
-        [(LINEAR_TYPES + BATCHNORM_TYPES, Gradient()), (LINEAR_OPS, Gradient())], name=name
+        [(LINEAR_TYPES + BATCHNORM_TYPES, Gradient()), (functional, Gradient())], name=name
     )
 
 
