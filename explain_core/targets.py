@@ -53,9 +53,18 @@ def normalize_target(target: TargetLike, batch: int, device: torch.device) -> to
     if tensor.numel() == 1:
         return tensor.expand(batch).clone()
     if tensor.numel() != batch:
-        raise InvalidInputError(
+        message = (
             f"target must be one int or one int per sample ({batch}); got {tensor.numel()} values"
         )
+        if isinstance(target, tuple) or (
+            isinstance(target, list) and any(isinstance(item, tuple) for item in target)
+        ):
+            message += (
+                ". A tuple that indexes an output with more axes after the batch (a class and a "
+                "pixel of a segmentation map) is Captum's convention, which "
+                "Explainer(model, method).attribute(x, target=(c, i, j)) takes"
+            )
+        raise InvalidInputError(message)
     return tensor.clone()  # never the caller's tensor (or an inference tensor) itself
 
 

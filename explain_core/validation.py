@@ -156,9 +156,17 @@ def check_scores(output: Any, batch: int | None = None) -> torch.Tensor:
         )
     if output.dim() != 2 or (batch is not None and output.shape[0] != batch):
         expected = f"({'batch' if batch is None else batch}, n_outputs)"
+        advice = "Wrap it so that it returns one score per class."
+        if output.dim() > 2:  # a segmentation map, per-token scores
+            advice = (
+                "For an output with more axes after the batch (a segmentation map) explain one "
+                "position's score: Explainer(model, method).attribute(x, target=(c, i, j)), as "
+                "in Captum, or wrap the model so that it returns the scores to explain, e.g. "
+                "model(x)[:, :, rows, cols].sum((2, 3)) for a region."
+            )
         raise InvalidInputError(
             f"the model must return scores of shape {expected}; got {tuple(output.shape)}. "
-            "Wrap it so that it returns one score per class."
+            + advice
         )
     return output
 

@@ -457,3 +457,18 @@ def test_the_advised_internal_batch_size_runs_a_model_fixed_to_its_batch_size():
     fixed = explain(net, x, "integrated_gradients", target=1, internal_batch_size=3)
     reference = explain(net.net, x, "integrated_gradients", target=1)  # the same rows, any batch
     torch.testing.assert_close(fixed.attribution, reference.attribution)
+
+
+def test_a_segmentation_output_is_refused_with_the_ways_to_explain_a_pixel():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.ReLU(), nn.Conv2d(3, 2, 1)).eval()
+    x = images()
+    advice = r"Explainer\(model, method\)\.attribute\(x, target=\(c, i, j\)\)"
+    with pytest.raises(InvalidInputError, match=rf"got \(2, 2, 4, 4\)\. For an output.*{advice}"):
+        explain(model, x, "gradient", 1)
+    with pytest.raises(InvalidInputError, match=rf"got 3 values\. A tuple that indexes.*{advice}"):
+        explain(model, x, "gradient", (1, 2, 3))  # Captum's form, given to explain()
+    pixel = Explainer(model, "gradient").attribute(x, target=(1, 2, 3))  # what both advise
+    xg = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(model(xg)[:, 1, 2, 3].sum(), xg)
+    torch.testing.assert_close(pixel, expected)
