@@ -309,6 +309,10 @@ def test_custom_rule_registered_for_an_unsupported_layer_is_used():
             r"'matmul' in module '<root>' \(Net\) is not a dense layer's product.*x @ W",
         ),
         (lambda self, x: self.fc(F.logsigmoid(x)), r"'log_sigmoid' in module '<root>'"),
+        (
+            lambda self, x: self.fc(torch.fft.rfft(x, n=6).abs()),
+            r"'fft_rfft' in module '<root>' \(Net\).*spectral front-end.*outside the model",
+        ),
     ],
     ids=[
         "einsum",
@@ -317,6 +321,7 @@ def test_custom_rule_registered_for_an_unsupported_layer_is_used():
         "linear_of_activations",
         "weight_left",
         "log_sigmoid",
+        "fft",
     ],
 )
 def test_operations_the_engine_cannot_see_are_errors(forward, message):

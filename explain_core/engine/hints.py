@@ -90,6 +90,12 @@ def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
         return f"{advice}; or give the operation a rule of your own ({_by_kind(op)})."
     if op in _OP_ALTERNATIVES:
         return f"Rewrite it: {_OP_ALTERNATIVES[op]}."
+    if op == "stft" or op.startswith("fft_"):
+        return (
+            "A spectral front-end (an STFT, a Fourier transform) has no relevance rule: explain "
+            "the model from its output (compute the spectrogram outside the model and pass it "
+            "as the input), or explain the raw input with a gradient method"
+        )
     if leaf:
         return RULE_HINT.format(type=type_name)
     return (
