@@ -372,7 +372,7 @@ def _batch_size_dependent(samples: int, other: int, happened: str) -> ModelRunEr
     return ModelRunError(
         f"the model runs on this batch of {samples} sample(s) but not on a batch of {other} "
         f"({happened}): its forward depends on the batch size (e.g. x.view({samples}, -1), or "
-        f"a tensor of {samples} rows built into it), while the method runs the model on "
+        f"a tensor of {samples} row(s) built into it), while the method runs the model on "
         "batches of other sizes (one sample to trace it, or path points, noisy copies or "
         "references stacked along axis 0). Take sizes from the input instead "
         "(x.view(x.shape[0], -1) or x.flatten(1)); a method with an internal_batch_size option "
