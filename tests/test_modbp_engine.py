@@ -337,6 +337,22 @@ def test_operations_the_engine_cannot_see_are_errors(forward, message):
         explain(model, torch.randn(2, 4).double(), "lrp.epsilon")
 
 
+@pytest.mark.parametrize("method", ["deeplift.rescale", "guided_bp", "lrp.attn"])
+def test_a_weight_made_from_the_input_is_refused_where_the_gradient_is_the_dense_rule(method):
+    # Their gradient through F.linear passed a product of two activations unchecked, which none
+    # of them has a rule for (AttnLRP's linear rule is the gradient by default).
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return F.linear(torch.relu(x), self.fc(x).sum(0)[:, None].expand(3, 4))
+
+    with pytest.raises(UnsupportedModelError, match=r"'linear' .* multiplies two input-depend"):
+        explain(Net().double().eval(), torch.randn(2, 4).double(), method, 1)
+
+
 LRP_DENSE = ("lrp.epsilon", "lrp.zplus", "lrp.epsilon_plus")
 
 

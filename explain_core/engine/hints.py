@@ -61,6 +61,11 @@ _PRODUCT_HINT = (
     "activations in an attention model explain with AttnLRP or CP-LRP; methods without such "
     "rules (DeepLIFT, Guided BP, Excitation BP) refuse them"
 )
+_FAMILY_HINTS = {
+    **dict.fromkeys(_ATTENTION_OPS, ATTENTION_HINT),
+    **dict.fromkeys(_NORM_OPS, _NORM_HINT),
+    **dict.fromkeys(("mul", "mul_"), _PRODUCT_HINT),
+}
 
 
 def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
@@ -77,17 +82,8 @@ def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
             f"If it is the model's final {op}, relevance methods explain the scores before it: "
             f"let forward return the logits. {ATTENTION_HINT}."
         )
-    advice = (
-        ATTENTION_HINT
-        if op in _ATTENTION_OPS
-        else _NORM_HINT
-        if op in _NORM_OPS
-        else _PRODUCT_HINT
-        if op in ("mul", "mul_")
-        else None
-    )
-    if advice is not None:
-        return f"{advice}; or give the operation a rule of your own ({_by_kind(op)})."
+    if op in _FAMILY_HINTS:
+        return f"{_FAMILY_HINTS[op]}; or give the operation a rule of your own ({_by_kind(op)})."
     if op in _OP_ALTERNATIVES:
         return f"Rewrite it: {_OP_ALTERNATIVES[op]}."
     if op == "stft" or op.startswith("fft_"):

@@ -476,18 +476,23 @@ class _Tracer(ModuleListener):
     def _dense_call_problem(
         self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any], inputs: list[torch.Tensor]
     ) -> str | None:
-        """The error for a matrix product mapped to an affine rule that is not a dense layer's.
+        """The error for a matrix product mapped to a dense rule that is not a dense layer's.
 
         ``x @ W`` and ``F.linear(x, W)`` get the composite's dense rule; a product of two
         input-dependent tensors (attention's ``Q·Kᵀ``, a weight computed from the input) has no
-        weight for it to modify (product rules, and the gradient, decide for themselves).
+        weight for it to modify. ``F.linear``'s and ``addmm``'s weight is one by definition, so
+        the gradient mapped to them is a dense rule too; on a matrix product a product rule, or
+        the gradient (CP-LRP's ``A·V``), decides for itself.
         """
         rule = self.composite.rule_for_op(name)
-        if name not in FUNCTIONAL_LINEAR_OPS or not isinstance(rule, AffineRule):
+        affine = isinstance(rule, AffineRule)
+        if name not in FUNCTIONAL_LINEAR_OPS or not (
+            affine or (isinstance(rule, Gradient) and name in ("linear", "addmm"))
+        ):
             return None
         if len(inputs) > 1:
             problem = "multiplies two input-dependent tensors, which no dense rule applies to"
-        elif functional_linear(name, args, kwargs, inputs[0]) is None:
+        elif affine and functional_linear(name, args, kwargs, inputs[0]) is None:
             problem = (
                 "is not a dense layer's product, which the dense rules take as x @ W or "
                 "torch.mm(x, W) with a 2-D weight W on the right, F.linear(x, W, b) or "

@@ -121,7 +121,8 @@ def gradient_composite(name: str = "gradient") -> Composite:
 
     Guided BP, Deconv, RectGrad and DeepLIFT Rescale change only the activations.
     """
-    # Not matrix products: the gradient would pass through one of two activations unchecked.
+    # Not matrix products, which may multiply two activations, for which these methods have no
+    # rule (F.linear's and addmm's weight is one: the trace refuses one made from the input).
     functional = Op("linear", "addmm")
     return Composite(
         [(LINEAR_TYPES + BATCHNORM_TYPES, Gradient()), (functional, Gradient())], name=name
