@@ -201,3 +201,37 @@ def test_deeplift_bad_reference_and_state():
         DeepLiftRescale().attribute(model, x, None, torch.zeros(3, 3, 8, 8))
     with pytest.raises(InvalidInputError, match="maxpool"):
         explain(model, x, "deeplift.rescale", maxpool="average")
+
+
+class _RawInputSkip(nn.Module):
+    """``fc(relu(conv(x) + skip(x)))`` and a tanh of the raw input: the input itself, a leaf,
+    is an operand of the sum and of an activation."""
+
+    def __init__(self, skip) -> None:
+        super().__init__()
+        self.skip = skip
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.fc = nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = F.relu(self.conv(x) + self.skip(x)).mean((2, 3))
+        return self.fc(torch.cat([h, torch.tanh(x).mean((2, 3))], 1))
+
+
+@pytest.mark.parametrize("method", ["deeplift.rescale", "deeplift.reveal_cancel"])
+def test_deeplift_treats_the_raw_input_as_an_activation(method):
+    # The raw input in a sum (a skip from the input) and under an activation gets the rules an
+    # activation gets: the map sums to f(x) − f(x0) and equals the same model with the input
+    # first passed through an operation (1·x), which made it a non-leaf tensor.
+    torch.manual_seed(0)
+    model = _RawInputSkip(lambda x: x).double().eval()
+    scaled = _RawInputSkip(lambda x: 1 * x).double().eval()
+    scaled.load_state_dict(model.state_dict())
+    x = torch.rand(2, 3, 6, 6, dtype=torch.float64)
+    x0 = 0.2 * torch.rand(2, 3, 6, 6, dtype=torch.float64)
+    result = explain(model, x, method, target=1, baselines=x0)
+    with torch.no_grad():
+        difference = model(x)[:, 1] - model(x0)[:, 1]
+    torch.testing.assert_close(result.attribution.sum((1, 2, 3)), difference)
+    expected = explain(scaled, x, method, target=1, baselines=x0).attribution
+    torch.testing.assert_close(result.attribution, expected, rtol=1e-12, atol=1e-14)

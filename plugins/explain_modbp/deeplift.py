@@ -46,15 +46,6 @@ EPS = 1e-10
 _POOLS = {"max_pool1d": F.max_pool1d, "max_pool2d": F.max_pool2d, "max_pool3d": F.max_pool3d}
 
 
-def _is_activation(value: Any, batch: int) -> bool:
-    return (
-        isinstance(value, torch.Tensor)
-        and value.dim() > 0
-        and value.shape[0] == 2 * batch
-        and value.grad_fn is not None
-    )
-
-
 class _RescaleActivation(torch.autograd.Function):
     """An activation with multiplier ``Δy/Δx`` on the input half, no signal to the reference."""
 
@@ -168,6 +159,7 @@ class DeepLiftHandler(OpHandler):
         self.rule = rule
         self.maxpool = maxpool
         self.batch = 0
+        self.input: torch.Tensor | None = None  # the stacked inputs and references
         self.parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.layers: Mapping[str, LayerRecord] = {}
         self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
@@ -184,7 +176,21 @@ class DeepLiftHandler(OpHandler):
         self.parts.clear()
         self.consumed.clear()
         self.layers = layers
-        return torch.cat([inputs, self.reference.to(inputs)])
+        self.input = torch.cat([inputs, self.reference.to(inputs)])
+        return self.input
+
+    def _is_activation(self, value: Any) -> bool:
+        """Whether ``value`` is computed from the pass's stacked inputs and references.
+
+        The stacked tensor itself counts (``z + x``: a skip from the raw input), though it is
+        a leaf: weights and constants are the leaves that do not.
+        """
+        return (
+            isinstance(value, torch.Tensor)
+            and value.dim() > 0
+            and value.shape[0] == 2 * self.batch
+            and (value.grad_fn is not None or value is self.input)
+        )
 
     # positive/negative parts ---------------------------------------------------------------
     def register(self, tensor: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor):
@@ -243,7 +249,7 @@ class DeepLiftHandler(OpHandler):
     def handle(self, name, func, args, kwargs):  # noqa: D102
         x = args[0]
         if name in RELU_OPS | ACTIVATION_OPS:
-            if not _is_activation(x, self.batch):
+            if not self._is_activation(x):
                 return func(*args, **kwargs)
             activation = Activation(func, args, kwargs)
             if self.rule == "rescale":
@@ -254,7 +260,7 @@ class DeepLiftHandler(OpHandler):
             if (
                 self.maxpool == "gradient"
                 or kwargs.get("return_indices")
-                or not _is_activation(x, self.batch)
+                or not self._is_activation(x)
             ):
                 return func(*args, **kwargs)
             parameters = dict(zip(_POOL_PARAMETERS, args[1:], strict=False))
@@ -264,12 +270,12 @@ class DeepLiftHandler(OpHandler):
 
     def _add(self, name, func, args, kwargs):
         result = func(*args, **kwargs)
-        operands = [a for a in args[:2] if _is_activation(a, self.batch)]
-        if not operands or not _is_activation(result, self.batch) or "alpha" in kwargs:
+        operands = [a for a in args[:2] if self._is_activation(a)]
+        if not operands or not self._is_activation(result) or "alpha" in kwargs:
             return result
         positive = negative = None
         for index, operand in enumerate(args[:2]):
-            if not _is_activation(operand, self.batch):
+            if not self._is_activation(operand):
                 continue
             p, n = self.split(operand)
             if index == 1 and name.startswith("sub"):
