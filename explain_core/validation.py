@@ -28,6 +28,7 @@ from explain_core.errors import (
 __all__ = [
     "check_inputs",
     "check_output_finite",
+    "check_one_tensor",
     "check_scores",
     "clear_model_errors",
     "diagnose_failure",
@@ -142,11 +143,11 @@ def non_finite_samples(tensor: torch.Tensor) -> str:
     return ", ".join(map(str, samples[:10])) + (", ..." if len(samples) > 10 else "")
 
 
-def check_scores(output: Any, batch: int | None = None) -> torch.Tensor:
-    """``output`` if it is one ``(batch, n_outputs)`` tensor of scores.
+def check_one_tensor(output: Any) -> torch.Tensor:
+    """``output`` if the model returned one tensor.
 
     Raises:
-        InvalidInputError: If the model returned anything else (a tuple, a dict, another shape).
+        InvalidInputError: If it returned a tuple, a dict or anything else, with the way out.
     """
     if not isinstance(output, torch.Tensor):
         raise InvalidInputError(
@@ -154,6 +155,16 @@ def check_scores(output: Any, batch: int | None = None) -> torch.Tensor:
             f"a {type(output).__name__}; wrap it in an nn.Module whose forward returns one tensor, "
             "e.g. model(x)[0] or model(x)['logits']"
         )
+    return output
+
+
+def check_scores(output: Any, batch: int | None = None) -> torch.Tensor:
+    """``output`` if it is one ``(batch, n_outputs)`` tensor of scores.
+
+    Raises:
+        InvalidInputError: If the model returned anything else (a tuple, a dict, another shape).
+    """
+    output = check_one_tensor(output)
     if output.dim() != 2 or (batch is not None and output.shape[0] != batch):
         expected = f"({'batch' if batch is None else batch}, n_outputs)"
         advice = "Wrap it so that it returns one score per class."

@@ -132,13 +132,77 @@ class Normalising(nn.Module):
 def test_input_layer_rules_refuse_a_first_layer_that_reads_a_transformed_input(method, options):
     model = Normalising().eval()
     before = state_fingerprint(model)
-    with pytest.raises(UnsupportedModelError, match=r"'conv1' \(Conv2d\) reads the result of op"):
+    reader = r"operation 'sub' in module '<root>' \(Normalising\) reads it first"
+    with pytest.raises(UnsupportedModelError, match=reader):
         explain(model, torch.rand(2, 3, 8, 8), method, target=0, **options)
     assert_same_state(before, state_fingerprint(model))
     # the same layers reading the input directly get the rule
     plain = nn.Sequential(model.conv1, nn.ReLU(), nn.Flatten(), nn.Linear(4 * 36, 3)).eval()
     w2 = explain(plain, torch.rand(2, 3, 8, 8), method, target=0, **options).attribution
     assert w2.shape == (2, 3, 8, 8)
+
+
+class RawInputPastFirstLayer(nn.Module):
+    """The raw input also reaches the output past the first convolution: added or concatenated."""
+
+    def __init__(self, join: str) -> None:
+        super().__init__()
+        self.join = join
+        self.conv = nn.Conv2d(3, 3, 3, padding=1, bias=False)
+        self.fc = nn.Linear(6 if join == "cat" else 3, 4, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv(x)
+        h = torch.cat([h, x], 1) if self.join == "cat" else h + x
+        return self.fc(F.relu(h).mean((2, 3)))
+
+
+INPUT_LAYER_PRESETS = [
+    ("lrp.w2", {}),
+    ("lrp.flat", {}),
+    ("lrp.zb", {"low": 0.0, "high": 1.0}),
+    ("lrp.epsilon_gamma_box", {"low": 0.0, "high": 1.0}),
+]
+
+
+@pytest.mark.parametrize("join", ["add", "cat"])
+@pytest.mark.parametrize(("method", "options"), INPUT_LAYER_PRESETS)
+def test_input_layer_rules_refuse_an_input_that_also_passes_the_input_layer(join, method, options):
+    # Their rules return the input's relevance, the other path a signal: the sum of the two at
+    # the input was returned as relevance, which summed to neither the logit nor a map.
+    torch.manual_seed(0)
+    model = RawInputPastFirstLayer(join).double().eval()
+    x = torch.rand(2, 3, 6, 6, dtype=torch.float64)
+    before = state_fingerprint(model)
+    joined = "add" if join == "add" else "cat"
+    with pytest.raises(UnsupportedModelError, match=rf"on 'conv'.*operation '{joined}' in module"):
+        explain(model, x, method, target=1, **options)
+    assert_same_state(before, state_fingerprint(model))
+    # a preset without an input-layer rule explains it: LRP-0 is Input×Gradient on a ReLU net
+    torch.testing.assert_close(
+        explain(model, x, "lrp.z", target=1).attribution, input_x_gradient(model, x, 1)
+    )
+
+
+class LSTMReadsInput(nn.Module):
+    def __init__(self, head: bool) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 6, batch_first=True)
+        self.head = nn.Linear(6, 3) if head else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = self.lstm(x)[0][:, -1]
+        return self.head(last) if self.head is not None else last[:, :3]
+
+
+@pytest.mark.parametrize("head", [False, True])
+@pytest.mark.parametrize(("method", "options"), INPUT_LAYER_PRESETS)
+def test_input_layer_rules_refuse_a_recurrent_layer_reading_the_input(head, method, options):
+    # Without a Linear/Conv module the input-layer rule was dropped silently (lrp.w2 gave
+    # lrp.zplus's map); with a head, the message blamed the head.
+    model = LSTMReadsInput(head).eval()
+    with pytest.raises(UnsupportedModelError, match=r"in module 'lstm' \(LSTM\) reads it first"):
+        explain(model, torch.rand(2, 5, 4), method, target=1, **options)
 
 
 def input_x_gradient(model: nn.Module, x: torch.Tensor, target: int) -> torch.Tensor:
@@ -697,3 +761,40 @@ def test_an_exported_program_is_refused_by_the_rules_and_its_batch_guard_explain
     torch.testing.assert_close(
         explain(exported, x, "integrated_gradients", target=1).attribution, expected
     )
+
+
+def softmax_net(reshaped: bool) -> nn.Module:
+    layers = [nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)]
+    return nn.Sequential(*layers, nn.Softmax(1), *([nn.Unflatten(1, (5, 1))] if reshaped else []))
+
+
+@pytest.mark.parametrize("reshaped", [False, True])
+def test_an_output_made_by_a_softmax_held_constant_is_refused(reshaped):
+    # CP-LRP holds every softmax constant: on probabilities it gave an all-zero map, silently.
+    torch.manual_seed(0)
+    model = softmax_net(reshaped).double().eval()
+    if reshaped:  # (batch, 5, 1) → one score per class again
+        model = nn.Sequential(model, nn.Flatten()).eval()
+    x = torch.rand(2, 3, 8, 8, dtype=torch.float64)
+    before = state_fingerprint(model)
+    made_by = r"operation 'softmax' in module '(0\.)?5' \(Softmax\)"
+    with pytest.raises(UnsupportedModelError, match=rf"{made_by}, which .*'lrp.cp' holds constant"):
+        explain(model, x, "lrp.cp", target=1)
+    assert_same_state(before, state_fingerprint(model))
+    # AttnLRP's softmax rule is the gradient: on a ReLU net, Input×Gradient of the probability
+    attn = explain(model, x, "lrp.attn", target=1).attribution
+    torch.testing.assert_close(attn, input_x_gradient(model, x, 1))
+
+
+def test_a_model_returning_a_tuple_is_told_to_return_one_tensor():
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return self.fc(x), x
+
+    for method in ("lrp.epsilon", "lrp.cp", "deeplift.rescale"):
+        with pytest.raises(InvalidInputError, match=r"returned a tuple; wrap it .*model\(x\)\[0\]"):
+            explain(Pair().eval(), torch.rand(2, 4), method, target=1)

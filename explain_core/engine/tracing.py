@@ -31,7 +31,7 @@ from explain_core.affine import (
 )
 from explain_core.canonizers import TracedLayers
 from explain_core.engine.decompose import DECOMPOSED
-from explain_core.engine.hints import RULE_HINT, op_hint
+from explain_core.engine.hints import RULE_HINT, SOFTMAX_HINT, op_hint
 from explain_core.engine.ops import (
     _JOIN_OPS,
     _PRODUCT_OPS,
@@ -59,7 +59,7 @@ from explain_core.interfaces.relevance import (
     Rule,
 )
 from explain_core.scoped import ModuleListener, listening
-from explain_core.validation import CHECKPOINT_ADVICE
+from explain_core.validation import CHECKPOINT_ADVICE, check_one_tensor
 
 if TYPE_CHECKING:
     from explain_core.engine.composite import Composite
@@ -103,7 +103,10 @@ class Plan:
         rectified: Layers whose output only a ReLU reads (the composite leaving ReLUs to their
             gradient): the signal at such an output is 0 wherever it is <= 0.
         rules: Layer name → rule; ``custom``: module name → core rule (opaque modules).
-        first_reads: What the first layer reads when no layer reads the model input directly.
+        input_readers: What reads the model input (up to reshaping) besides the input layers:
+            the live operations and modules, named for messages, in execution order.
+        output_op: The operation that makes the model output (up to reshaping) and its
+            description for messages; ``None`` where a module the trace does not enter does.
         value_dependent: ``forward`` read input-dependent values into Python (``if h.max() >
             0``); such a plan was traced on the whole batch and is not cached.
         branch_free: Rules must not branch on values (the pass is traced into a graph): layers
@@ -125,7 +128,8 @@ class Plan:
     nonnegative_inputs: set[str] = field(default_factory=set)
     trace_order: list[str] = field(default_factory=list)
     opaque_custom: list[str] = field(default_factory=list)
-    first_reads: str = ""
+    input_readers: list[str] = field(default_factory=list)
+    output_op: tuple[str, str] | None = None
     value_dependent: bool = False
     branch_free: bool = False
     decomposed: bool = False
@@ -346,7 +350,6 @@ class _Tracer(ModuleListener):
         self.made_by: dict[int, str] = {}
         self.value_dependent = False
         self.decomposed = False
-        self.reads: dict[str, str] = {}
         self.opaque_args: tuple[Any, ...] = ()
         self.hook_codes = user_hook_codes(model)
 
@@ -579,7 +582,6 @@ class _Tracer(ModuleListener):
             self.input_layers.add(name)
         elif tensors:
             self.not_input_layers.add(name)
-            self.reads.setdefault(name, self.made_by.get(id(tensors[0]), "an intermediate tensor"))
         if tensors and all(id(t) in self.nonnegative for t in tensors):
             self.nonnegative_layers.add(name)
         elif tensors:
@@ -649,7 +651,8 @@ class _Tracer(ModuleListener):
         # shows as operations run without them (see problem()).
         with listening(self), torch.enable_grad(), _TraceMode(self):
             output = self.model(x)
-        if not isinstance(output, torch.Tensor) or id(output) not in self.dependent:
+        check_one_tensor(output)  # a tuple or a dict is refused with the way out
+        if id(output) not in self.dependent:
             raise UnsupportedModelError(
                 "the model's output does not depend on its input through operations the engine "
                 "can see; the model must return one tensor of scores"
@@ -658,7 +661,21 @@ class _Tracer(ModuleListener):
         for *_, problem in live:
             if problem is not None:
                 raise UnsupportedModelError(problem)
-        return self._plan(live)
+        return self._plan(live, output)
+
+    def output_op(self, live: list[Step], output: torch.Tensor) -> tuple[str, str] | None:
+        """The operation that made the model output (up to reshaping) and its description."""
+        made = id(output)
+        for name, inputs, outputs, _ in reversed(live):
+            if made not in outputs:
+                continue
+            if name in RESHAPE_OPS | DROPOUT_OPS and len(inputs) == 1:
+                made = inputs[0]  # a reshape of what the model returns: look at its maker
+                continue
+            if name in self.names.values():  # a module the trace did not enter
+                return None
+            return name, self.made_by.get(made, f"operation {name!r}")
+        return None
 
     def traced_layers(self, live: list[Step]) -> TracedLayers:
         """The affine layers and which one each reads alone, for the canonizers.
@@ -688,6 +705,18 @@ class _Tracer(ModuleListener):
             if len(dims) == 1:
                 layers.input_dims[name] = next(iter(dims))
         return layers
+
+    def input_readers(self, live: list[Step], input_layers: set[str]) -> list[str]:
+        """What reads the model input (up to reshaping) besides ``input_layers``, by name."""
+        readers = []
+        for name, inputs, outputs, _ in live:
+            if name in input_layers or self.input_like.isdisjoint(inputs):
+                continue
+            if outputs and all(o in self.input_like for o in outputs):
+                continue  # a reshape of the input: what reads it counts
+            made_by = self.made_by.get(outputs[0]) if outputs else None
+            readers.append(made_by or f"operation {name!r}")
+        return readers
 
     def _relu_step(self, step: str) -> bool:
         """Whether a recorded step is a ReLU operation (not a module named ``relu``)."""
@@ -744,7 +773,7 @@ class _Tracer(ModuleListener):
                     "to its every call: give the last use its own module (copy.deepcopy)"
                 )
 
-    def _plan(self, live: list[Step]) -> Plan:
+    def _plan(self, live: list[Step], output: torch.Tensor) -> Plan:
         layers = self.traced_layers(live)
         for canonizer in self.composite.canonizers:
             canonizer.apply(layers)
@@ -758,8 +787,8 @@ class _Tracer(ModuleListener):
         self._check_repeated_calls(plan)
         only_input = self.input_layers - self.not_input_layers
         plan.input_layers = {n for n in only_input if n in plan.order}
-        if plan.order and not plan.input_layers:
-            plan.first_reads = self.reads.get(plan.order[0], "")
+        plan.input_readers = self.input_readers(live, plan.input_layers)
+        plan.output_op = self.output_op(live, output)
         nonnegative = self.nonnegative_layers - self.signed_layers
         plan.nonnegative_inputs = {n for n in nonnegative if n in plan.order}
         merged_back = {bn: lin for lin, bn in plan.merged.items()}
@@ -781,20 +810,18 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
     """Fill ``plan.rules`` with the rule of every affine layer in ``plan.order``.
 
     Raises:
-        UnsupportedModelError: If a layer has no rule, or the composite has a rule for the layer
-            reading the model input but no layer reads it directly (up to reshaping).
+        UnsupportedModelError: If a layer has no rule, the composite has a rule for the layer
+            reading the model input but no layer reads it directly (up to reshaping), that rule
+            returns relevance and the input also reaches the output past the layer, or the
+            operation making the output is held constant.
     """
     first = composite.position_rule(InputLayer)
-    if first is not None and plan.order and not plan.input_layers:
-        name = plan.order[0]
+    if first is not None and not plan.input_layers:
+        reader = plan.input_readers[0] if plan.input_readers else "another operation"
         raise UnsupportedModelError(
-            f"the composite {composite.name!r} puts {first!r} on the layer that "
-            "reads the model input, but no Linear/Conv reads the input directly (up to "
-            f"reshaping): the first layer {name!r} ({type(model.get_submodule(name)).__name__}) "
-            f"reads the result of {plan.first_reads or 'other operations'}, e.g. a "
-            "normalisation inside forward. Move that preprocessing out of the model and explain "
-            "the model on preprocessed inputs (for z^B give the bounds of the preprocessed "
-            "inputs), or use a composite without an input-layer rule (e.g. ε+z⁺)"
+            f"the composite {composite.name!r} puts {first!r} on the layer that reads the model "
+            f"input, but no Linear/Conv module reads the input directly (up to reshaping): "
+            f"{reader} reads it first. {_INPUT_LAYER_ADVICE}"
         )
     for name in plan.order:
         plan.rules[name] = resolve_rule(model, composite, name, plan)
@@ -806,6 +833,65 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
                 f"{name!r} an explain_core.AffineRule (it sees the folded layer as call.layer), "
                 f"or build the composite with canonizers=() and give {plan.merged[name]!r} a "
                 "rule of its own"
+            )
+    _refuse_relevance_beside_signal(composite, plan)
+    _refuse_a_constant_output(composite, plan)
+
+
+def _refuse_a_constant_output(composite: Composite, plan: Plan) -> None:
+    """Refuse a model output made by an operation whose rule holds it constant.
+
+    CP-LRP holds every softmax constant: one that makes the output (probabilities) would pass
+    no relevance at all, and the map would be zero.
+
+    Raises:
+        UnsupportedModelError: Naming the operation, its rule and what to explain instead.
+    """
+    if plan.output_op is None:
+        return
+    kind, made_by = plan.output_op
+    rule = composite.rule_for_op(kind)
+    if rule is None or rule.gradient_scale(1) != 0.0:
+        return
+    advice = (
+        SOFTMAX_HINT.format(type=kind)
+        if kind in ("softmax", "log_softmax")
+        else "Explain what the model computes before it: let forward return that"
+    )
+    raise UnsupportedModelError(
+        f"the model's output is made by {made_by}, which the composite {composite.name!r} holds "
+        f"constant ({rule!r}), so no relevance would reach the input and the map would be zero. "
+        f"{advice}"
+    )
+
+
+_INPUT_LAYER_ADVICE = (
+    "Move preprocessing done inside forward (a normalisation) out of the model and explain it on "
+    "preprocessed inputs (for z^B give the bounds of the preprocessed inputs); a recurrent "
+    "layer, whose gates read the input and the state together, takes the dense rule instead. "
+    "Or use a composite without an input-layer rule (e.g. ε+z⁺)"
+)
+
+
+def _refuse_relevance_beside_signal(composite: Composite, plan: Plan) -> None:
+    """Refuse an input-layer rule that returns relevance where the input also reaches the
+    output past the input layers: the other paths bring a signal (relevance divided by the
+    input), and the two cannot be added at the input.
+
+    Raises:
+        UnsupportedModelError: Naming the layer, its rule and the other reader.
+    """
+    for name in sorted(plan.input_layers):
+        rule = plan.rules[name]
+        if rule.returns_relevance and plan.input_readers:
+            raise UnsupportedModelError(
+                f"the composite {composite.name!r} puts {rule!r} on {name!r}, which reads the "
+                "model input, and that rule returns the input's relevance itself, but the input "
+                f"also reaches the output past that layer: {plan.input_readers[0]} reads it too "
+                "(a skip connection from, or a concatenation with, the raw input). What that "
+                "path brings back is a signal the input multiplies, which the engine cannot add "
+                "to relevance: use a composite without an input-layer rule (ε+z⁺, "
+                "lrp.epsilon_gamma), or route the input through the input layer only"
             )
 
 
