@@ -117,6 +117,47 @@ def test_squeeze_excitation_holds_the_gate_constant(gate, signal, method):
     assert_same_maps(model, reference, method)
 
 
+class ShapedSqueezeExcitation(SqueezeExcitation):
+    """The gate as repositories shape it before the product: the same values, other operations.
+
+    ``view``: SENet's ``y.view(b, c, 1, 1)`` and ``x * y.expand_as(x)``; ``index``:
+    ``y[:, :, None, None]``; ``hard_sigmoid``: MobileNetV3 ports' ``relu6(s + 3) / 6``.
+    """
+
+    def __init__(self, shape: str) -> None:
+        gate = nn.Identity() if shape == "hard_sigmoid" else nn.Sigmoid()
+        super().__init__(4, gate)
+        self.shape = shape
+
+    def scale(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().scale(x)
+        if self.shape == "hard_sigmoid":
+            return F.relu6(y + 3) / 6
+        y = y.flatten(1)
+        if self.shape == "index":
+            return y[:, :, None, None]
+        return y.view(*y.shape, 1, 1).expand_as(x)
+
+
+@pytest.mark.parametrize(
+    ("shape", "method"),
+    [
+        (shape, method)
+        for shape in ("view", "index", "hard_sigmoid")
+        for method in (*PRESETS, "lrp.attn", "lrp.cp")
+        # AttnLRP holds sigmoid-like gates only: a ReLU6 made into one is split uniformly
+        if (shape, method) != ("hard_sigmoid", "lrp.attn")
+    ],
+)
+def test_a_gate_reshaped_or_scaled_before_the_product_is_still_the_gate(shape, method):
+    # Only a product reading the sigmoid's output itself was told from one without a gate;
+    # the others were refused.
+    torch.manual_seed(2)
+    block = ShapedSqueezeExcitation(shape).double()
+    model, reference = twins(block, ConstantGate(block))
+    assert_same_maps(model, reference, method)
+
+
 def test_squeeze_excitation_conserves_on_a_bias_free_signal_path():
     # The gate's own convolutions keep their biases: the gate gets no relevance at all.
     torch.manual_seed(0)

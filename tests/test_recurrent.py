@@ -154,8 +154,10 @@ def lrp_lstm_by_hand(model: Classifier, x: torch.Tensor, target: int, eps: float
     return relevance_x
 
 
-@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.epsilon_plus"])
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.epsilon_plus", "lrp.attn", "lrp.cp"])
 def test_lrp_for_lstms_is_arras_et_al(method):
+    # AttnLRP too holds the sigmoid gates constant: its uniform rule sent half the relevance
+    # into them, and past the identity rule a linear map divided it by pre-activations near 0
     torch.manual_seed(1)
     model = Classifier(nn.LSTM(4, 5, batch_first=True)).double().eval()
     x = sequences()

@@ -24,7 +24,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from explain_core.affine import AFFINE_TYPES, AffineLayer, functional_linear
 from explain_core.engine.decompose import DECOMPOSED, scaled_dot_product_attention
-from explain_core.engine.ops import RELU_OPS, OpHandler, op_name, without_function_modes
+from explain_core.engine.ops import (
+    ARRANGING_OPS,
+    RELU_OPS,
+    OpHandler,
+    op_name,
+    without_function_modes,
+)
 from explain_core.engine.tracing import Plan, user_hook_codes
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import AffineRule, Gradient, Rule, RuleCall
@@ -412,12 +418,24 @@ class OperationMode(TorchFunctionMode):
         if name in self.kinds:
             rule = self.composite.rule_for_op(name)
             if isinstance(rule, Gradient):  # nothing to change: let it through as written
-                return func(*args, **kwargs)
+                return self._keeping_source(name, args, func(*args, **kwargs))
             with self.attached.internal_ops():
-                return _apply_op_rule(rule, name, func, args, kwargs, self.attached)
+                result = _apply_op_rule(rule, name, func, args, kwargs, self.attached)
+            return self._keeping_source(name, args, result)
         if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
-        return func(*args, **kwargs)
+        return self._keeping_source(name, args, func(*args, **kwargs))
+
+    def _keeping_source(self, name: str, args: tuple[Any, ...], result: Any) -> Any:
+        """``result``, noted as made by the source of the tensor it rearranges or scales.
+
+        A gate stays a gate through the shape a model gives it and a positive scale
+        (``σ(s).view(b, c, 1, 1).expand_as(x)``, ``relu6(s + 3) / 6``): see ``RuleCall.sources``.
+        """
+        tensor = _arranged_or_scaled(name, args)
+        if tensor is not None:
+            self.attached.pass_source(tensor, result)
+        return result
 
     def _fused_attention(
         self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -464,6 +482,19 @@ class OperationMode(TorchFunctionMode):
         given = dict(bound.arguments)  # as keywords: the kernel takes some only by keyword
         tensors = [given.pop(name) for name in names]
         return func(*tensors, **given)
+
+
+def _arranged_or_scaled(name: str, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The tensor an operation only rearranges or scales by a positive number, if it does."""
+    if name in ARRANGING_OPS:
+        return args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if name not in ("mul", "div") or len(args) != 2:
+        return None
+    tensor, number = args if isinstance(args[0], torch.Tensor) else args[::-1]
+    scalar = isinstance(number, (int, float)) and not isinstance(number, bool)
+    if not (isinstance(tensor, torch.Tensor) and scalar and number > 0):
+        return None
+    return tensor if name == "mul" or tensor is args[0] else None  # not 6 / s
 
 
 def _share(rule: Rule | None, factors: int) -> float | None:
@@ -658,6 +689,12 @@ class RulePass(ModuleListener):
         if isinstance(output, torch.Tensor):
             self.producers[id(output)] = (weakref.ref(output), call)
         return output
+
+    def pass_source(self, tensor: torch.Tensor, result: Any) -> None:
+        """Note ``result``, computed from ``tensor`` alone, as made by ``tensor``'s source."""
+        source = self.source_of(tensor)
+        if source is not None and isinstance(result, torch.Tensor) and result is not tensor:
+            self.produced(result, source)
 
     def source_of(self, tensor: torch.Tensor) -> RuleCall | None:
         """The ruled call of this pass that returned ``tensor``, if any."""

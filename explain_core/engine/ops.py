@@ -16,6 +16,7 @@ import torch
 __all__ = [
     "ACTIVATION_OPS",
     "ADD_OPS",
+    "ARRANGING_OPS",
     "AVGPOOL_OPS",
     "DROPOUT_OPS",
     "INDEX_OPS",
@@ -119,6 +120,10 @@ _GATHER_OPS = frozenset(
 )
 # pack_padded_sequence and pad_packed_sequence: the steps of each sequence, rearranged. Beside
 # the data they return batch sizes or lengths, which come from the lengths alone.
+# The values of their first argument, rearranged, selected or repeated.
+ARRANGING_OPS = RESHAPE_OPS | frozenset(
+    ["expand", "expand_as", "broadcast_to", "getitem", "narrow", "select", "repeat", "tile"]
+)
 PACKING_OPS = frozenset({"_pack_padded_sequence", "_pad_packed_sequence"})
 # Selections by an index tensor, which must not depend on the input (the trace checks).
 INDEX_OPS = frozenset({"index_select", "gather", "take_along_dim"})

@@ -99,16 +99,17 @@ def _gate_level(source: RuleCall | None) -> int:
     return 1 if source.module is not None or name in ACTIVATION_OPS else 0
 
 
-def _gate(sources: tuple[RuleCall | None, ...]) -> int | None:
+def _gate(sources: tuple[RuleCall | None, ...], lowest: int = 1) -> int | None:
     """The position of the gate among two factors, if one is more gate-like than the other.
 
     In squeeze-excitation the signal itself often comes from an activation (EfficientNet's
     SiLU, MobileNetV3's Hardswish), so a sigmoid-like factor is the gate before any other.
+    ``lowest``: the least gate-like a gate may be (:func:`_gate_level`).
     """
     if len(sources) != 2:
         return None
     levels = [_gate_level(source) for source in sources]
-    if levels[0] == levels[1]:
+    if levels[0] == levels[1] or max(levels) < lowest:
         return None
     return 0 if levels[0] > levels[1] else 1
 
@@ -125,17 +126,24 @@ class HoldGate(Rule):
 
     Args:
         otherwise: The rule for products without exactly one gate; ``None`` refuses them.
+        squashing_only: Hold only sigmoid-like gates; products with another activation's
+            output (SwiGLU's SiLU) take ``otherwise``. AttnLRP's choice: it splits those
+            uniformly, but the pass rule cannot carry relevance into a sigmoid, whose output is
+            1/2 where its input is 0 (the linear map before it would divide by that 0).
     """
 
     min_inputs = 2
     output_in_backward = False
 
-    def __init__(self, otherwise: Rule | None = None) -> None:
+    def __init__(self, otherwise: Rule | None = None, *, squashing_only: bool = False) -> None:
+        if squashing_only and otherwise is None:
+            raise ValueError("squashing_only needs a rule for the other products (otherwise=)")
         self.otherwise = otherwise
+        self.squashing_only = squashing_only
 
     def forward(self, call: RuleCall) -> int | None:
         """The gate's position (refused in the forward pass if none, without a fallback)."""
-        gate = _gate(call.sources)
+        gate = _gate(call.sources, lowest=2 if self.squashing_only else 1)
         if gate is None and self.otherwise is None:
             raise UnsupportedModelError(
                 f"operation {call.name!r} multiplies two input-dependent tensors, neither (or "

@@ -14,8 +14,8 @@ GELU, SiLU, tanh, …    ``R_x = R_y`` (``f(x)/x``, LRP's pass rule)  the same
 ``matmul``, ``bmm``,   the uniform rule: half of the relevance to   the gradient (with the
 ``einsum`` of two      each factor (:class:`Uniform`)               attention weights constant,
 activations                                                         all relevance goes to V)
-``mul`` of two         the uniform rule                             the activated gate held
-activations                                                         constant (:class:`HoldGate`)
+``mul`` of two         the uniform rule; a sigmoid-like gate (an    the activated gate held
+activations            LSTM's, squeeze-excitation's) held constant  constant (:class:`HoldGate`)
 =====================  ===========================================  ===========================
 
 Modules that act element-wise though written with several operations — Hugging Face's activation
@@ -55,10 +55,6 @@ __all__ = [
     "lrp_attn",
     "lrp_cp",
 ]
-
-PRODUCTS = ("matmul", "bmm", "einsum", "mul")
-"""Operation kinds that multiply two activations in attention models (``QKᵀ``, ``A·V``, gates)."""
-
 
 class Constant(Rule):
     """The operation's output held constant: no signal reaches its inputs (CP-LRP's softmax)."""
@@ -112,10 +108,18 @@ def _shared(epsilon: float, gamma: float) -> list[tuple[Matcher, Rule]]:
 def lrp_attn(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
     """AttnLRP: the uniform rule at products, the gradient at softmax, σ constant in norms.
 
+    A sigmoid-like gate (an LSTM's, squeeze-excitation's) is held constant, as every LRP
+    preset holds it: through the pass rule, relevance would reach the linear map before the
+    sigmoid, whose output is 1/2 where that map's is 0, and blow up there.
+
     ``epsilon`` > 0 puts LRP-ε on the linear layers, ``gamma`` > 0 LRP-γ (as the AttnLRP paper
     tunes for vision transformers).
     """
-    rules_ = [(Op("softmax"), Gradient()), (Op(*PRODUCTS), Uniform())]
+    rules_ = [
+        (Op("softmax"), Gradient()),
+        (Op("matmul", "bmm", "einsum"), Uniform()),
+        (Op("mul"), HoldGate(otherwise=Uniform(), squashing_only=True)),
+    ]
     return Composite([*_shared(epsilon, gamma), *rules_], name="lrp.attn")
 
 
