@@ -12,6 +12,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
@@ -654,6 +655,39 @@ def test_a_cell_written_by_hand_reusing_its_linear_layers_equals_the_layer(kind,
     expected = explain(model, x, method, 1).attribution
     assert expected.abs().sum() > 0
     torch.testing.assert_close(explain(by_hand, x, method, 1).attribution, expected)
+
+
+class ReLURNNByHand(nn.Module):
+    """A ReLU Elman RNN written out by hand: one Linear on ``[x_t; h]`` at every step."""
+
+    def __init__(self, rnn: nn.RNN, head: nn.Linear) -> None:
+        super().__init__()
+        self.step = nn.Linear(rnn.input_size + rnn.hidden_size, rnn.hidden_size).double()
+        with torch.no_grad():
+            self.step.weight.copy_(torch.cat([rnn.weight_ih_l0, rnn.weight_hh_l0], 1))
+            self.step.bias.copy_(rnn.bias_ih_l0 + rnn.bias_hh_l0)
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], self.step.out_features)
+        for t in range(x.shape[1]):
+            h = F.relu(self.step(torch.cat([x[:, t], h], 1)))
+        return self.head(h)
+
+
+@pytest.mark.parametrize("method", ["excitation_bp", "excitation_bp.contrastive"])
+def test_excitation_bp_on_a_relu_rnn_is_its_rule_on_the_cell_written_out(method):
+    # Contrastive Excitation BP had no rule for the layer's linear maps and refused the RNN,
+    # naming 'linear' as an operation without a rule.
+    torch.manual_seed(6)
+    layer = recurrent("rnn_relu", 4, 5, batch_first=True).double()
+    model = Classifier(layer).double().eval()
+    by_hand = ReLURNNByHand(layer, model.head).eval()
+    x = sequences()
+    torch.testing.assert_close(by_hand(x), model(x))
+    expected = explain(by_hand, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -235,7 +235,12 @@ def excitation() -> Composite:
 
 def contrastive_excitation() -> Composite:
     """Contrastive excitation backprop: ``Z⁺ − N⁺`` on the output layer, W⁺ elsewhere."""
+    excitation = rules.Excitation()
     return Composite(
-        [(OutputLayer(), rules.ContrastiveExcitation()), (LINEAR_TYPES, rules.Excitation())],
+        [
+            (OutputLayer(), rules.ContrastiveExcitation()),
+            (LINEAR_TYPES, excitation),
+            (LINEAR_OPS, excitation),
+        ],
         name="excitation_bp.contrastive",
     )
