@@ -300,19 +300,25 @@ def require_eval_mode(model: nn.Module) -> None:
 
     Raises:
         ModelStateError: If a BatchNorm, InstanceNorm (with running statistics), Dropout or
-            RReLU layer is in training mode.
+            RReLU layer, or an LSTM, GRU or RNN with dropout between its layers, is in training
+            mode.
     """
     for name, module in model.named_modules():
-        if module.training and isinstance(module, _MODE_DEPENDENT):
-            if isinstance(module, nn.modules.instancenorm._InstanceNorm) and not (
-                module.track_running_stats
-            ):
-                continue
+        if module.training and _mode_dependent(module):
             raise ModelStateError(
                 f"{type(module).__name__} {name or '<root>'!r} is in training mode; call "
                 "model.eval() before explaining, so that normalisation and dropout are "
                 "deterministic and the model's buffers stay unchanged"
             )
+
+
+def _mode_dependent(module: nn.Module) -> bool:
+    """Whether ``module``'s forward differs between training and eval mode."""
+    if isinstance(module, nn.modules.instancenorm._InstanceNorm):
+        return module.track_running_stats
+    if isinstance(module, nn.RNNBase):  # dropout between its layers, in training mode only
+        return module.dropout > 0 and module.num_layers > 1
+    return isinstance(module, _MODE_DEPENDENT)
 
 
 def _training_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

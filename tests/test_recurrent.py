@@ -17,7 +17,14 @@ from conftest import assert_same_state, state_fingerprint
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from explain_core import Explainer, ExplainError, ModelRunError, UnsupportedModelError, explain
+from explain_core import (
+    Explainer,
+    ExplainError,
+    ModelRunError,
+    ModelStateError,
+    UnsupportedModelError,
+    explain,
+)
 from explain_core.engine.recurrent import CELLS, gru, lstm, rnn_relu, rnn_tanh
 from explain_core.plugin_manager import get_registry
 
@@ -708,3 +715,22 @@ def test_a_max_over_time_readout_is_max_pooling_and_conserves_bias_free(kind):
     torch.testing.assert_close(
         result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0
     )
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+def test_dropout_between_layers_in_training_mode_is_refused_and_none_is_not(kind):
+    # The gradient methods gave another map on every call (LRP refused the dropout by name).
+    torch.manual_seed(11)
+    dropping = Classifier(recurrent(kind, 4, 5, num_layers=2, dropout=0.5, batch_first=True))
+    dropping = dropping.double().train()
+    x = sequences()
+    before = state_fingerprint(dropping)
+    for method in ("gradient", "integrated_gradients", "lrp.epsilon"):
+        with pytest.raises(ModelStateError, match=r"'rnn' is in training mode; call model\.eval"):
+            explain(dropping, x, method, 1)
+    assert_same_state(before, state_fingerprint(dropping))
+    assert dropping.training
+    # without dropout the layer computes the same in either mode: explained as it is
+    plain = Classifier(recurrent(kind, 4, 5, num_layers=2, batch_first=True)).double().train()
+    expected = explain(copy.deepcopy(plain).eval(), x, "gradient", 1).attribution
+    torch.testing.assert_close(explain(plain, x, "gradient", 1).attribution, expected)
