@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from explain_core.captum_calls import ForwardWithArgs
 from explain_core.errors import (
     ExplainError,
     InvalidInputError,
@@ -299,7 +300,7 @@ _CUDNN_RNN_ADVICE = (
 
 # What a forward raises on inputs it cannot take: torch's own errors, ValueError from norm layers
 # on bad ranks, AssertionError from a torch.export'ed module's guards (and the model's asserts).
-_FORWARD_ERRORS = (RuntimeError, ValueError, AssertionError)
+_FORWARD_ERRORS = (RuntimeError, ValueError, AssertionError, IndexError)
 
 
 def diagnose_failure(
@@ -328,7 +329,8 @@ def diagnose_failure(
             model(probe)
     except _FORWARD_ERRORS as failure:
         if inputs.shape[0] > 1 and _rows_or_error(model, inputs) == inputs.shape[0]:
-            return _batch_size_dependent(inputs.shape[0], 1, f"it raised {_first_line(failure)}")
+            happened = f"it raised {_first_line(failure)}"
+            return _batch_size_dependent(inputs.shape[0], 1, happened, model)
         return model_error(model, inputs, error)
     if inputs.shape[0] > 1:  # one row per sample, else axis 0 is no batch axis
         try:
@@ -344,7 +346,7 @@ def diagnose_failure(
     rows = _rows_or_error(model, larger)
     if isinstance(rows, str) or (rows is not None and rows != larger.shape[0]):
         happened = rows if isinstance(rows, str) else f"it returned {rows} row(s)"
-        return _batch_size_dependent(inputs.shape[0], larger.shape[0], happened)
+        return _batch_size_dependent(inputs.shape[0], larger.shape[0], happened, model)
     if probe._version > 0 and "in-place" in str(error):  # a fresh clone's version is 0
         return ModelRunError(
             "the model modifies its input in place (e.g. nn.ReLU(inplace=True) or torch.relu_ "
@@ -372,8 +374,23 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}({lines[0] if lines else ''!r})"
 
 
-def _batch_size_dependent(samples: int, other: int, happened: str) -> ModelRunError:
+def _batch_size_dependent(
+    samples: int, other: int, happened: str, model: nn.Module
+) -> ModelRunError:
     """The error for a model that returns one row per sample only for some batch sizes."""
+    ran = f"the model runs on this batch of {samples} sample(s) but not on a batch of {other}"
+    sizes = (
+        "the method runs the model on batches of other sizes (one sample to trace it, or path "
+        "points, noisy copies or references stacked along axis 0)"
+    )
+    listed = _listed_forward_arguments(model, samples)
+    if listed:
+        kind = type(model.extra_args[listed[0]]).__name__
+        return ModelRunError(
+            f"{ran} ({happened}), and additional_forward_args[{listed[0]}] is a {kind} of "
+            f"{samples} values: {sizes}, and only a tensor argument with one row per sample "
+            "follows each sample there, as in Captum: pass it as a tensor (torch.tensor(...))"
+        )
     exported = (
         " (a torch.export'ed module checks the batch size it was exported with: export it with "
         "a dynamic batch axis, dynamic_shapes={'x': {0: torch.export.Dim('batch')}})"
@@ -381,14 +398,23 @@ def _batch_size_dependent(samples: int, other: int, happened: str) -> ModelRunEr
         else ""
     )
     return ModelRunError(
-        f"the model runs on this batch of {samples} sample(s) but not on a batch of {other} "
-        f"({happened}): its forward depends on the batch size (e.g. x.view({samples}, -1), or "
-        f"a tensor of {samples} row(s) built into it), while the method runs the model on "
-        "batches of other sizes (one sample to trace it, or path points, noisy copies or "
-        "references stacked along axis 0). Take sizes from the input instead "
-        "(x.view(x.shape[0], -1) or x.flatten(1)); a method with an internal_batch_size option "
-        f"runs one copy of the batch per pass with internal_batch_size={samples}{exported}"
+        f"{ran} ({happened}): its forward depends on the batch size (e.g. x.view({samples}, -1), "
+        f"or a tensor of {samples} row(s) built into it), while {sizes}. Take sizes from the "
+        "input instead (x.view(x.shape[0], -1) or x.flatten(1)); a method with an "
+        "internal_batch_size option runs one copy of the batch per pass with "
+        f"internal_batch_size={samples}{exported}"
     )
+
+
+def _listed_forward_arguments(model: nn.Module, samples: int) -> list[int]:
+    """Positions of the forward arguments given as a list or tuple of one value per sample."""
+    if not isinstance(model, ForwardWithArgs):
+        return []
+    return [
+        position
+        for position, arg in enumerate(model.extra_args)
+        if isinstance(arg, (list, tuple)) and len(arg) == samples
+    ]
 
 
 def check_output_rows(output: Any, inputs: torch.Tensor, given: torch.Tensor | None = None) -> None:

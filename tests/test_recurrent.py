@@ -490,6 +490,10 @@ def test_lengths_given_as_a_forward_argument_explain_the_same(kind):
     explainer = Explainer(model, "lrp.epsilon")
     got = explainer.attribute(x, 1, additional_forward_args=LENGTHS)
     torch.testing.assert_close(got, expected)
+    # As a list they cannot follow each sample (a raw IndexError came from inside torch)
+    listed = (LENGTHS.tolist(),)
+    with pytest.raises(ModelRunError, match=r"additional_forward_args\[0\] is a list of 3 values"):
+        explainer.attribute(x, 1, additional_forward_args=listed)
 
 
 @pytest.mark.parametrize("kind", KINDS)
