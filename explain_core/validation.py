@@ -432,10 +432,18 @@ def check_output_rows(output: Any, inputs: torch.Tensor, given: torch.Tensor | N
     rows, samples = output.shape[0], inputs.shape[0]
     if rows != samples:
         shape = tuple(inputs.shape)
+        batch_axes = [axis for axis in range(1, inputs.dim()) if shape[axis] == rows]
+        elsewhere = (
+            f"; if the batch is axis {batch_axes[0]} (an RNN with batch_first=False reads "
+            "(steps, batch, features)), move it first and let a wrapper's forward move it back "
+            f"(x.movedim(0, {batch_axes[0]}))"
+            if batch_axes and rows > 1
+            else ""
+        )
         raise ModelRunError(
             f"the model returned {rows} output row(s) for {samples} samples along axis 0 (the "
             f"batch axis) of inputs shaped {shape}; if they are one sample, pass x.unsqueeze(0), "
-            f"of shape {(1, *shape)}: a model must return one row per sample"
+            f"of shape {(1, *shape)}{elsewhere}: a model must return one row per sample"
         )
 
 

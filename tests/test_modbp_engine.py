@@ -253,7 +253,8 @@ def test_a_reused_module_is_explained_as_copies_of_it_with_its_weights(method):
     [
         ("lrp.w2", r"'0' \(Linear\) is called 2 times .* on the model input in some calls"),
         ("excitation_bp.contrastive", r"'0' \(Linear\) is called 2 times .* output layer"),
-        ("deeplift.reveal_cancel", r"'0' is called more than once .* records of this pass"),
+        ("deeplift.reveal_cancel", r"'0' is called more than once .* one record per layer"),
+        ("deeplift.ablation", r"'0' is called more than once .* one record per layer"),
     ],
 )
 def test_a_reused_module_whose_calls_need_different_rules_is_refused(method, match):

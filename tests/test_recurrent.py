@@ -738,3 +738,39 @@ def test_dropout_between_layers_in_training_mode_is_refused_and_none_is_not(kind
     plain = Classifier(recurrent(kind, 4, 5, num_layers=2, batch_first=True)).double().train()
     expected = explain(copy.deepcopy(plain).eval(), x, "gradient", 1).attribution
     torch.testing.assert_close(explain(plain, x, "gradient", 1).attribution, expected)
+
+
+class SequenceFirst(nn.Module):
+    """nn.LSTM's default layout, (steps, batch, features), read at the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm, self.head = nn.LSTM(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0][-1])
+
+
+class BatchFirst(nn.Module):
+    """The wrapper the error advises: it takes the batch first and moves it back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.movedim(0, 1))
+
+
+def test_sequences_with_the_batch_on_axis_1_are_told_to_move_it_first():
+    # The advice was only x.unsqueeze(0), which fails again: (1, steps, batch, features)
+    torch.manual_seed(12)
+    model = SequenceFirst().double().eval()
+    x = torch.randn(6, 3, 4, dtype=torch.float64)  # 6 steps of 3 sequences
+    with pytest.raises(ModelRunError, match=r"if the batch is axis 1 .*x\.movedim\(0, 1\)"):
+        explain(model, x, "gradient", 1)
+    batch_first = x.movedim(1, 0)
+    got = explain(BatchFirst(model).eval(), batch_first, "gradient", 1).attribution
+    leaf = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(model(leaf)[:, 1].sum(), leaf)
+    torch.testing.assert_close(got, expected.movedim(1, 0))

@@ -607,9 +607,11 @@ class RulePass(ModuleListener):
         """
         if name in self.records:
             raise UnsupportedModelError(
-                f"module {name!r} is called more than once in one forward pass; the records of "
-                "this pass (record=True: per-layer relevance, the layer checks) keep one call "
-                "per layer: give each use its own module (copy.deepcopy) to record it"
+                f"module {name!r} is called more than once in one forward pass, and this pass "
+                "keeps one record per layer (what DeepLIFT's RevealCancel and ablation, "
+                "PatternNet's and PatternAttribution's patterns, per-layer relevance and the "
+                "layer checks read): give each use its own module (copy.deepcopy), or explain "
+                "with a method that keeps no records (deeplift.rescale, the lrp presets)"
             )
 
     def count_calls(self) -> dict[str, int]:
