@@ -28,8 +28,8 @@ from explain_core.errors import (
 
 __all__ = [
     "check_inputs",
-    "check_output_finite",
     "check_one_tensor",
+    "check_output_finite",
     "check_scores",
     "clear_model_errors",
     "diagnose_failure",

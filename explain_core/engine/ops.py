@@ -118,12 +118,12 @@ _GATHER_OPS = frozenset(
         "take_along_dim",
     ]
 )
-# pack_padded_sequence and pad_packed_sequence: the steps of each sequence, rearranged. Beside
-# the data they return batch sizes or lengths, which come from the lengths alone.
 # The values of their first argument, rearranged, selected or repeated.
 ARRANGING_OPS = RESHAPE_OPS | frozenset(
     ["expand", "expand_as", "broadcast_to", "getitem", "narrow", "select", "repeat", "tile"]
 )
+# pack_padded_sequence and pad_packed_sequence: the steps of each sequence, rearranged. Beside
+# the data they return batch sizes or lengths, which come from the lengths alone.
 PACKING_OPS = frozenset({"_pack_padded_sequence", "_pad_packed_sequence"})
 # Selections by an index tensor, which must not depend on the input (the trace checks).
 INDEX_OPS = frozenset({"index_select", "gather", "take_along_dim"})

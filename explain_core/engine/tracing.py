@@ -874,9 +874,10 @@ _INPUT_LAYER_ADVICE = (
 
 
 def _refuse_relevance_beside_signal(composite: Composite, plan: Plan) -> None:
-    """Refuse an input-layer rule that returns relevance where the input also reaches the
-    output past the input layers: the other paths bring a signal (relevance divided by the
-    input), and the two cannot be added at the input.
+    """Refuse an input-layer rule returning relevance where the input also passes that layer.
+
+    The other paths bring a signal (relevance divided by the input), which cannot be added to
+    relevance at the input.
 
     Raises:
         UnsupportedModelError: Naming the layer, its rule and the other reader.

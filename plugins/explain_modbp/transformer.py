@@ -56,6 +56,7 @@ __all__ = [
     "lrp_cp",
 ]
 
+
 class Constant(Rule):
     """The operation's output held constant: no signal reaches its inputs (CP-LRP's softmax)."""
 
