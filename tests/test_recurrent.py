@@ -734,10 +734,15 @@ def test_dropout_between_layers_in_training_mode_is_refused_and_none_is_not(kind
             explain(dropping, x, method, 1)
     assert_same_state(before, state_fingerprint(dropping))
     assert dropping.training
-    # without dropout the layer computes the same in either mode: explained as it is
-    plain = Classifier(recurrent(kind, 4, 5, num_layers=2, batch_first=True)).double().train()
-    expected = explain(copy.deepcopy(plain).eval(), x, "gradient", 1).attribution
-    torch.testing.assert_close(explain(plain, x, "gradient", 1).attribution, expected)
+    # without dropout between layers (none given, or one layer) the layer computes the same in
+    # either mode: explained as it is
+    with pytest.warns(UserWarning, match="non-zero dropout expects num_layers greater than 1"):
+        one_layer = recurrent(kind, 4, 5, dropout=0.5, batch_first=True)
+    for layer in (recurrent(kind, 4, 5, num_layers=2, batch_first=True), one_layer):
+        plain = Classifier(layer).double().train()
+        for method in ("gradient", "lrp.epsilon"):
+            expected = explain(copy.deepcopy(plain).eval(), x, method, 1).attribution
+            torch.testing.assert_close(explain(plain, x, method, 1).attribution, expected)
 
 
 class SequenceFirst(nn.Module):

@@ -37,8 +37,8 @@ from explain_core.errors import UnsupportedModelError
 __all__ = ["CELLS", "gru", "lstm", "rnn_relu", "rnn_tanh"]
 
 
-def _check(kind: str, dropout: float, train: bool) -> None:
-    if dropout and train:
+def _check(kind: str, dropout: float, train: bool, num_layers: int) -> None:
+    if dropout and train and num_layers > 1:  # one layer: no dropout between layers to apply
         raise UnsupportedModelError(
             f"the {kind} runs with dropout={dropout} between layers in training mode: explain "
             "the model in eval mode (model.eval())"
@@ -215,7 +215,7 @@ def _fused_layer(kind: str, operation: str, step: Step, states: int) -> FusedLay
         else:
             data, hx, params, has_biases, num_layers, dropout, train, bidi, batch_first = args
             steps = list(data.unbind(1 if batch_first else 0))
-        _check(kind, dropout, train)
+        _check(kind, dropout, train, num_layers)
         initial = tuple(hx) if states > 1 else (hx,)
         cells = num_layers * (2 if bidi else 1)
         weights = _layer_weights(params, has_biases, cells)

@@ -105,8 +105,8 @@ class Plan:
         rules: Layer name → rule; ``custom``: module name → core rule (opaque modules).
         input_readers: What reads the model input (up to reshaping) besides the input layers:
             the live operations and modules, named for messages, in execution order.
-        output_op: The operation that makes the model output (up to reshaping) and its
-            description for messages; ``None`` where a module the trace does not enter does.
+        held_output: The operation whose rule cuts every path from the input to the output
+            (holds it constant), as its kind and its description for messages, if any.
         value_dependent: ``forward`` read input-dependent values into Python (``if h.max() >
             0``); such a plan was traced on the whole batch and is not cached.
         branch_free: Rules must not branch on values (the pass is traced into a graph): layers
@@ -129,7 +129,7 @@ class Plan:
     trace_order: list[str] = field(default_factory=list)
     opaque_custom: list[str] = field(default_factory=list)
     input_readers: list[str] = field(default_factory=list)
-    output_op: tuple[str, str] | None = None
+    held_output: tuple[str, str] | None = None
     value_dependent: bool = False
     branch_free: bool = False
     decomposed: bool = False
@@ -348,6 +348,8 @@ class _Tracer(ModuleListener):
         self.signed_layers: set[str] = set()  # called on inputs of either sign too
         self.steps: list[Step] = []
         self.made_by: dict[int, str] = {}
+        self.module_outputs: set[int] = set()  # made by modules the trace does not enter
+        self.input_id = 0  # the model input's
         self.value_dependent = False
         self.decomposed = False
         self.opaque_args: tuple[Any, ...] = ()
@@ -396,6 +398,7 @@ class _Tracer(ModuleListener):
         self.steps.append((name, [id(t) for t in inputs], [id(t) for t in outputs], problem))
         if module:
             made_by = f"module {name!r} ({type(self.model.get_submodule(name)).__name__})"
+            self.module_outputs.update(id(t) for t in outputs)
         elif name in RESHAPE_OPS and id(inputs[0]) in self.made_by:
             made_by = self.made_by[id(inputs[0])]  # name what was reshaped
         else:
@@ -646,6 +649,7 @@ class _Tracer(ModuleListener):
 
     def run(self, x: torch.Tensor) -> Plan:
         self.mark(x)
+        self.input_id = id(x)
         self.input_like.add(id(x))
         # With gradients on, as the real pass runs: a torch.no_grad() block inside forward
         # shows as operations run without them (see problem()).
@@ -663,19 +667,29 @@ class _Tracer(ModuleListener):
                 raise UnsupportedModelError(problem)
         return self._plan(live, output)
 
-    def output_op(self, live: list[Step], output: torch.Tensor) -> tuple[str, str] | None:
-        """The operation that made the model output (up to reshaping) and its description."""
-        made = id(output)
-        for name, inputs, outputs, _ in reversed(live):
-            if made not in outputs:
+    def held_output(self, live: list[Step], output: torch.Tensor) -> tuple[str, str] | None:
+        """The operation that holds the model output constant, if every path to it passes one.
+
+        An operation whose rule passes no signal (CP-LRP's softmax) cuts the paths through it;
+        it is returned as its kind and its description for messages.
+        """
+        composite = self.composite
+        held = {
+            kind
+            for kind in composite.op_kinds
+            if (rule := composite.rule_for_op(kind)) is not None and rule.gradient_scale(1) == 0
+        }
+        carrying = {self.input_id}
+        cut: tuple[str, str] | None = None
+        for name, inputs, outputs, _ in live:
+            if carrying.isdisjoint(inputs):
                 continue
-            if name in RESHAPE_OPS | DROPOUT_OPS and len(inputs) == 1:
-                made = inputs[0]  # a reshape of what the model returns: look at its maker
+            if name in held and self.module_outputs.isdisjoint(outputs):
+                made_by = self.made_by.get(outputs[0]) if outputs else None
+                cut = cut or (name, made_by or f"operation {name!r}")
                 continue
-            if name in self.names.values():  # a module the trace did not enter
-                return None
-            return name, self.made_by.get(made, f"operation {name!r}")
-        return None
+            carrying.update(outputs)
+        return None if id(output) in carrying else cut
 
     def traced_layers(self, live: list[Step]) -> TracedLayers:
         """The affine layers and which one each reads alone, for the canonizers.
@@ -788,7 +802,7 @@ class _Tracer(ModuleListener):
         only_input = self.input_layers - self.not_input_layers
         plan.input_layers = {n for n in only_input if n in plan.order}
         plan.input_readers = self.input_readers(live, plan.input_layers)
-        plan.output_op = self.output_op(live, output)
+        plan.held_output = self.held_output(live, output)
         nonnegative = self.nonnegative_layers - self.signed_layers
         plan.nonnegative_inputs = {n for n in nonnegative if n in plan.order}
         merged_back = {bn: lin for lin, bn in plan.merged.items()}
@@ -813,7 +827,7 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
         UnsupportedModelError: If a layer has no rule, the composite has a rule for the layer
             reading the model input but no layer reads it directly (up to reshaping), that rule
             returns relevance and the input also reaches the output past the layer, or the
-            operation making the output is held constant.
+            output is held constant on every path.
     """
     first = composite.position_rule(InputLayer)
     if first is not None and not plan.input_layers:
@@ -839,17 +853,17 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
 
 
 def _refuse_a_constant_output(composite: Composite, plan: Plan) -> None:
-    """Refuse a model output made by an operation whose rule holds it constant.
+    """Refuse a model output that an operation's rule holds constant on every path.
 
-    CP-LRP holds every softmax constant: one that makes the output (probabilities) would pass
-    no relevance at all, and the map would be zero.
+    CP-LRP holds every softmax constant: one that makes the output (probabilities, also sliced,
+    scaled or averaged) would pass no relevance at all, and the map would be zero.
 
     Raises:
         UnsupportedModelError: Naming the operation, its rule and what to explain instead.
     """
-    if plan.output_op is None:
+    if plan.held_output is None:
         return
-    kind, made_by = plan.output_op
+    kind, made_by = plan.held_output
     rule = composite.rule_for_op(kind)
     if rule is None or rule.gradient_scale(1) != 0.0:
         return
@@ -859,8 +873,9 @@ def _refuse_a_constant_output(composite: Composite, plan: Plan) -> None:
         else "Explain what the model computes before it: let forward return that"
     )
     raise UnsupportedModelError(
-        f"the model's output is made by {made_by}, which the composite {composite.name!r} holds "
-        f"constant ({rule!r}), so no relevance would reach the input and the map would be zero. "
+        f"every path from the model's input to its output passes {made_by}, which the "
+        f"composite {composite.name!r} holds constant ({rule!r}), so no relevance would reach "
+        "the input and the map would be zero. "
         f"{advice}"
     )
 
