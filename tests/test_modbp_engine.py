@@ -712,3 +712,45 @@ def test_a_selection_by_the_input_or_a_maximum_of_two_tensors_is_refused_by_name
     model = kind(how).double().eval()
     with pytest.raises(UnsupportedModelError, match=match):
         explain(model, torch.randn(2, 4, dtype=torch.float64), "lrp.epsilon", 1)
+
+
+class FunctionalHead(nn.Module):
+    """The output layer called as ``F.linear`` in forward (an operation, not a module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.head = nn.Linear(5, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(F.relu(self.hidden(x)), self.head.weight, self.head.bias)
+
+
+class RecurrentOutput(nn.Module):
+    """A ReLU RNN's last state read as the scores, after a Linear: no Linear at the output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(4, 4)
+        self.rnn = nn.RNN(4, 5, nonlinearity="relu", batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.rnn(F.relu(self.embed(x)))[0][:, -1, :3]
+
+
+@pytest.mark.parametrize(
+    ("model", "x", "layer"),
+    [
+        (
+            FunctionalHead,
+            torch.randn(2, 5),
+            r"operation 'linear' in module '<root>' \(FunctionalHead\)",
+        ),
+        (RecurrentOutput, torch.randn(2, 6, 4), r"operation 'linear' in module 'rnn' \(RNN\)"),
+    ],
+)
+def test_an_output_layer_rule_refuses_an_output_layer_that_is_an_operation(model, x, layer):
+    # The output-layer rule went to the last Linear module, which is not the output layer (or
+    # to none): the contrastive map was another method's, silently.
+    with pytest.raises(UnsupportedModelError, match=rf"on the output layer, but .* is {layer}"):
+        explain(model().eval(), x, "excitation_bp.contrastive", 1)
+    explain(model().eval(), x, "excitation_bp", 1)  # no output-layer rule: explained

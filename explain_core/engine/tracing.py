@@ -107,6 +107,9 @@ class Plan:
             the live operations and modules, named for messages, in execution order.
         held_output: The operation whose rule cuts every path from the input to the output
             (holds it constant), as its kind and its description for messages, if any.
+        functional_output_layer: The last dense layer before the output where it is an operation
+            (``F.linear`` in forward, a recurrent layer's gates), not a module: named for
+            messages.
         value_dependent: ``forward`` read input-dependent values into Python (``if h.max() >
             0``); such a plan was traced on the whole batch and is not cached.
         branch_free: Rules must not branch on values (the pass is traced into a graph): layers
@@ -130,6 +133,7 @@ class Plan:
     opaque_custom: list[str] = field(default_factory=list)
     input_readers: list[str] = field(default_factory=list)
     held_output: tuple[str, str] | None = None
+    functional_output_layer: str | None = None
     value_dependent: bool = False
     branch_free: bool = False
     decomposed: bool = False
@@ -691,6 +695,16 @@ class _Tracer(ModuleListener):
             carrying.update(outputs)
         return None if id(output) in carrying else cut
 
+    def functional_output_layer(self, live: list[Step]) -> str | None:
+        """The last dense layer of ``live``, named, where it is an operation and not a module."""
+        last = None
+        for name, inputs, outputs, _ in live:
+            if name in self.order:
+                last = None  # an affine module
+            elif name in FUNCTIONAL_LINEAR_OPS and len(inputs) == 1 and outputs:
+                last = self.made_by.get(outputs[0], f"operation {name!r}")
+        return last
+
     def traced_layers(self, live: list[Step]) -> TracedLayers:
         """The affine layers and which one each reads alone, for the canonizers.
 
@@ -803,6 +817,7 @@ class _Tracer(ModuleListener):
         plan.input_layers = {n for n in only_input if n in plan.order}
         plan.input_readers = self.input_readers(live, plan.input_layers)
         plan.held_output = self.held_output(live, output)
+        plan.functional_output_layer = self.functional_output_layer(live)
         nonnegative = self.nonnegative_layers - self.signed_layers
         plan.nonnegative_inputs = {n for n in nonnegative if n in plan.order}
         merged_back = {bn: lin for lin, bn in plan.merged.items()}
@@ -826,8 +841,9 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
     Raises:
         UnsupportedModelError: If a layer has no rule, the composite has a rule for the layer
             reading the model input but no layer reads it directly (up to reshaping), that rule
-            returns relevance and the input also reaches the output past the layer, or the
-            output is held constant on every path.
+            returns relevance and the input also reaches the output past the layer, the
+            output is held constant on every path, or the composite has an output-layer rule
+            and the output layer is an operation.
     """
     first = composite.position_rule(InputLayer)
     if first is not None and not plan.input_layers:
@@ -850,6 +866,15 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
             )
     _refuse_relevance_beside_signal(composite, plan)
     _refuse_a_constant_output(composite, plan)
+    last = composite.position_rule(OutputLayer)
+    if last is not None and plan.functional_output_layer is not None:
+        raise UnsupportedModelError(
+            f"the composite {composite.name!r} puts {last!r} on the output layer, but the last "
+            f"dense layer before the output is {plan.functional_output_layer}, an operation (a "
+            "functional layer in forward, or a recurrent layer's gates), which output-layer rules "
+            "do not apply to: make the output layer an nn.Linear module, or use a composite "
+            "without an output-layer rule"
+        )
 
 
 def _refuse_a_constant_output(composite: Composite, plan: Plan) -> None:
