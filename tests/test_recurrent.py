@@ -701,6 +701,62 @@ def test_excitation_bp_on_a_relu_rnn_is_its_rule_on_the_cell_written_out(method)
     torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
 
 
+class GRUAsDocumented(nn.Module):
+    """A GRU written out as torch documents it: ``h = (1 − z) ⊙ n + z ⊙ h``, its gate maps as
+    two Linears (``W x + b``, ``U h + b``) split into the three gates."""
+
+    def __init__(self, gru: nn.GRU, head: nn.Linear) -> None:
+        super().__init__()
+        self.ih = nn.Linear(gru.input_size, 3 * gru.hidden_size).double()
+        self.hh = nn.Linear(gru.hidden_size, 3 * gru.hidden_size).double()
+        with torch.no_grad():
+            for linear, kind in ((self.ih, "ih"), (self.hh, "hh")):
+                linear.weight.copy_(getattr(gru, f"weight_{kind}_l0"))
+                linear.bias.copy_(getattr(gru, f"bias_{kind}_l0"))
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.new_zeros(x.shape[0], self.hh.in_features)
+        for t in range(x.shape[1]):
+            i_r, i_z, i_n = self.ih(x[:, t]).chunk(3, 1)
+            h_r, h_z, h_n = self.hh(h).chunk(3, 1)
+            r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+            n = torch.tanh(i_n + r * h_n)
+            h = (1 - z) * n + z * h
+        return self.head(h)
+
+
+class LSTMOneSigmoid(LSTMByHand):
+    """:class:`LSTMByHand` with its three gates from one sigmoid, split after it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = c = x.new_zeros(x.shape[0], self.width)
+        width = self.width
+        for t in range(x.shape[1]):
+            gates = self.gates(torch.cat([x[:, t], h], 1))
+            squashed = torch.sigmoid(torch.cat([gates[:, : 2 * width], gates[:, 3 * width :]], 1))
+            i, f, o = squashed.chunk(3, 1)
+            c = f * c + i * torch.tanh(gates[:, 2 * width : 3 * width])
+            h = o * torch.tanh(c)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("kind", ["gru", "lstm"])
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.attn", "lrp.cp"])
+def test_gates_written_as_one_minus_or_split_from_one_sigmoid_are_held(kind, method):
+    # 1 − z and a sigmoid's output split into gates lost the gate: the other factor (a tanh)
+    # was held instead, and relevance went through the sigmoid (sums of −4e6 for a logit of 0.2)
+    torch.manual_seed(13)
+    layer = recurrent(kind, 4, 5, batch_first=True).double()
+    model = Classifier(layer).double().eval()
+    by_hand = (GRUAsDocumented if kind == "gru" else LSTMOneSigmoid)(layer, model.head).eval()
+    x = sequences()
+    torch.testing.assert_close(by_hand(x), model(x))
+    expected = explain(model, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(by_hand, x, method, 1).attribution, expected)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_max_over_time_readout_is_max_pooling_and_conserves_bias_free(kind):
     class MaxOverTime(nn.Module):

@@ -27,6 +27,7 @@ from explain_core.engine.decompose import DECOMPOSED, scaled_dot_product_attenti
 from explain_core.engine.ops import (
     ARRANGING_OPS,
     RELU_OPS,
+    SPLITTING_OPS,
     OpHandler,
     op_name,
     without_function_modes,
@@ -427,14 +428,17 @@ class OperationMode(TorchFunctionMode):
         return self._keeping_source(name, args, func(*args, **kwargs))
 
     def _keeping_source(self, name: str, args: tuple[Any, ...], result: Any) -> Any:
-        """``result``, noted as made by the source of the tensor it rearranges or scales.
+        """``result``, noted as made by the source of the one tensor it is computed from.
 
-        A gate stays a gate through the shape a model gives it and a positive scale
-        (``σ(s).view(b, c, 1, 1).expand_as(x)``, ``relu6(s + 3) / 6``): see ``RuleCall.sources``.
+        A gate stays a gate through the shape a model gives it and arithmetic with numbers
+        (``σ(s).view(b, c, 1, 1).expand_as(x)``, ``1 - σ(s)``, ``relu6(s + 3) / 6``) and
+        through splits (``σ(s).chunk(3, 1)``): see ``RuleCall.sources``.
         """
-        tensor = _arranged_or_scaled(name, args)
+        tensor = _computed_from_alone(name, args)
         if tensor is not None:
-            self.attached.pass_source(tensor, result)
+            parts = result if isinstance(result, (tuple, list)) else (result,)
+            for part in parts:
+                self.attached.pass_source(tensor, part)
         return result
 
     def _fused_attention(
@@ -484,17 +488,22 @@ class OperationMode(TorchFunctionMode):
         return func(*tensors, **given)
 
 
-def _arranged_or_scaled(name: str, args: tuple[Any, ...]) -> torch.Tensor | None:
-    """The tensor an operation only rearranges or scales by a positive number, if it does."""
-    if name in ARRANGING_OPS:
+def _computed_from_alone(name: str, args: tuple[Any, ...]) -> torch.Tensor | None:
+    """The one tensor an operation computes its result from, with numbers, if it does.
+
+    Rearrangements, selections and splits of it, and arithmetic of it with a number.
+    """
+    if name in ARRANGING_OPS or name in SPLITTING_OPS:
         return args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if name not in ("mul", "div") or len(args) != 2:
+    if name not in _NUMBER_ARITHMETIC or len(args) != 2:
         return None
     tensor, number = args if isinstance(args[0], torch.Tensor) else args[::-1]
-    scalar = isinstance(number, (int, float)) and not isinstance(number, bool)
-    if not (isinstance(tensor, torch.Tensor) and scalar and number > 0):
-        return None
-    return tensor if name == "mul" or tensor is args[0] else None  # not 6 / s
+    is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
+    return tensor if isinstance(tensor, torch.Tensor) and is_number else None
+
+
+_NUMBER_ARITHMETIC = frozenset({"add", "sub", "mul", "div", "rdiv"})
+"""Operations that, with a number as the other operand, compute from one tensor alone."""
 
 
 def _share(rule: Rule | None, factors: int) -> float | None:

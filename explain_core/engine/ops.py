@@ -27,6 +27,7 @@ __all__ = [
     "PAD_MODES",
     "RELU_OPS",
     "RESHAPE_OPS",
+    "SPLITTING_OPS",
     "VALUE_FREE_OPS",
     "VALUE_READS",
     "OpHandler",
@@ -122,6 +123,8 @@ _GATHER_OPS = frozenset(
 ARRANGING_OPS = RESHAPE_OPS | frozenset(
     ["expand", "expand_as", "broadcast_to", "getitem", "narrow", "select", "repeat", "tile"]
 )
+# Parts of their first argument, as a tuple.
+SPLITTING_OPS = frozenset(["chunk", "split", "split_with_sizes", "tensor_split", "unbind"])
 # pack_padded_sequence and pad_packed_sequence: the steps of each sequence, rearranged. Beside
 # the data they return batch sizes or lengths, which come from the lengths alone.
 PACKING_OPS = frozenset({"_pack_padded_sequence", "_pad_packed_sequence"})

@@ -67,9 +67,10 @@ class RuleCall:
         kwargs: For an operation: its keyword arguments as written.
         sources: For each entry of ``inputs``: the call of this pass, with a rule of the
             composite's, that returned it (an activation's output, say), also through
-            reshapes, selections, broadcasts and scalings by a positive number of that output
-            (``σ(s).view(b, c, 1, 1).expand_as(x)``, ``relu6(s + 3) / 6``), else ``None``; e.g.
-            to tell a gate from the signal it gates.
+            reshapes, selections, splits and broadcasts of that output and arithmetic of it
+            with a number (``σ(s).view(b, c, 1, 1).expand_as(x)``, ``σ(s).chunk(3, 1)``,
+            ``1 - σ(s)``, ``relu6(s + 3) / 6``), else ``None``; e.g. to tell a gate from the
+            signal it gates.
         branch_free: The pass is being traced into a graph (an ONNX export): the rule must not
             branch on tensor values (``if bool(...)``), e.g. compute a fallback everywhere and
             select it with ``torch.where``.
