@@ -432,12 +432,11 @@ def check_output_rows(output: Any, inputs: torch.Tensor, given: torch.Tensor | N
     rows, samples = output.shape[0], inputs.shape[0]
     if rows != samples:
         shape = tuple(inputs.shape)
-        batch_axes = [axis for axis in range(1, inputs.dim()) if shape[axis] == rows]
-        elsewhere = (
-            f"; if the batch is axis {batch_axes[0]} (an RNN with batch_first=False reads "
-            "(steps, batch, features)), move it first and let a wrapper's forward move it back "
-            f"(x.movedim(0, {batch_axes[0]}))"
-            if batch_axes and rows > 1
+        elsewhere = (  # (steps, batch, features): an RNN with batch_first=False
+            "; if the batch is axis 1 (an RNN with batch_first=False reads (steps, batch, "
+            "features)), move it first and let a wrapper's forward move it back "
+            "(x.movedim(0, 1))"
+            if inputs.dim() == 3 and shape[1] == rows > 1
             else ""
         )
         raise ModelRunError(
@@ -547,6 +546,12 @@ def model_error(
         return ModelRunError(
             f"the model cannot run on {name} of shape {shape}: {first}; they lack the batch "
             f"axis: for one sample pass x.unsqueeze(0), of shape {(1, *shape)}"
+        )
+    if isinstance(error, IndexError):  # a wrong index in forward, or inputs too small for it
+        return ModelRunError(
+            f"the model's forward raised IndexError({first!r}) on {name} of shape {shape}: an "
+            "index it takes is out of range for these inputs or for a tensor it computes from "
+            "them; see the chained traceback for where its forward raised it"
         )
     if _SHAPE_ERROR.search(message):
         return ModelRunError(f"the model cannot run on {name} of shape {shape}: {first}; {hint}")

@@ -12,7 +12,7 @@ import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import Explainer, InvalidInputError, ModelStateError, explain
+from explain_core import Explainer, InvalidInputError, ModelRunError, ModelStateError, explain
 from explain_core.plugin_manager import get_registry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -472,3 +472,18 @@ def test_a_segmentation_output_is_refused_with_the_ways_to_explain_a_pixel():
     xg = x.clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(model(xg)[:, 1, 2, 3].sum(), xg)
     torch.testing.assert_close(pixel, expected)
+
+
+@pytest.mark.parametrize("method", ["gradient", "lrp.epsilon"])
+def test_an_index_error_in_forward_is_the_model_s_own_not_the_inputs_shape(method):
+    # A wrong index in forward; "pass inputs shaped like the model's training data" misled
+    class WrongIndex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x)[:, [0, 1, 7]]
+
+    with pytest.raises(ModelRunError, match=r"raised IndexError\('index 7 is out of bounds"):
+        explain(WrongIndex().eval(), torch.rand(2, 4), method, 1)

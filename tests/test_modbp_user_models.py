@@ -142,6 +142,25 @@ def test_input_layer_rules_refuse_a_first_layer_that_reads_a_transformed_input(m
     assert w2.shape == (2, 3, 8, 8)
 
 
+class NormalisingInPlace(Normalising):
+    """The same normalisation written in place, into a copy of the input."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        x.sub_(self.mean).div_(self.std)
+        return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3)))
+
+
+def test_input_layer_rules_refuse_an_input_normalised_in_place_in_a_copy():
+    # The copy counted as the input itself after it was changed: lrp.w2 ran on normalised
+    # values, and z^B said the inputs left the bounds the user's inputs were in
+    model = NormalisingInPlace().eval()
+    reader = r"operation 'sub_' in module '<root>' \(NormalisingInPlace\) reads it first"
+    for method, options in INPUT_LAYER_PRESETS:
+        with pytest.raises(UnsupportedModelError, match=reader):
+            explain(model, torch.rand(2, 3, 8, 8), method, target=0, **options)
+
+
 class RawInputPastFirstLayer(nn.Module):
     """The raw input also reaches the output past the first convolution: added or concatenated."""
 

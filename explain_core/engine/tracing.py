@@ -184,9 +184,8 @@ class _TraceMode(TorchFunctionMode):
             return result
         writes = name == "setitem" or name.endswith("_")
         bases = [t._base for t in outputs if writes and t._base is not None]
-        reshaped_input = name in RESHAPE_OPS | DROPOUT_OPS and any(
-            id(t) in tracer.input_like for t in inputs
-        )
+        reads_input = any(id(t) in tracer.input_like for t in inputs)
+        reshaped_input = reads_input and name in RESHAPE_OPS | DROPOUT_OPS
         nonnegative = name in RELU_OPS or (
             name in _SIGN_PRESERVING
             and all(id(t) in tracer.nonnegative for t in inputs)
@@ -196,16 +195,22 @@ class _TraceMode(TorchFunctionMode):
             tracer.mark(base)
             if not (nonnegative and id(base) in tracer.nonnegative):
                 tracer.nonnegative.discard(id(base))
+            if not reshaped_input:
+                tracer.input_like.discard(id(base))  # written into: no longer the input's values
         for out in outputs:
             tracer.mark(out)
             if reshaped_input:
                 tracer.input_like.add(id(out))
+            elif writes:  # changed in place (x.sub_(mean)): no longer the input's values
+                tracer.input_like.discard(id(out))
             if nonnegative:
                 tracer.nonnegative.add(id(out))
             else:
                 tracer.nonnegative.discard(id(out))  # an in-place op may make it signed
         outputs += bases
-        tracer.record(name, inputs, outputs, tracer.problem(name, args, kwargs, inputs))
+        problem = tracer.problem(name, args, kwargs, inputs)
+        reads_input = reads_input and not reshaped_input  # what reads a reshape of it counts
+        tracer.record(name, inputs, outputs, problem, reads_input=reads_input)
         return result
 
 
@@ -352,6 +357,8 @@ class _Tracer(ModuleListener):
         self.signed_layers: set[str] = set()  # called on inputs of either sign too
         self.steps: list[Step] = []
         self.made_by: dict[int, str] = {}
+        self.described: dict[int, str] = {}  # id of a step → what it is, for messages
+        self.reading_input: set[int] = set()  # ids of the steps that read the model input
         self.module_outputs: set[int] = set()  # made by modules the trace does not enter
         self.input_id = 0  # the model input's
         self.value_dependent = False
@@ -397,9 +404,17 @@ class _Tracer(ModuleListener):
         problem: str | None,
         *,
         module: bool = False,
+        reads_input: bool = False,
     ) -> None:
-        """Note one step of the data flow: an operation, or a module the trace does not enter."""
-        self.steps.append((name, [id(t) for t in inputs], [id(t) for t in outputs], problem))
+        """Note one step of the data flow: an operation, or a module the trace does not enter.
+
+        ``reads_input``: the step reads the model input (up to reshaping) as it is then, and
+        is not a reshape of it.
+        """
+        step = (name, [id(t) for t in inputs], [id(t) for t in outputs], problem)
+        self.steps.append(step)
+        if reads_input:
+            self.reading_input.add(id(step))
         if module:
             made_by = f"module {name!r} ({type(self.model.get_submodule(name)).__name__})"
             self.module_outputs.update(id(t) for t in outputs)
@@ -408,6 +423,7 @@ class _Tracer(ModuleListener):
         else:
             path, type_name = self.where()
             made_by = f"operation {name!r} in module {path!r} ({type_name})"
+        self.described[id(step)] = made_by
         for t in outputs:
             if id(t) not in self.input_like:
                 self.made_by[id(t)] = made_by
@@ -615,7 +631,9 @@ class _Tracer(ModuleListener):
                     if isinstance(module, AFFINE_TYPES):
                         self.producer[id(t)] = name
                 problem = None if torch.is_grad_enabled() else self.no_grad_problem()
-                self.record(name, inputs, _tensors(output), problem, module=True)
+                reads_input = any(id(t) in self.input_like for t in inputs)
+                outputs = _tensors(output)
+                self.record(name, inputs, outputs, problem, module=True, reads_input=reads_input)
                 if isinstance(module, AFFINE_TYPES) and name not in self.order:
                     self.order.append(name)
         if not self.opaque_depth and self.stack and self.stack[-1] == name:
@@ -685,12 +703,12 @@ class _Tracer(ModuleListener):
         }
         carrying = {self.input_id}
         cut: tuple[str, str] | None = None
-        for name, inputs, outputs, _ in live:
+        for step in live:
+            name, inputs, outputs, _ = step
             if carrying.isdisjoint(inputs):
                 continue
             if name in held and self.module_outputs.isdisjoint(outputs):
-                made_by = self.made_by.get(outputs[0]) if outputs else None
-                cut = cut or (name, made_by or f"operation {name!r}")
+                cut = cut or (name, self.described[id(step)])
                 continue
             carrying.update(outputs)
         return None if id(output) in carrying else cut
@@ -698,11 +716,12 @@ class _Tracer(ModuleListener):
     def functional_output_layer(self, live: list[Step]) -> str | None:
         """The last dense layer of ``live``, named, where it is an operation and not a module."""
         last = None
-        for name, inputs, outputs, _ in live:
+        for step in live:
+            name, inputs, _, _ = step
             if name in self.order:
                 last = None  # an affine module
-            elif name in FUNCTIONAL_LINEAR_OPS and len(inputs) == 1 and outputs:
-                last = self.made_by.get(outputs[0], f"operation {name!r}")
+            elif name in FUNCTIONAL_LINEAR_OPS and len(inputs) == 1:
+                last = self.described[id(step)]
         return last
 
     def traced_layers(self, live: list[Step]) -> TracedLayers:
@@ -736,15 +755,11 @@ class _Tracer(ModuleListener):
 
     def input_readers(self, live: list[Step], input_layers: set[str]) -> list[str]:
         """What reads the model input (up to reshaping) besides ``input_layers``, by name."""
-        readers = []
-        for name, inputs, outputs, _ in live:
-            if name in input_layers or self.input_like.isdisjoint(inputs):
-                continue
-            if outputs and all(o in self.input_like for o in outputs):
-                continue  # a reshape of the input: what reads it counts
-            made_by = self.made_by.get(outputs[0]) if outputs else None
-            readers.append(made_by or f"operation {name!r}")
-        return readers
+        return [
+            self.described[id(step)]
+            for step in live
+            if id(step) in self.reading_input and step[0] not in input_layers
+        ]
 
     def _relu_step(self, step: str) -> bool:
         """Whether a recorded step is a ReLU operation (not a module named ``relu``)."""
