@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ATTENTION_HINT", "RULE_HINT", "SOFTMAX_HINT", "op_hint"]
+__all__ = ["ATTENTION_HINT", "RULE_HINT", "op_hint"]
 
 _SUPPORTED = (
     "Linear/Conv/BatchNorm modules, ReLU, +, -, cat, view/flatten, pooling, dropout in eval mode"

@@ -31,7 +31,7 @@ from explain_core.affine import (
 )
 from explain_core.canonizers import TracedLayers
 from explain_core.engine.decompose import DECOMPOSED
-from explain_core.engine.hints import RULE_HINT, SOFTMAX_HINT, op_hint
+from explain_core.engine.hints import RULE_HINT, op_hint
 from explain_core.engine.ops import (
     _JOIN_OPS,
     _PRODUCT_OPS,
@@ -908,7 +908,10 @@ def _refuse_a_constant_output(composite: Composite, plan: Plan) -> None:
     if rule is None or rule.gradient_scale(1) != 0.0:
         return
     advice = (
-        SOFTMAX_HINT.format(type=kind)
+        f"If it is the model's final {kind}, relevance methods explain the scores before it: "
+        "let forward return the logits. Where the input reaches the output only through "
+        "attention weights (queries attending to a constant memory), explain with a "
+        "composite whose softmax rule passes relevance (AttnLRP, lrp.attn)"
         if kind in ("softmax", "log_softmax")
         else "Explain what the model computes before it: let forward return that"
     )
