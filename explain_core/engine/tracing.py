@@ -360,7 +360,7 @@ class _Tracer(ModuleListener):
         self.described: dict[int, str] = {}  # id of a step → what it is, for messages
         self.reading_input: set[int] = set()  # ids of the steps that read the model input
         self.module_outputs: set[int] = set()  # made by modules the trace does not enter
-        self.input_id = 0  # the model input's
+        self.input_id = 0  # id of the model input, set by run()
         self.value_dependent = False
         self.decomposed = False
         self.opaque_args: tuple[Any, ...] = ()
@@ -881,15 +881,27 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
             )
     _refuse_relevance_beside_signal(composite, plan)
     _refuse_a_constant_output(composite, plan)
+    _refuse_an_output_layer_operation(composite, plan)
+
+
+def _refuse_an_output_layer_operation(composite: Composite, plan: Plan) -> None:
+    """Refuse an output-layer rule where the output layer is an operation, not a module.
+
+    The rule would go to the last Linear/Conv module, which is not the output layer.
+
+    Raises:
+        UnsupportedModelError: Naming the operation.
+    """
     last = composite.position_rule(OutputLayer)
-    if last is not None and plan.functional_output_layer is not None:
-        raise UnsupportedModelError(
-            f"the composite {composite.name!r} puts {last!r} on the output layer, but the last "
-            f"dense layer before the output is {plan.functional_output_layer}, an operation (a "
-            "functional layer in forward, or a recurrent layer's gates), which output-layer rules "
-            "do not apply to: make the output layer an nn.Linear module, or use a composite "
-            "without an output-layer rule"
-        )
+    if last is None or plan.functional_output_layer is None:
+        return
+    raise UnsupportedModelError(
+        f"the composite {composite.name!r} puts {last!r} on the output layer, but the last "
+        f"dense layer before the output is {plan.functional_output_layer}, an operation (a "
+        "functional layer in forward, or a recurrent layer's gates), which output-layer rules "
+        "do not apply to: make the output layer an nn.Linear module, or use a composite "
+        "without an output-layer rule"
+    )
 
 
 def _refuse_a_constant_output(composite: Composite, plan: Plan) -> None:
