@@ -642,6 +642,19 @@ class ElmanByHand(nn.Module):
         return self.head(h)
 
 
+def assert_by_hand_equals_layer(kind: str, by_hand: type[nn.Module], method: str, seed: int):
+    """``method``'s map of a layer of ``kind`` equals that of ``by_hand`` with its weights."""
+    torch.manual_seed(seed)
+    layer = recurrent(kind, 4, 5, batch_first=True).double()
+    model = Classifier(layer).double().eval()
+    written = by_hand(layer, model.head).eval()
+    x = sequences()
+    torch.testing.assert_close(written(x), model(x))
+    expected = explain(model, x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    torch.testing.assert_close(explain(written, x, method, 1).attribution, expected)
+
+
 @pytest.mark.parametrize(
     ("kind", "method"),
     [
@@ -657,15 +670,7 @@ def test_a_cell_written_by_hand_reusing_its_linear_layers_equals_the_layer(kind,
     # A known equivalence: the same weights as one nn.LSTM / nn.RNN (whose written-out cells
     # the tests above compare with Arras et al.'s LRP and DeepLIFT by hand); the by-hand
     # model calls its Linear layers once per step, each call with its own rule.
-    torch.manual_seed(6)
-    layer = recurrent(kind, 4, 5, batch_first=True).double()
-    model = Classifier(layer).double().eval()
-    by_hand = (LSTMByHand if kind == "lstm" else ElmanByHand)(layer, model.head).eval()
-    x = sequences()
-    torch.testing.assert_close(by_hand(x), model(x))
-    expected = explain(model, x, method, 1).attribution
-    assert expected.abs().sum() > 0
-    torch.testing.assert_close(explain(by_hand, x, method, 1).attribution, expected)
+    assert_by_hand_equals_layer(kind, LSTMByHand if kind == "lstm" else ElmanByHand, method, 6)
 
 
 class ReLURNNByHand(nn.Module):
@@ -690,15 +695,7 @@ class ReLURNNByHand(nn.Module):
 def test_excitation_bp_on_a_relu_rnn_is_its_rule_on_the_cell_written_out(method):
     # Contrastive Excitation BP had no rule for the layer's linear maps and refused the RNN,
     # naming 'linear' as an operation without a rule.
-    torch.manual_seed(6)
-    layer = recurrent("rnn_relu", 4, 5, batch_first=True).double()
-    model = Classifier(layer).double().eval()
-    by_hand = ReLURNNByHand(layer, model.head).eval()
-    x = sequences()
-    torch.testing.assert_close(by_hand(x), model(x))
-    expected = explain(by_hand, x, method, 1).attribution
-    assert expected.abs().sum() > 0
-    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
+    assert_by_hand_equals_layer("rnn_relu", ReLURNNByHand, method, 6)
 
 
 class GRUAsDocumented(nn.Module):
@@ -746,15 +743,8 @@ class LSTMOneSigmoid(LSTMByHand):
 def test_gates_written_as_one_minus_or_split_from_one_sigmoid_are_held(kind, method):
     # 1 − z and a sigmoid's output split into gates lost the gate: the other factor (a tanh)
     # was held instead, and relevance went through the sigmoid (sums of −4e6 for a logit of 0.2)
-    torch.manual_seed(13)
-    layer = recurrent(kind, 4, 5, batch_first=True).double()
-    model = Classifier(layer).double().eval()
-    by_hand = (GRUAsDocumented if kind == "gru" else LSTMOneSigmoid)(layer, model.head).eval()
-    x = sequences()
-    torch.testing.assert_close(by_hand(x), model(x))
-    expected = explain(model, x, method, 1).attribution
-    assert expected.abs().sum() > 0
-    torch.testing.assert_close(explain(by_hand, x, method, 1).attribution, expected)
+    by_hand = GRUAsDocumented if kind == "gru" else LSTMOneSigmoid
+    assert_by_hand_equals_layer(kind, by_hand, method, 13)
 
 
 @pytest.mark.parametrize("kind", KINDS)
