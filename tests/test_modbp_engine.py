@@ -715,14 +715,15 @@ def test_a_selection_by_the_input_or_a_maximum_of_two_tensors_is_refused_by_name
 
 
 class FunctionalHead(nn.Module):
-    """The output layer called as ``F.linear`` in forward (an operation, not a module)."""
+    """The output layer called as ``F.linear`` in forward (an operation, not a module), after a
+    module named as the operation is."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.hidden, self.head = nn.Linear(5, 6), nn.Linear(6, 3)
+        self.linear, self.head = nn.Linear(5, 6), nn.Linear(6, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(F.relu(self.hidden(x)), self.head.weight, self.head.bias)
+        return F.linear(F.relu(self.linear(x)), self.head.weight, self.head.bias)
 
 
 class RecurrentOutput(nn.Module):

@@ -359,7 +359,7 @@ class _Tracer(ModuleListener):
         self.made_by: dict[int, str] = {}
         self.described: dict[int, str] = {}  # id of a step → what it is, for messages
         self.reading_input: set[int] = set()  # ids of the steps that read the model input
-        self.module_outputs: set[int] = set()  # made by modules the trace does not enter
+        self.module_steps: set[int] = set()  # ids of steps: modules the trace does not enter
         self.input_id = 0  # id of the model input, set by run()
         self.value_dependent = False
         self.decomposed = False
@@ -417,7 +417,7 @@ class _Tracer(ModuleListener):
             self.reading_input.add(id(step))
         if module:
             made_by = f"module {name!r} ({type(self.model.get_submodule(name)).__name__})"
-            self.module_outputs.update(id(t) for t in outputs)
+            self.module_steps.add(id(step))
         elif name in RESHAPE_OPS and id(inputs[0]) in self.made_by:
             made_by = self.made_by[id(inputs[0])]  # name what was reshaped
         else:
@@ -707,7 +707,7 @@ class _Tracer(ModuleListener):
             name, inputs, outputs, _ = step
             if carrying.isdisjoint(inputs):
                 continue
-            if name in held and self.module_outputs.isdisjoint(outputs):
+            if name in held and id(step) not in self.module_steps:
                 cut = cut or (name, self.described[id(step)])
                 continue
             carrying.update(outputs)
@@ -718,8 +718,9 @@ class _Tracer(ModuleListener):
         last = None
         for step in live:
             name, inputs, _, _ = step
-            if name in self.order:
-                last = None  # an affine module
+            if id(step) in self.module_steps:
+                if name in self.order:  # an affine module
+                    last = None
             elif name in FUNCTIONAL_LINEAR_OPS and len(inputs) == 1:
                 last = self.described[id(step)]
         return last
@@ -758,7 +759,8 @@ class _Tracer(ModuleListener):
         return [
             self.described[id(step)]
             for step in live
-            if id(step) in self.reading_input and step[0] not in input_layers
+            if id(step) in self.reading_input
+            and not (id(step) in self.module_steps and step[0] in input_layers)
         ]
 
     def _relu_step(self, step: str) -> bool:
