@@ -59,6 +59,11 @@ def check_inputs(
     Raises:
         InvalidInputError: If ``inputs`` is not such a tensor.
     """
+    if isinstance(inputs, (tuple, list)) and any(isinstance(i, torch.Tensor) for i in inputs):
+        raise InvalidInputError(
+            f"{name} must be one torch.Tensor of shape (batch, ...); got a "
+            f"{type(inputs).__name__} of {len(inputs)}. {SEVERAL_INPUTS_ADVICE}"
+        )
     if not isinstance(inputs, torch.Tensor):
         raise InvalidInputError(
             f"{name} must be a torch.Tensor of shape (batch, ...); got {type(inputs).__name__}. "
@@ -299,8 +304,20 @@ _CUDNN_RNN_ADVICE = (
 
 
 # What a forward raises on inputs it cannot take: torch's own errors, ValueError from norm layers
-# on bad ranks, AssertionError from a torch.export'ed module's guards (and the model's asserts).
-_FORWARD_ERRORS = (RuntimeError, ValueError, AssertionError, IndexError)
+# on bad ranks, AssertionError from a torch.export'ed module's guards (and the model's asserts),
+# TypeError from a forward that takes more arguments than the one input.
+_FORWARD_ERRORS = (RuntimeError, ValueError, AssertionError, IndexError, TypeError)
+
+SEVERAL_INPUTS_ADVICE = (
+    "For a model whose forward takes several inputs, explain one of them with "
+    "explain_inputs(model, {'x': x, 'mask': mask}, method, target, explained='x') (named as "
+    "in its forward; the others go with every call as given), or wrap the model in an "
+    "nn.Module whose forward(x) calls it with the others"
+)
+"""How to explain a model with several inputs (explain() passes one tensor)."""
+
+# Python's words for a call that lacks an argument of the function's signature.
+_MISSING_ARGUMENT = re.compile(r"missing \d+ required (positional|keyword-only) argument")
 
 
 def diagnose_failure(
@@ -546,6 +563,11 @@ def model_error(
         return ModelRunError(
             f"the model cannot run on {name} of shape {shape}: {first}; they lack the batch "
             f"axis: for one sample pass x.unsqueeze(0), of shape {(1, *shape)}"
+        )
+    if isinstance(error, TypeError) and _MISSING_ARGUMENT.search(message):
+        return ModelRunError(
+            f"the model's forward needs more than the one input it was called with: "
+            f"{type(error).__name__}({first!r}). {SEVERAL_INPUTS_ADVICE}"
         )
     if isinstance(error, IndexError):  # a wrong index in forward, or inputs too small for it
         return ModelRunError(

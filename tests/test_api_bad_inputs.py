@@ -12,7 +12,14 @@ import torch
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import Explainer, InvalidInputError, ModelRunError, ModelStateError, explain
+from explain_core import (
+    Explainer,
+    InvalidInputError,
+    ModelRunError,
+    ModelStateError,
+    explain,
+    explain_inputs,
+)
 from explain_core.plugin_manager import get_registry
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -487,3 +494,37 @@ def test_an_index_error_in_forward_is_the_model_s_own_not_the_inputs_shape(metho
 
     with pytest.raises(ModelRunError, match=r"raised IndexError\('index 7 is out of bounds"):
         explain(WrongIndex().eval(), torch.rand(2, 4), method, 1)
+
+
+class _PositionalMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.fc(x * mask)
+
+
+class _KeywordMask(_PositionalMask):
+    def forward(self, x: torch.Tensor, *, mask: torch.Tensor) -> torch.Tensor:
+        return self.fc(x * mask)
+
+
+@pytest.mark.parametrize("model_type", [_PositionalMask, _KeywordMask])
+@pytest.mark.parametrize("method", METHODS)
+def test_a_forward_with_another_input_is_told_the_way_to_explain_it(model_type, method):
+    # Python's TypeError for the missing argument escaped explain() raw
+    torch.manual_seed(0)
+    model = model_type().eval()
+    x, mask = torch.rand(2, 4), torch.tensor([[1.0, 0.0, 1.0, 1.0]]).repeat(2, 1)
+    before = state_fingerprint(model)
+    with pytest.raises(ModelRunError, match=r"needs more than the one input.*explain_inputs\("):
+        explain(model, x, method, 1)
+    assert_same_state(before, state_fingerprint(model))
+    with pytest.raises(InvalidInputError, match=r"one torch.Tensor.*a tuple of 2.*explain_inputs"):
+        explain(model, (x, mask), method, 1)
+    # the advice runs: the gradient at x with the mask held, as autograd gives it
+    explained = explain_inputs(model, {"x": x, "mask": mask}, "gradient", 1, explained="x")
+    xg = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(model(xg, mask=mask)[:, 1].sum(), xg)
+    torch.testing.assert_close(explained.attribution, expected)

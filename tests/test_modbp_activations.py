@@ -27,6 +27,7 @@ ACTIVATIONS = {
     "hardswish": nn.Hardswish,  # MobileNetV3
     "hardsigmoid": nn.Hardsigmoid,
     "prelu": lambda: nn.PReLU(init=0.3),  # a learned slope (a parameter of the module)
+    "rrelu": nn.RReLU,  # in eval, a leaky ReLU of slope (lower + upper) / 2
 }
 
 
@@ -189,3 +190,19 @@ def test_onnx_export_of_lrp_takes_the_pass_rule_at_other_activations(tmp_path):
     x[0, 0] = 0.0  # where the rule takes f'(0), branch-free in the graph
     result = export_onnx(model, x, tmp_path / "m.onnx", explain="lrp.epsilon")
     assert result.parity is not None and result.parity.passed
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "deeplift.rescale", "deeplift.reveal_cancel"])
+def test_rrelu_in_eval_is_the_leaky_relu_of_its_mean_slope_and_refused_in_training(method):
+    # refused as an operation without a rule before
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    got = explain(cnn(lambda: nn.RReLU(0.1, 0.3)), x, method, 1).attribution
+    expected = explain(cnn(lambda: nn.LeakyReLU(0.2)), x, method, 1).attribution
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-14)
+
+    class RandomSlopes(nn.Module):  # training=True in an eval model: random slopes per call
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return nn.functional.rrelu(x, training=True).flatten(1)
+
+    with pytest.raises(UnsupportedModelError, match="randomised leaky ReLU in training mode"):
+        explain(RandomSlopes().eval(), x, method, 1, allow_training=True)

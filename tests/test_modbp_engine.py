@@ -746,12 +746,14 @@ class RecurrentOutput(nn.Module):
             torch.randn(2, 5),
             r"operation 'linear' in module '<root>' \(FunctionalHead\)",
         ),
-        (RecurrentOutput, torch.randn(2, 6, 4), r"operation 'linear' in module 'rnn' \(RNN\)"),
+        (RecurrentOutput, torch.randn(2, 6, 4), r"module 'rnn' \(RNN\)"),
     ],
 )
 def test_an_output_layer_rule_refuses_an_output_layer_that_is_an_operation(model, x, layer):
     # The output-layer rule went to the last Linear module, which is not the output layer (or
     # to none): the contrastive map was another method's, silently.
-    with pytest.raises(UnsupportedModelError, match=rf"on the output layer, but .* is {layer}"):
+    with pytest.raises(
+        UnsupportedModelError, match=rf"on the output layer, but .* by {layer}, not"
+    ):
         explain(model().eval(), x, "excitation_bp.contrastive", 1)
     explain(model().eval(), x, "excitation_bp", 1)  # no output-layer rule: explained

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
 from modbp_nets import conv_net, randomise_batchnorm, resnet
 from torch import nn
+from zoo_references import reference_contrastive_lrp
 
 from explain_core import explain
 from explain_core.errors import InvalidInputError
@@ -235,3 +236,17 @@ def test_deeplift_treats_the_raw_input_as_an_activation(method):
     torch.testing.assert_close(result.attribution.sum((1, 2, 3)), difference)
     expected = explain(scaled, x, method, target=1, baselines=x0).attribution
     torch.testing.assert_close(result.attribution, expected, rtol=1e-12, atol=1e-14)
+
+
+def test_contrastive_lrp_refuses_a_model_with_one_output():
+    # Eq. 15's second map was 0 there: the map was z⁺'s, divided by its sum
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1)).eval()
+    with pytest.raises(InvalidInputError, match=r"returns 1: there is nothing to contrast"):
+        explain(model, torch.randn(3, 6), "lrp.contrastive", 0)
+    # with two outputs it is Eq. 15
+    model[2] = nn.Linear(8, 2)
+    model = model.double()
+    x = torch.randn(3, 6, dtype=torch.float64)
+    got = explain(model, x, "lrp.contrastive", 1).attribution
+    torch.testing.assert_close(got, reference_contrastive_lrp(model, x, 1))

@@ -84,3 +84,12 @@ def test_a_hook_that_computes_what_has_no_rule_is_named():
     message = str(raised.value)
     assert "forward hook" in message and "squares" in message
     assert "module '4' (Conv2d)" in message
+
+
+def test_a_pre_hook_that_changes_a_layers_input_is_named():
+    # the refusal guessed "a forward hook that changes its output", which the engine handles
+    model = cnn()
+    model[4].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+    with pytest.raises(UnsupportedModelError, match=r"'4' \(Conv2d\).*forward pre-hook of its own"):
+        explain(model, X, "lrp.epsilon_plus", 1)
+    assert len(model[4]._forward_pre_hooks) == 1  # the user's hook stays

@@ -185,6 +185,8 @@ ACTIVATION_OPS = frozenset(
         "hardsigmoid",
         "hardsigmoid_",
         "prelu",
+        "rrelu",  # in eval: a leaky ReLU of slope (lower + upper) / 2 (the trace refuses training)
+        "rrelu_",
     ]
 )
 MAXPOOL_OPS = frozenset(

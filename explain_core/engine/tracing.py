@@ -391,6 +391,11 @@ class _Tracer(ModuleListener):
         path, type_name = self.where()
         return f"module {path!r} ({type_name})"
 
+    def _inside_recurrent_layer(self) -> bool:
+        """Whether the innermost module called is an RNN layer or cell (nn.LSTM, nn.GRUCell …)."""
+        module = self.model.get_submodule(self.stack[-1]) if self.stack else self.model
+        return isinstance(module, (nn.RNNBase, nn.RNNCellBase))
+
     def where(self) -> tuple[str, str]:
         name = self.stack[-1] if self.stack else ""
         module = self.model.get_submodule(name) if name else self.model
@@ -423,6 +428,8 @@ class _Tracer(ModuleListener):
         else:
             path, type_name = self.where()
             made_by = f"operation {name!r} in module {path!r} ({type_name})"
+            if self._inside_recurrent_layer():  # the engine writes its cells out: not the user's
+                made_by = f"module {path!r} ({type_name})"
         self.described[id(step)] = made_by
         for t in outputs:
             if id(t) not in self.input_like:
@@ -447,6 +454,8 @@ class _Tracer(ModuleListener):
             if function is not None:
                 return self.function_problem(function)
             return self.no_grad_problem(name)
+        if name in ("rrelu", "rrelu_") and kwargs.get("training", len(args) > 3 and args[3]):
+            return "is a randomised leaky ReLU in training mode (call model.eval())"
         if name in self.handled:
             return self._dense_call_problem(name, args, kwargs, inputs)
         problem = None
@@ -662,11 +671,16 @@ class _Tracer(ModuleListener):
         if expected.shape != output.shape or not torch.allclose(
             expected, output, rtol=tolerance, atol=tolerance * (scale + float(output.abs().max()))
         ):
+            cause = (
+                "does a forward pre-hook of its own change its input? Change the input before "
+                "the call instead, in forward"
+                if module._forward_pre_hooks
+                else "a subclass with its own forward, e.g. weight standardisation?"
+            )
             raise UnsupportedModelError(
                 f"module {name!r} ({type(module).__name__}) does not compute the affine map of "
-                "its parameters (a subclass with its own forward, or a forward hook that changes "
-                "its output?), so the affine rules would "
-                "explain a different function. " + RULE_HINT.format(type=type(module).__name__)
+                f"its parameters on its input ({cause}), so the affine rules would explain a "
+                "different function. " + RULE_HINT.format(type=type(module).__name__)
             )
 
     def run(self, x: torch.Tensor) -> Plan:
@@ -899,10 +913,10 @@ def _refuse_an_output_layer_operation(composite: Composite, plan: Plan) -> None:
         return
     raise UnsupportedModelError(
         f"the composite {composite.name!r} puts {last!r} on the output layer, but the last "
-        f"dense layer before the output is {plan.functional_output_layer}, an operation (a "
-        "functional layer in forward, or a recurrent layer's gates), which output-layer rules "
-        "do not apply to: make the output layer an nn.Linear module, or use a composite "
-        "without an output-layer rule"
+        f"dense layer before the output is computed by {plan.functional_output_layer}, not by an "
+        "nn.Linear module (a functional layer in forward, or a recurrent layer's gates), and "
+        "output-layer rules apply to modules only: make the output layer an nn.Linear module, "
+        "or use a composite without an output-layer rule"
     )
 
 

@@ -365,6 +365,13 @@ class ContrastiveLRP(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         forward = lrp_engine(composites.lrp_zplus()).forward(model, inputs)
         output = forward.output.detach()
+        if output.shape[1] < 2:  # no other output: Eq. 15's second map is 0, the first z⁺'s
+            raise InvalidInputError(
+                "lrp.contrastive contrasts the explained output with the model's other outputs "
+                f"(Gu et al. 2018, Eq. 15), and this model returns {output.shape[1]}: there is "
+                "nothing to contrast it with. Explain a binary classifier's one logit with "
+                "lrp.zplus, the rule lrp.contrastive applies, or another method"
+            )
         chosen = select_target(output, target)
         target_signal = one_hot(output, chosen)
         for_target = input_relevance(forward, target_signal, retain_graph=True)
