@@ -295,10 +295,6 @@ class AffineLayer:
         )
         return grads[0] if wrt_input else grads[1]
 
-    def ones_forward(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``weight ∗ 1`` over the input's shape (zero padding counts as absent inputs)."""
-        return self.forward(torch.ones_like(x), weight)
-
 
 FUNCTIONAL_LINEAR_OPS = frozenset({"linear", "addmm", "matmul", "mm"})
 """Operations that are a dense layer where they multiply an input by a weight."""

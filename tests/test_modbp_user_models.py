@@ -366,6 +366,89 @@ def test_padding_modules_copy_relevance_and_padding_modes_name_them(pad):
         explain(inline.double().eval(), x, "lrp.epsilon", target=0)
 
 
+def _padded_net(pad: nn.Module | None, inner_padding: int = 0) -> nn.Sequential:
+    """A convolution net with its padding as a module before it (or in the convolution)."""
+    torch.manual_seed(0)
+    layers = [nn.Conv2d(3, 4, 3, padding=inner_padding), nn.ReLU(), nn.Flatten()]
+    layers.append(nn.Linear(4 * 36, 3))
+    return nn.Sequential(*([pad] if pad is not None else []), *layers).double().eval()
+
+
+def _sample_bounds() -> torch.Tensor:
+    low = torch.zeros(3, 6, 6, dtype=torch.float64)
+    low[1] = -0.5  # one channel has another range: a bound that must not be moved elsewhere
+    return low
+
+
+@pytest.mark.parametrize("pad", [nn.ZeroPad2d(1), nn.ConstantPad2d(1, 0.0)])
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [*INPUT_LAYER_PRESETS, ("lrp.zb", {"low": _sample_bounds(), "high": 1.0})],
+)
+def test_input_layer_rules_read_zero_padding_before_the_layer_as_the_layers_own(
+    pad, method, options
+):
+    # Refused before (padding read the input first), also where the refusal of a convolution's
+    # padding_mode advises a padding module. Zero padding is no input, as in the convolution.
+    x = torch.rand(2, 3, 6, 6, dtype=torch.float64)
+    padded = explain(_padded_net(pad), x, method, target=1, **options).attribution
+    inner = explain(_padded_net(None, inner_padding=1), x, method, target=1, **options)
+    torch.testing.assert_close(padded, inner.attribution, rtol=1e-12, atol=1e-15)
+
+
+@pytest.mark.parametrize("pad", [nn.ReflectionPad2d, nn.ReplicationPad2d, nn.CircularPad2d])
+@pytest.mark.parametrize(
+    ("method", "options"),
+    [("lrp.w2", {}), ("lrp.flat", {}), ("lrp.zb", {"low": _sample_bounds(), "high": 1.0})],
+)
+def test_input_layer_rules_give_padded_copies_relevance_back_to_their_sources(pad, method, options):
+    # The reference: the layers after the padding explained on the padded input (bounds padded
+    # alike), each copy's relevance then added to the value it copies (the padding's transpose).
+    x = torch.rand(2, 3, 6, 6, dtype=torch.float64)
+    model = _padded_net(pad(1))
+    got = explain(model, x, method, target=1, **options).attribution
+    inner = nn.Sequential(*list(model)[1:]).eval()
+    padding = model[0]
+    on_padded = dict(options)
+    if "low" in options:
+        on_padded["low"] = padding(options["low"][None].expand(2, -1, -1, -1))
+    relevance = explain(inner, padding(x), method, target=1, **on_padded).attribution
+    source = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(padding(source), source, relevance)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-15)
+
+
+class ChannelsLastDense(nn.Module):
+    """A dense layer on each pixel's channels, after permuting them last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pixel, self.head = nn.Linear(3, 4), nn.Linear(4 * 2 * 5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.pixel(x.permute(0, 2, 3, 1))).flatten(1))
+
+
+def test_zb_bounds_shaped_like_a_sample_follow_the_models_permutation():
+    # They were reshaped to the layer's input, not permuted: channel 0's bound went elsewhere
+    torch.manual_seed(0)
+    model = ChannelsLastDense().double().eval()
+    x = torch.rand(2, 3, 2, 5, dtype=torch.float64)
+    low, high = torch.zeros(3, 2, 5, dtype=torch.float64), torch.ones(3, 2, 5, dtype=torch.float64)
+    low[0] = -1.0
+    got = explain(model, x, "lrp.zb", 1, low=low, high=high).attribution
+    permuted = nn.Sequential(model.pixel, nn.ReLU(), nn.Flatten(), model.head).eval()
+    expected = explain(
+        permuted,
+        x.permute(0, 2, 3, 1),
+        "lrp.zb",
+        1,
+        low=low.permute(1, 2, 0),
+        high=high.permute(1, 2, 0),
+    ).attribution
+    torch.testing.assert_close(got, expected.permute(0, 3, 1, 2), rtol=1e-12, atol=1e-15)
+
+
 class Unusual(nn.Module):
     def __init__(self, pooling: str) -> None:
         super().__init__()

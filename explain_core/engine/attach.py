@@ -26,7 +26,9 @@ from explain_core.affine import AFFINE_TYPES, AffineLayer, functional_linear
 from explain_core.engine.decompose import DECOMPOSED, scaled_dot_product_attention
 from explain_core.engine.ops import (
     ARRANGING_OPS,
+    DROPOUT_OPS,
     RELU_OPS,
+    RESHAPE_OPS,
     SPLITTING_OPS,
     OpHandler,
     op_name,
@@ -34,7 +36,7 @@ from explain_core.engine.ops import (
 )
 from explain_core.engine.tracing import Plan, user_hook_codes
 from explain_core.errors import InvalidInputError, UnsupportedModelError
-from explain_core.interfaces.relevance import AffineRule, Gradient, Rule, RuleCall
+from explain_core.interfaces.relevance import AffineRule, Gradient, InputPath, Rule, RuleCall
 from explain_core.scoped import ModuleListener, unheard
 
 if TYPE_CHECKING:
@@ -419,13 +421,21 @@ class OperationMode(TorchFunctionMode):
         if name in self.kinds:
             rule = self.composite.rule_for_op(name)
             if isinstance(rule, Gradient):  # nothing to change: let it through as written
-                return self._keeping_source(name, args, func(*args, **kwargs))
+                return self._noted(name, func, args, kwargs, func(*args, **kwargs))
             with self.attached.internal_ops():
                 result = _apply_op_rule(rule, name, func, args, kwargs, self.attached)
             return self._keeping_source(name, args, result)
         if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
-        return self._keeping_source(name, args, func(*args, **kwargs))
+        return self._noted(name, func, args, kwargs, func(*args, **kwargs))
+
+    def _noted(
+        self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+    ) -> Any:
+        """``result`` of an operation as written, noted for the sources and the input's path."""
+        if name in _INPUT_ARRANGING and self.attached.plan.input_arranged:
+            self.attached.note_arrangement(func, args, kwargs, result)
+        return self._keeping_source(name, args, result)
 
     def _keeping_source(self, name: str, args: tuple[Any, ...], result: Any) -> Any:
         """``result``, noted as made by the source of the one tensor it is computed from.
@@ -486,6 +496,15 @@ class OperationMode(TorchFunctionMode):
         given = dict(bound.arguments)  # as keywords: the kernel takes some only by keyword
         tensors = [given.pop(name) for name in names]
         return func(*tensors, **given)
+
+
+# What may make the tensor the input layer reads from the model input (the trace refuses
+# paddings other than with zeros or copies).
+_INPUT_ARRANGING = RESHAPE_OPS | DROPOUT_OPS | {"pad"}
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _computed_from_alone(name: str, args: tuple[Any, ...]) -> torch.Tensor | None:
@@ -576,6 +595,9 @@ class RulePass(ModuleListener):
         # reading it stops (such ReLUs run without autograd: see _PassedThrough), and the
         # layer's call where its rule reads that ReLU's output
         self.masked_outputs: dict[int, tuple[weakref.ref[torch.Tensor], RuleCall | None]] = {}
+        # tensor id → (a weak reference to it, the model's operations that made it from the
+        # input, as a function of another tensor shaped like the input): see InputPath
+        self.arranged: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
         self._plan_modules(modules)
 
     @contextlib.contextmanager
@@ -707,6 +729,31 @@ class RulePass(ModuleListener):
         if source is not None and isinstance(result, torch.Tensor) and result is not tensor:
             self.produced(result, source)
 
+    def note_arrangement(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
+    ) -> None:
+        """Note ``result`` of a reshape or padding of the input (or of such a tensor)."""
+        source = args[0] if args else kwargs.get("input")
+        path = self.path_from_input(source) if isinstance(source, torch.Tensor) else None
+        if path is None or not isinstance(result, torch.Tensor):
+            return
+        rest = args[1:]  # the source itself is not kept: only what it becomes matters
+
+        def arranged(tensor: torch.Tensor) -> torch.Tensor:
+            moved = path(tensor)
+            if args:
+                return func(moved, *rest, **kwargs)
+            return func(*rest, **{**kwargs, "input": moved})
+
+        self.arranged[id(result)] = (weakref.ref(result), arranged)
+
+    def path_from_input(self, tensor: torch.Tensor) -> Any:
+        """The model's operations from the pass's input to ``tensor``, or ``None``."""
+        if tensor is self.input:
+            return _unchanged
+        entry = self.arranged.get(id(tensor))
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
     def source_of(self, tensor: torch.Tensor) -> RuleCall | None:
         """The ruled call of this pass that returned ``tensor``, if any."""
         entry = self.producers.get(id(tensor))
@@ -775,6 +822,13 @@ class RulePass(ModuleListener):
             )
         return entry[1]
 
+    def _input_path(self, name: str, x: torch.Tensor) -> InputPath | None:
+        """How the pass's input reaches ``x``, where layer ``name`` reads the model input."""
+        if name not in self.plan.input_layers or self.input is None:
+            return None
+        path = self.path_from_input(x)
+        return None if path is None else InputPath(self.input.shape, path)
+
     def _plan_modules(self, modules: dict[str, nn.Module]) -> None:
         """Which modules get a rule (by identity) and which only stash their input (merged)."""
         for name in self.plan.order:
@@ -823,6 +877,7 @@ class RulePass(ModuleListener):
                 output.detach(),
                 layer=layer,
                 branch_free=self.plan.branch_free,
+                input_path=self._input_path(name, x),
             )
             if isinstance(rule, Gradient):  # planned only when recording
                 self._check_recorded_once(name)

@@ -234,7 +234,13 @@ class ModifiedBackprop:
                 attached.input = x
                 with torch.set_grad_enabled(grad):
                     handled = self.handler is not None and self.handler.ops
-                    if self.composite.op_kinds or handled or plan.decomposed or plan.rectified:
+                    if (
+                        self.composite.op_kinds
+                        or handled
+                        or plan.decomposed
+                        or plan.rectified
+                        or plan.input_arranged  # noted for the input layer's rule
+                    ):
                         with OperationMode(self.composite, self.handler, attached):
                             output = model(x)
                     else:

@@ -98,13 +98,14 @@ class Plan:
     Attributes:
         order: Affine layers in execution order (a merged pair under the Linear/Conv's name).
         merged: Linear/Conv name → name of the BatchNorm merged into it.
-        input_layers: Layers whose input is the model input up to reshaping.
+        input_layers: Layers whose input is the model input up to reshaping and padding.
         relu_after: Layers whose output feeds a ReLU.
         rectified: Layers whose output only a ReLU reads (the composite leaving ReLUs to their
             gradient): the signal at such an output is 0 wherever it is <= 0.
         rules: Layer name → rule; ``custom``: module name → core rule (opaque modules).
-        input_readers: What reads the model input (up to reshaping) besides the input layers:
-            the live operations and modules, named for messages, in execution order.
+        input_readers: What reads the model input (up to reshaping and padding) besides the
+            input layers: the live operations and modules, named for messages, in execution
+            order.
         held_output: The operation whose rule cuts every path from the input to the output
             (holds it constant), as its kind and its description for messages, if any.
         functional_output_layer: The last dense layer before the output where it is an operation
@@ -118,6 +119,8 @@ class Plan:
             (:mod:`explain_core.engine.decompose`).
         calls: Module name → its calls in one forward pass, where more than one (a layer
             reused at every step of a loop, shared weights): its rule applies to each call.
+        input_arranged: The model reshapes, permutes or pads its input before a layer reads it
+            (the pass then notes how, for the input layer's rule: ``RuleCall.input_path``).
     """
 
     order: list[str] = field(default_factory=list)
@@ -138,6 +141,7 @@ class Plan:
     branch_free: bool = False
     decomposed: bool = False
     calls: dict[str, int] = field(default_factory=dict)
+    input_arranged: bool = False
 
     @property
     def input_relevance_form(self) -> bool:
@@ -185,7 +189,11 @@ class _TraceMode(TorchFunctionMode):
         writes = name == "setitem" or name.endswith("_")
         bases = [t._base for t in outputs if writes and t._base is not None]
         reads_input = any(id(t) in tracer.input_like for t in inputs)
-        reshaped_input = reads_input and name in RESHAPE_OPS | DROPOUT_OPS
+        reshaped_input = reads_input and (
+            name in RESHAPE_OPS | DROPOUT_OPS
+            or (name == "pad" and not _padding_problem(args, kwargs))
+        )
+        tracer.input_arranged = tracer.input_arranged or reshaped_input
         nonnegative = name in RELU_OPS or (
             name in _SIGN_PRESERVING
             and all(id(t) in tracer.nonnegative for t in inputs)
@@ -343,6 +351,7 @@ class _Tracer(ModuleListener):
         self._find_opaque(model, "")
         self.dependent: dict[int, torch.Tensor] = {}
         self.input_like: set[int] = set()
+        self.input_arranged = False  # an operation reshaped or padded the input
         self.producer: dict[int, str] = {}
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}
@@ -413,8 +422,8 @@ class _Tracer(ModuleListener):
     ) -> None:
         """Note one step of the data flow: an operation, or a module the trace does not enter.
 
-        ``reads_input``: the step reads the model input (up to reshaping) as it is then, and
-        is not a reshape of it.
+        ``reads_input``: the step reads the model input (up to reshaping and padding) as it is
+        then, and is not a reshape or padding of it.
         """
         step = (name, [id(t) for t in inputs], [id(t) for t in outputs], problem)
         self.steps.append(step)
@@ -479,13 +488,7 @@ class _Tracer(ModuleListener):
             if training:
                 problem = "is dropout in training mode (call model.eval())"
         elif name == "pad":
-            mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
-            value = kwargs.get("value", args[3] if len(args) > 3 else None)
-            if mode not in PAD_MODES or (mode == "constant" and value not in (None, 0, 0.0)):
-                problem = (
-                    f"is padding with mode={mode!r}, value={value!r} (zero, reflect, replicate "
-                    "and circular padding are supported)"
-                )
+            problem = _padding_problem(args, kwargs)
         elif name in ACTIVATION_OPS:
             problem = (
                 "is an activation this pass has no rule for (LRP's composites pass relevance "
@@ -769,7 +772,7 @@ class _Tracer(ModuleListener):
         return layers
 
     def input_readers(self, live: list[Step], input_layers: set[str]) -> list[str]:
-        """What reads the model input (up to reshaping) besides ``input_layers``, by name."""
+        """What reads the model input (up to reshaping, padding) besides ``input_layers``."""
         return [
             self.described[id(step)]
             for step in live
@@ -847,6 +850,7 @@ class _Tracer(ModuleListener):
         only_input = self.input_layers - self.not_input_layers
         plan.input_layers = {n for n in only_input if n in plan.order}
         plan.input_readers = self.input_readers(live, plan.input_layers)
+        plan.input_arranged = self.input_arranged
         plan.held_output = self.held_output(live, output)
         plan.functional_output_layer = self.functional_output_layer(live)
         nonnegative = self.nonnegative_layers - self.signed_layers
@@ -866,23 +870,35 @@ class _Tracer(ModuleListener):
         return plan
 
 
+def _padding_problem(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """Why ``F.pad(*args, **kwargs)`` has no rule, or ``None``: zero padding or copies."""
+    mode = kwargs.get("mode", args[2] if len(args) > 2 else "constant")
+    value = kwargs.get("value", args[3] if len(args) > 3 else None)
+    if mode not in PAD_MODES or (mode == "constant" and value not in (None, 0, 0.0)):
+        return (
+            f"is padding with mode={mode!r}, value={value!r} (zero, reflect, replicate and "
+            "circular padding are supported)"
+        )
+    return None
+
+
 def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
     """Fill ``plan.rules`` with the rule of every affine layer in ``plan.order``.
 
     Raises:
         UnsupportedModelError: If a layer has no rule, the composite has a rule for the layer
-            reading the model input but no layer reads it directly (up to reshaping), that rule
-            returns relevance and the input also reaches the output past the layer, the
-            output is held constant on every path, or the composite has an output-layer rule
-            and the output layer is an operation.
+            reading the model input but no layer reads it directly (up to reshaping and
+            padding), that rule returns relevance and the input also reaches the output past
+            the layer, the output is held constant on every path, or the composite has an
+            output-layer rule and the output layer is an operation.
     """
     first = composite.position_rule(InputLayer)
     if first is not None and not plan.input_layers:
         reader = plan.input_readers[0] if plan.input_readers else "another operation"
         raise UnsupportedModelError(
             f"the composite {composite.name!r} puts {first!r} on the layer that reads the model "
-            f"input, but no Linear/Conv module reads the input directly (up to reshaping): "
-            f"{reader} reads it first. {_INPUT_LAYER_ADVICE}"
+            f"input, but no Linear/Conv module reads the input directly (up to reshaping and "
+            f"padding): {reader} reads it first. {_INPUT_LAYER_ADVICE}"
         )
     for name in plan.order:
         plan.rules[name] = resolve_rule(model, composite, name, plan)

@@ -32,6 +32,7 @@ __all__ = [
     "CompositeSpec",
     "Gradient",
     "InputLayer",
+    "InputPath",
     "Matcher",
     "ModifiedGradient",
     "Op",
@@ -44,6 +45,29 @@ __all__ = [
 ]
 
 Predicate = Callable[[str, nn.Module], bool]
+
+
+@dataclass(frozen=True)
+class InputPath:
+    """How the model input reaches the layer that reads it, for that layer's rule.
+
+    The model may reshape, permute or pad its input before its first layer (``x.flatten(1)``,
+    ``nn.ReflectionPad2d``); an input-layer rule that reads a tensor given for the model input
+    (z^B's bounds) or asks which of the layer's inputs are the model's (the flat and w² rules:
+    zero padding is no input) maps it the same way.
+
+    Attributes:
+        shape: The model input's shape.
+        apply: The model's own operations from its input to the layer's, applied to another
+            tensor of that shape.
+    """
+
+    shape: torch.Size
+    apply: Callable[[torch.Tensor], torch.Tensor]
+
+    def ones(self, like: torch.Tensor) -> torch.Tensor:
+        """1 where the layer's input is a value of the model input, 0 where it is padding."""
+        return self.apply(torch.ones(self.shape, dtype=like.dtype, device=like.device))
 
 
 @dataclass
@@ -83,6 +107,8 @@ class RuleCall:
             backward, it is refused, as autograd refuses for a ReLU's own saved output).
         rectified_version: The version counter of ``rectified_output`` when the ReLU returned
             it (the engine's, for that check).
+        input_path: Set by the engine for a call of the layer that reads the model input: how
+            the input reaches it (:class:`InputPath`); else ``None``.
     """
 
     module: nn.Module | None
@@ -100,6 +126,7 @@ class RuleCall:
     last_backward: bool = False
     rectified_output: torch.Tensor | None = field(default=None, repr=False)
     rectified_version: int = field(default=0, repr=False)
+    input_path: InputPath | None = field(default=None, repr=False)
 
 
 class Rule(ABC):
@@ -342,7 +369,7 @@ class _Position:
 
 
 class InputLayer(_Position):
-    """Matches the affine layer that reads the model input (up to reshaping).
+    """Matches the affine layer that reads the model input (up to reshaping and padding).
 
     For Deep Taylor's input-layer rules (w², flat, z^B). Position entries are consulted before
     the others; a composite that has one refuses a model whose first layer reads something else

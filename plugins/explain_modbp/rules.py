@@ -525,7 +525,7 @@ class WSquare(_ModifiedWeights):
     def forward(self, call: RuleCall) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         squared = layer.weight.square()
-        return squared, layer.ones_forward(x, squared)
+        return squared, layer.forward(_input_ones(call, x), squared)
 
 
 class Flat(_ModifiedWeights):
@@ -536,7 +536,12 @@ class Flat(_ModifiedWeights):
     def forward(self, call: RuleCall) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
         layer, x, _ = self.affine(call)
         ones = torch.ones_like(layer.weight)
-        return ones, layer.ones_forward(x, ones)
+        return ones, layer.forward(_input_ones(call, x), ones)
+
+
+def _input_ones(call: RuleCall, x: torch.Tensor) -> torch.Tensor:
+    """1 for each input of the layer, 0 for zero padding (the model's own or its conv's)."""
+    return call.input_path.ones(x) if call.input_path is not None else torch.ones_like(x)
 
 
 class ZBox(AffineRule):
@@ -563,26 +568,36 @@ class ZBox(AffineRule):
         self.low = low
         self.high = high
 
-    def _bound(self, value: float | torch.Tensor, x: torch.Tensor, what: str) -> torch.Tensor:
+    def _bound(self, value: float | torch.Tensor, call: RuleCall, what: str) -> torch.Tensor:
+        """The bound at the layer's inputs.
+
+        Fitted to the model input, then reshaped, permuted or padded as the model does it
+        (:class:`~explain_core.interfaces.relevance.InputPath`).
+        """
+        x = call.inputs[0]
+        path = call.input_path
+        shape = path.shape if path is not None else x.shape
         bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
         if bound.dim() == 0:
-            return bound.expand_as(x)
-        sample = x.shape[1:]
-        if bound.numel() == x[0].numel() and bound.shape != x.shape:
-            return bound.reshape(1, *sample).expand_as(x)
-        if bound.numel() == x.numel():
-            return bound.reshape(x.shape)
-        try:
-            return torch.broadcast_to(bound, x.shape)
-        except RuntimeError:
-            raise InvalidInputError(
-                f"z^B bound {what} of shape {tuple(bound.shape)} does not fit the inputs of shape "
-                f"{tuple(x.shape)}; give a number or a tensor shaped like one sample or the batch"
-            ) from None
+            bound = bound.expand(shape)
+        elif bound.numel() == shape[1:].numel() and bound.shape != shape:
+            bound = bound.reshape(1, *shape[1:]).expand(shape)
+        elif bound.numel() == shape.numel():
+            bound = bound.reshape(shape)
+        else:
+            try:
+                bound = torch.broadcast_to(bound, shape)
+            except RuntimeError:
+                raise InvalidInputError(
+                    f"z^B bound {what} of shape {tuple(bound.shape)} does not fit the inputs of "
+                    f"shape {tuple(shape)}; give a number or a tensor shaped like one sample or "
+                    "the batch"
+                ) from None
+        return path.apply(bound) if path is not None else bound
 
     def forward(self, call: RuleCall) -> tuple:  # noqa: D102
         layer, x, z = self.affine(call)
-        low, high = self._bound(self.low, x, "low"), self._bound(self.high, x, "high")
+        low, high = self._bound(self.low, call, "low"), self._bound(self.high, call, "high")
         tolerance = 1e-6 * (1 + float(x.abs().max()))
         if bool((x < low - tolerance).any() or (x > high + tolerance).any()):
             raise InvalidInputError(
