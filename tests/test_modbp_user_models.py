@@ -14,7 +14,13 @@ import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
-from explain_core import Gradient, InvalidInputError, UnsupportedModelError, explain
+from explain_core import (
+    Gradient,
+    InvalidInputError,
+    UnsupportedModelError,
+    explain,
+    explain_inputs,
+)
 from explain_core.engine.plan_cache import clear_plan_cache
 from explain_modbp import Epsilon, composites
 
@@ -918,3 +924,65 @@ def test_a_model_returning_a_tuple_is_told_to_return_one_tensor():
     for method in ("lrp.epsilon", "lrp.cp", "deeplift.rescale"):
         with pytest.raises(InvalidInputError, match=r"returned a tuple; wrap it .*model\(x\)\[0\]"):
             explain(Pair().eval(), torch.rand(2, 4), method, target=1)
+
+
+class MaskedMean(nn.Module):
+    """Mean pooling over the steps that are not zero padding, the mask computed from the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Linear(3, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is None:
+            mask = (x != 0).any(-1, keepdim=True).to(x.dtype)
+        return self.head((F.relu(self.embed(x)) * mask).sum(1) / mask.sum(1))
+
+
+def _padded_steps() -> torch.Tensor:
+    x = torch.randn(3, 7, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    x[1, 5:], x[2, 3:] = 0, 0
+    return x
+
+
+@pytest.mark.parametrize(
+    "method", ["lrp.epsilon", "lrp.epsilon_plus", "lrp.attn", "guided_bp", "excitation_bp"]
+)
+def test_a_mask_of_the_input_is_a_constant_as_if_passed_as_given(method):
+    # Refused by every rule-based method before ('ne' has no rule), though nothing flows
+    # through it: the reference is the same model with the mask passed as an input, held
+    torch.manual_seed(0)
+    model, x = MaskedMean().double().eval(), _padded_steps()
+    mask = (x != 0).any(-1, keepdim=True).double()
+    got = explain(model, x, method, 1).attribution
+    held = explain_inputs(model, {"x": x, "mask": mask}, method, 1, explained="x").attribution
+    torch.testing.assert_close(got, held, rtol=0, atol=0)
+
+
+def test_deeplift_refuses_a_mask_of_the_input_and_its_advice_sums_to_the_difference():
+    # The reference's mask differs (all steps padding at x0 = 0): DeepLIFT would explain it too
+    torch.manual_seed(0)
+    model, x = MaskedMean().double().eval(), _padded_steps()
+    with pytest.raises(UnsupportedModelError, match=r"'ne' in module '<root>'.*explain_inputs\("):
+        explain(model, x, "deeplift.rescale", 1)
+    mask = (x != 0).any(-1, keepdim=True).double()
+    result = explain_inputs(model, {"x": x, "mask": mask}, "deeplift.rescale", 1, explained="x")
+    with torch.no_grad():
+        difference = model(x, mask)[:, 1] - model(torch.zeros_like(x), mask)[:, 1]
+    torch.testing.assert_close(result.attribution.sum((1, 2)), difference)
+
+
+class HandWrittenReLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden, self.head = nn.Linear(3, 6), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.hidden(x)
+        return self.head(h * (h > 0))
+
+
+def test_a_mask_of_a_hidden_activation_stays_refused():
+    # an activation written by hand: Guided BP and DeepLIFT would silently get the gradient
+    with pytest.raises(UnsupportedModelError, match=r"operation 'gt'.*comparison of activations"):
+        explain(HandWrittenReLU().eval(), torch.randn(2, 3), "lrp.epsilon", 1)

@@ -24,6 +24,7 @@ from explain_core import (
     ModelStateError,
     UnsupportedModelError,
     explain,
+    explain_inputs,
 )
 from explain_core.engine.recurrent import CELLS, gru, lstm, rnn_relu, rnn_tanh
 from explain_core.plugin_manager import get_registry
@@ -825,3 +826,31 @@ def test_sequences_with_the_batch_on_axis_1_are_told_to_move_it_first():
     leaf = x.clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(model(leaf)[:, 1].sum(), leaf)
     torch.testing.assert_close(got, expected.movedim(1, 0))
+
+
+class LengthsFromPadding(nn.Module):
+    """An LSTM over packed sequences whose lengths it counts from the input's zero padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(3, 6, batch_first=True), nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        if lengths is None:
+            lengths = (x != 0).any(-1).sum(1).clamp(min=1)
+        packed = pack_padded_sequence(x, lengths.cpu(), batch_first=True, enforce_sorted=False)
+        return self.head(self.rnn(packed)[1][0][-1])
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.attn"])
+def test_lengths_counted_from_the_input_are_taken_as_given(method):
+    # Refused before ('ne' has no rule): the lengths carry no relevance, as they carry no gradient
+    torch.manual_seed(0)
+    model = LengthsFromPadding().double().eval()
+    x = torch.randn(3, 7, 3, dtype=torch.float64)
+    x[1, 5:], x[2, 3:] = 0, 0
+    lengths = torch.tensor([7, 5, 3])
+    got = explain(model, x, method, 1).attribution
+    given = explain_inputs(model, {"x": x, "lengths": lengths}, method, 1, explained="x")
+    torch.testing.assert_close(got, given.attribution, rtol=0, atol=0)
+    assert not got[2, 3:].any()  # the padded steps are never read

@@ -222,6 +222,8 @@ class ModifiedBackprop:
                 plan, cached = planned(
                     model, inputs, self.composite, self.extra_ops, cache=use_cache
                 )
+                if plan.input_masks and self.handler is not None:
+                    _refuse_input_masks(plan, self.handler)
                 attached = RulePass(model, plan, self.record)
                 calls = attached.count_calls() if cached else {}
                 if plan.custom:  # their rules' hooks must run as written, not be traced
@@ -255,6 +257,24 @@ class ModifiedBackprop:
                 "must travel back along; remove it from forward"
             )
         return ForwardPass(x, output, attached.records, plan)
+
+
+def _refuse_input_masks(plan: Plan, handler: OpHandler) -> None:
+    """Refuse a mask of the input where the pass compares the input with a reference.
+
+    Raises:
+        UnsupportedModelError: Naming the operation and the way to pass the mask as given.
+    """
+    if not handler.compares_with_reference:
+        return
+    raise UnsupportedModelError(
+        f"{plan.input_masks[0]} computes a mask from the model input (its padding, the lengths "
+        "of its sequences, say), which differs between the input and the reference the method "
+        "compares it with, so the differences it explains would include the mask's own. Pass "
+        "the mask (or the lengths) as an input of its own, held as given for both: "
+        "explain_inputs(model, {'x': x, 'mask': mask}, method, target, explained='x'); or "
+        "explain with a method without a reference (the lrp presets, the gradient methods)"
+    )
 
 
 def _require_rectified_signal(record: LayerRecord, signal: torch.Tensor) -> None:

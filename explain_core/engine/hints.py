@@ -37,7 +37,8 @@ _OP_ALTERNATIVES = {
     **dict.fromkeys(
         ["gt", "lt", "ge", "le", "eq", "ne", "where"],
         "a comparison of activations (a mask, torch.where, a maximum of two tensors) has no "
-        "relevance rule; use F.relu or max pooling where that is what it computes",
+        "relevance rule; use F.relu or max pooling where that is what it computes (a mask of "
+        "the model input alone, such as its padding, is a constant and needs none)",
     ),
 }
 

@@ -41,9 +41,13 @@ class OpHandler:
 
     Attributes:
         ops: Normalised operation names the handler intercepts (e.g. ``"relu"``).
+        compares_with_reference: The pass runs the model on the inputs and on references
+            stacked with them (DeepLIFT), and compares the two: a model that computes a mask
+            from its input (``Plan.input_masks``) is refused, since the masks would differ.
     """
 
     ops: ClassVar[frozenset[str]] = frozenset()
+    compares_with_reference: ClassVar[bool] = False
 
     def start(self, inputs: torch.Tensor, layers: Mapping[str, Any]) -> torch.Tensor:
         """Called before the forward pass; returns the tensor actually fed to the model.

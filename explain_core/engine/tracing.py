@@ -121,6 +121,9 @@ class Plan:
             reused at every step of a loop, shared weights): its rule applies to each call.
         input_arranged: The model reshapes, permutes or pads its input before a layer reads it
             (the pass then notes how, for the input layer's rule: ``RuleCall.input_path``).
+        input_masks: The operations that compute a boolean mask from the model input alone
+            (``x != 0``: its padding, the lengths of its sequences), named for messages; the
+            rules take such masks as constants.
     """
 
     order: list[str] = field(default_factory=list)
@@ -142,6 +145,7 @@ class Plan:
     decomposed: bool = False
     calls: dict[str, int] = field(default_factory=dict)
     input_arranged: bool = False
+    input_masks: list[str] = field(default_factory=list)
 
     @property
     def input_relevance_form(self) -> bool:
@@ -180,6 +184,15 @@ class _TraceMode(TorchFunctionMode):
             tracer.value_dependent = True  # Python control flow may branch on the values
         if not inputs or name in VALUE_FREE_OPS:
             return result
+        from_input = all(id(t) in tracer.input_derived for t in inputs) and not _reads_parameters(
+            (args, kwargs)
+        )
+        if from_input and _is_mask(result):
+            # A mask of the model input (its padding, the lengths of its sequences): constant
+            # for the rules, as for the gradient, which nothing passes through it.
+            path, type_name = tracer.where()
+            tracer.input_masks.append(f"operation {name!r} in module {path!r} ({type_name})")
+            return result
         # h[i] = v writes into h (and returns None); an in-place op on a view writes into its base
         outputs = [args[0]] if name == "setitem" else _tensors(result)
         if name in PACKING_OPS:
@@ -207,6 +220,8 @@ class _TraceMode(TorchFunctionMode):
                 tracer.input_like.discard(id(base))  # written into: no longer the input's values
         for out in outputs:
             tracer.mark(out)
+            if from_input:
+                tracer.input_derived.add(id(out))
             if reshaped_input:
                 tracer.input_like.add(id(out))
             elif writes:  # changed in place (x.sub_(mean)): no longer the input's values
@@ -352,6 +367,10 @@ class _Tracer(ModuleListener):
         self.dependent: dict[int, torch.Tensor] = {}
         self.input_like: set[int] = set()
         self.input_arranged = False  # an operation reshaped or padded the input
+        # tensors computed from the model input alone, without parameters or modules, and the
+        # masks of it computed from them (ids; the tensors stay in self.dependent)
+        self.input_derived: set[int] = set()
+        self.input_masks: list[str] = []
         self.producer: dict[int, str] = {}
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}
@@ -690,6 +709,7 @@ class _Tracer(ModuleListener):
         self.mark(x)
         self.input_id = id(x)
         self.input_like.add(id(x))
+        self.input_derived.add(id(x))
         # With gradients on, as the real pass runs: a torch.no_grad() block inside forward
         # shows as operations run without them (see problem()).
         with listening(self), torch.enable_grad(), _TraceMode(self):
@@ -851,6 +871,7 @@ class _Tracer(ModuleListener):
         plan.input_layers = {n for n in only_input if n in plan.order}
         plan.input_readers = self.input_readers(live, plan.input_layers)
         plan.input_arranged = self.input_arranged
+        plan.input_masks = self.input_masks
         plan.held_output = self.held_output(live, output)
         plan.functional_output_layer = self.functional_output_layer(live)
         nonnegative = self.nonnegative_layers - self.signed_layers
@@ -868,6 +889,17 @@ class _Tracer(ModuleListener):
                 plan.custom[name] = rule
         resolve_rules(self.model, self.composite, plan)
         return plan
+
+
+def _reads_parameters(values: Any) -> bool:
+    """Whether any tensor among ``values`` is a parameter (a layer's, not the input's data)."""
+    return any(isinstance(t, nn.Parameter) for t in _tensors(values))
+
+
+def _is_mask(result: Any) -> bool:
+    """Whether ``result`` is boolean tensors only (a comparison's, ``any``'s)."""
+    tensors = _tensors(result)
+    return bool(tensors) and all(t.dtype == torch.bool for t in tensors)
 
 
 def _padding_problem(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -143,6 +143,7 @@ class DeepLiftHandler(OpHandler):
         maxpool: ``"rescale"`` (the rule in Captum's source) or ``"gradient"``.
     """
 
+    compares_with_reference = True
     ops: ClassVar[frozenset[str]] = RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS)
 
     def __init__(
