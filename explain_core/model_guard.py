@@ -333,7 +333,7 @@ def _training_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> s
             return None
         if func is functional.batch_norm:
             return "batch norm with the batch's statistics"
-        if func is functional.rrelu:
+        if func in (functional.rrelu, torch.rrelu, torch.rrelu_):
             return "a randomised leaky ReLU"
         p = _argument(func, args, kwargs, "p", _argument(func, args, kwargs, "dropout_p", 0.0))
         return f"dropout with p={p}" if p else None
@@ -374,13 +374,16 @@ def _training_arguments() -> dict[Any, dict[str, tuple[int, Any]]]:
         functional.rrelu,
         functional.multi_head_attention_forward,
     )
-    return {
+    arguments = {
         call: {
             name: (position, parameter.default)
             for position, (name, parameter) in enumerate(inspect.signature(call).parameters.items())
         }
         for call in calls
     }
+    for builtin in (torch.rrelu, torch.rrelu_):  # F.rrelu_ too; no signature to read
+        arguments[builtin] = {"training": (3, False)}
+    return arguments
 
 
 _TRAINING_ARGUMENTS = _training_arguments()

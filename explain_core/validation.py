@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -59,7 +59,10 @@ def check_inputs(
     Raises:
         InvalidInputError: If ``inputs`` is not such a tensor.
     """
-    if isinstance(inputs, (tuple, list)) and any(isinstance(i, torch.Tensor) for i in inputs):
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    if isinstance(inputs, (tuple, list, Mapping)) and any(
+        isinstance(i, torch.Tensor) for i in values
+    ):
         raise InvalidInputError(
             f"{name} must be one torch.Tensor of shape (batch, ...); got a "
             f"{type(inputs).__name__} of {len(inputs)}. {SEVERAL_INPUTS_ADVICE}"

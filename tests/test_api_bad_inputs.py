@@ -523,6 +523,8 @@ def test_a_forward_with_another_input_is_told_the_way_to_explain_it(model_type, 
     assert_same_state(before, state_fingerprint(model))
     with pytest.raises(InvalidInputError, match=r"one torch.Tensor.*a tuple of 2.*explain_inputs"):
         explain(model, (x, mask), method, 1)
+    with pytest.raises(InvalidInputError, match=r"one torch.Tensor.*a dict of 2.*explain_inputs"):
+        explain(model, {"x": x, "mask": mask}, method, 1)
     # the advice runs: the gradient at x with the mask held, as autograd gives it
     explained = explain_inputs(model, {"x": x, "mask": mask}, "gradient", 1, explained="x")
     xg = x.clone().requires_grad_(True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from explain_core import UnsupportedModelError, explain
+from explain_core import ModelStateError, UnsupportedModelError, explain
 
 ACTIVATIONS = {
     "relu": nn.ReLU,
@@ -204,5 +204,13 @@ def test_rrelu_in_eval_is_the_leaky_relu_of_its_mean_slope_and_refused_in_traini
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return nn.functional.rrelu(x, training=True).flatten(1)
 
-    with pytest.raises(UnsupportedModelError, match="randomised leaky ReLU in training mode"):
+    with pytest.raises(UnsupportedModelError, match=r"'rrelu' in .*randomised leaky ReLU in train"):
         explain(RandomSlopes().eval(), x, method, 1, allow_training=True)
+
+    class RandomSlopesPositional(nn.Module):  # torch.rrelu itself, as F.rrelu calls it
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.rrelu(x, 0.1, 0.3, True).flatten(1)
+
+    for method_ in (method, "gradient"):  # the gradient changed from call to call
+        with pytest.raises(ModelStateError, match="calls rrelu in training mode"):
+            explain(RandomSlopesPositional().eval(), x, method_, 1)

@@ -244,6 +244,9 @@ def test_contrastive_lrp_refuses_a_model_with_one_output():
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 1)).eval()
     with pytest.raises(InvalidInputError, match=r"returns 1: there is nothing to contrast"):
         explain(model, torch.randn(3, 6), "lrp.contrastive", 0)
+    flat = nn.Sequential(model, nn.Flatten(0))  # shaped (batch,): the shape error, not Python's
+    with pytest.raises(InvalidInputError, match=r"must return scores of shape \(batch, n_outputs"):
+        explain(flat.eval(), torch.randn(3, 6), "lrp.contrastive", 0)
     # with two outputs it is Eq. 15
     model[2] = nn.Linear(8, 2)
     model = model.double()

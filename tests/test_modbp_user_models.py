@@ -453,6 +453,9 @@ def test_zb_bounds_shaped_like_a_sample_follow_the_models_permutation():
         high=high.permute(1, 2, 0),
     ).attribution
     torch.testing.assert_close(got, expected.permute(0, 3, 1, 2), rtol=1e-12, atol=1e-15)
+    # as many values in another layout are refused, not reshaped into the input's
+    with pytest.raises(InvalidInputError, match=r"bound low of shape \(2, 5, 3\) does not fit"):
+        explain(model, x, "lrp.zb", 1, low=low.permute(1, 2, 0), high=high)
 
 
 class Unusual(nn.Module):
@@ -597,13 +600,20 @@ class Options:
     shift: bool = False
 
 
+class Config:
+    """A configuration object of a plain class, as Hugging Face models keep one."""
+
+    def __init__(self) -> None:
+        self.shift = False
+
+
 class Configurable(Shifted):
     """Reads a setting of one kind or another in forward."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        self.mode, self.options, self.flags = Mode.PLAIN, Options(), []
+        self.mode, self.options, self.flags, self.config = Mode.PLAIN, Options(), [], Config()
         self.table, self.act = {"shift": False}, F.relu
         self.flag = torch.tensor(False)
 
@@ -611,6 +621,7 @@ class Configurable(Shifted):
         return {
             "enum": self.mode is Mode.SHIFTED,
             "dataclass": self.options.shift,
+            "object": self.config.shift,
             "list": bool(self.flags),
             "dict": self.table["shift"],
             "tensor": bool(self.flag),
@@ -618,12 +629,21 @@ class Configurable(Shifted):
         }[self.kind]
 
     def toggle(self) -> None:
-        self.mode = Mode.SHIFTED
-        self.options.shift = True
-        self.flags.append("shift")
-        self.table["shift"] = True
-        self.flag.fill_(True)
-        self.act = F.relu6
+        """Change the setting of this model's kind, and no other."""
+        if self.kind == "enum":
+            self.mode = Mode.SHIFTED
+        elif self.kind == "dataclass":
+            self.options.shift = True
+        elif self.kind == "object":
+            self.config.shift = True
+        elif self.kind == "list":
+            self.flags.append("shift")
+        elif self.kind == "dict":
+            self.table["shift"] = True
+        elif self.kind == "tensor":
+            self.flag.fill_(True)
+        else:
+            self.act = F.relu6
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.relu(self.fc1(x))
@@ -632,8 +652,11 @@ class Configurable(Shifted):
         return self.fc3(F.relu(self.fc2(h)))
 
 
-@pytest.mark.parametrize("kind", ["enum", "dataclass", "list", "dict", "tensor", "function"])
+@pytest.mark.parametrize(
+    "kind", ["enum", "dataclass", "object", "list", "dict", "tensor", "function"]
+)
 def test_the_plan_cache_sees_settings_of_every_common_kind(kind):
+    # "object": a flag of a config object was not seen, and the stale plan skipped checks
     clear_plan_cache()
     torch.manual_seed(0)
     model = Configurable(kind).double().eval()
@@ -973,16 +996,22 @@ def test_deeplift_refuses_a_mask_of_the_input_and_its_advice_sums_to_the_differe
 
 
 class HandWrittenReLU(nn.Module):
-    def __init__(self) -> None:
+    """``h * (h > 0)`` of a hidden activation, or of a parameter-free function of the input."""
+
+    def __init__(self, hidden: bool) -> None:
         super().__init__()
-        self.hidden, self.head = nn.Linear(3, 6), nn.Linear(6, 3)
+        self.hidden = nn.Linear(3, 3) if hidden else None
+        self.head = nn.Linear(3, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.hidden(x)
+        h = self.hidden(x) if self.hidden is not None else x - 0.5
         return self.head(h * (h > 0))
 
 
-def test_a_mask_of_a_hidden_activation_stays_refused():
-    # an activation written by hand: Guided BP and DeepLIFT would silently get the gradient
+@pytest.mark.parametrize("hidden", [True, False])
+@pytest.mark.parametrize("method", ["guided_bp", "deeplift.rescale", "lrp.epsilon"])
+def test_an_activation_written_with_a_comparison_stays_refused(hidden, method):
+    # Guided BP would silently take the gradient there (taken for a mask of the input's padding)
+    model = HandWrittenReLU(hidden).eval()
     with pytest.raises(UnsupportedModelError, match=r"operation 'gt'.*comparison of activations"):
-        explain(HandWrittenReLU().eval(), torch.randn(2, 3), "lrp.epsilon", 1)
+        explain(model, torch.randn(2, 3), method, 1)

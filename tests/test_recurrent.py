@@ -280,7 +280,7 @@ def test_guided_bp_and_deconv_take_a_relu_rnn_and_refuse_a_tanh_rnn_by_name():
         got = explain(relu_model, x, method, 1).attribution
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
     tanh_model = Classifier(nn.RNN(4, 5, batch_first=True)).double().eval()
-    refusal = r"'tanh' in module 'rnn' \(RNN\) is an activation"
+    refusal = r"'tanh' of the recurrent layer 'rnn' \(RNN\) is an activation.*the LRP presets"
     with pytest.raises(UnsupportedModelError, match=refusal):
         explain(tanh_model, x, "guided_bp", 0)
 
@@ -349,8 +349,8 @@ def test_gradient_methods_run_and_the_rest_refuse_clearly(kind):
     ig = explain(model, x, "integrated_gradients", 0, steps=64)
     assert ig.delta.abs().max() < 1e-3
     for method, match in [
-        ("deeplift.rescale", r"'mul' in module 'rnn' \(\w+\) multiplies"),  # no gate rule
-        ("guided_bp", r"'sigmoid' in module 'rnn' \(\w+\) is an activation"),  # ReLUs only
+        ("deeplift.rescale", r"'mul' of the recurrent layer 'rnn' \(\w+\) multiplies"),  # gates
+        ("guided_bp", r"'sigmoid' of the recurrent layer 'rnn' \(\w+\) is an activation"),
     ]:
         with pytest.raises(UnsupportedModelError, match=match):
             explain(model, x, method, 0)
@@ -592,7 +592,7 @@ def test_a_cell_stepped_by_hand_is_explained_as_the_layer_with_its_weights(kind,
     x = sequences()
     if method.startswith("deeplift") and kind in ("lstm", "gru"):  # gates: refused alike
         for model in (layered, stepped):
-            with pytest.raises(UnsupportedModelError, match="'mul' in module"):
+            with pytest.raises(UnsupportedModelError, match="'mul' of the recurrent layer"):
                 explain(model, x, method, 2)
         return
     expected = explain(layered, x, method, 2).attribution

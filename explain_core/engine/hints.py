@@ -37,8 +37,9 @@ _OP_ALTERNATIVES = {
     **dict.fromkeys(
         ["gt", "lt", "ge", "le", "eq", "ne", "where"],
         "a comparison of activations (a mask, torch.where, a maximum of two tensors) has no "
-        "relevance rule; use F.relu or max pooling where that is what it computes (a mask of "
-        "the model input alone, such as its padding, is a constant and needs none)",
+        "relevance rule; use F.relu or max pooling where that is what it computes (an "
+        "equality test of the model input as given, x != 0 for its padding, is a constant "
+        "and needs none)",
     ),
 }
 

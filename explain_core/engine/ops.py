@@ -19,6 +19,7 @@ __all__ = [
     "ARRANGING_OPS",
     "AVGPOOL_OPS",
     "DROPOUT_OPS",
+    "EQUALITY_TESTS",
     "INDEX_OPS",
     "LINEAR_OPS",
     "MAXPOOL_OPS",
@@ -159,6 +160,11 @@ LINEAR_OPS = (
             *("interpolate", "upsample", "upsample_nearest", "upsample_bilinear"),
         ]
     )
+)
+# Tests of values for equality (a tensor's nonzero entries too): of the model input as given,
+# they find its padding; they are constant almost everywhere, so the rules take them as constants.
+EQUALITY_TESTS = frozenset(
+    {"eq", "ne", "any", "all", "count_nonzero", "isnan", "isinf", "isfinite"}
 )
 RELU_OPS = frozenset({"relu", "relu_"})
 # Other element-wise activations: LRP passes relevance through them and DeepLIFT rescales them

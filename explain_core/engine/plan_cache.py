@@ -113,10 +113,11 @@ def _settings(module: nn.Module) -> tuple[tuple[str, Any], ...]:
     """The module's attributes that may steer ``forward``, in comparable form.
 
     Flags and options (numbers, strings, enums, small containers and dataclasses of them),
-    functions and other objects (by identity, e.g. ``self.act = torch.tanh``) and tensor
+    functions (by identity, e.g. ``self.act = torch.tanh``), other objects by identity and the
+    flags among their own attributes (a config object: ``self.config.pad_input``), and tensor
     attributes that are neither parameters nor buffers (by identity and version). Submodules,
-    parameters and buffers are compared elsewhere. Recursion stops at containers of objects:
-    deeper state (an object's own attributes) is not seen.
+    parameters and buffers are compared elsewhere. Recursion stops there: an object's objects
+    are compared by identity only.
     """
     return tuple(
         (key, _setting(value)) for key, value in module.__dict__.items() if key not in _INTERNAL
@@ -141,6 +142,10 @@ def _setting(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):  # a config object
         fields = dataclasses.fields(value)
         return ("dataclass", id(value), tuple(_setting(getattr(value, f.name)) for f in fields))
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict) and not callable(value) and len(state) <= 512:
+        flags = tuple((k, v) for k, v in state.items() if isinstance(v, _PLAIN))
+        return ("object", id(value), flags)  # a config object: its flags steer forward
     return ("object", id(value))  # functions, modules' helpers, anything else: by identity
 
 

@@ -38,6 +38,7 @@ from explain_core.engine.ops import (
     _SIGN_PRESERVING,
     ACTIVATION_OPS,
     DROPOUT_OPS,
+    EQUALITY_TESTS,
     INDEX_OPS,
     LINEAR_OPS,
     MAX_REDUCTIONS,
@@ -121,8 +122,8 @@ class Plan:
             reused at every step of a loop, shared weights): its rule applies to each call.
         input_arranged: The model reshapes, permutes or pads its input before a layer reads it
             (the pass then notes how, for the input layer's rule: ``RuleCall.input_path``).
-        input_masks: The operations that compute a boolean mask from the model input alone
-            (``x != 0``: its padding, the lengths of its sequences), named for messages; the
+        input_masks: The equality tests of the model input as given (``x != 0``,
+            ``x.any(-1)``: its padding, the lengths of its sequences), named for messages; the
             rules take such masks as constants.
     """
 
@@ -178,20 +179,23 @@ class _TraceMode(TorchFunctionMode):
             tracer.decomposed = True
             with self:
                 return DECOMPOSED[name](*args, **kwargs)
-        inputs = [t for t in _tensors((args, kwargs)) if id(t) in tracer.dependent]
+        tensors = _tensors((args, kwargs))
+        inputs = [t for t in tensors if id(t) in tracer.dependent]
+        masks = [t for t in tensors if id(t) in tracer.masks]
         result = func(*args, **kwargs)
-        if inputs and getattr(func, "__name__", "") in VALUE_READS:
+        if (inputs or masks) and getattr(func, "__name__", "") in VALUE_READS:
             tracer.value_dependent = True  # Python control flow may branch on the values
+        if not inputs and masks and name not in VALUE_FREE_OPS:
+            tracer.note_masks(result)  # computed from masks alone (lengths, a float mask)
         if not inputs or name in VALUE_FREE_OPS:
             return result
-        from_input = all(id(t) in tracer.input_derived for t in inputs) and not _reads_parameters(
-            (args, kwargs)
-        )
-        if from_input and _is_mask(result):
-            # A mask of the model input (its padding, the lengths of its sequences): constant
-            # for the rules, as for the gradient, which nothing passes through it.
+        if name in EQUALITY_TESTS and all(id(t) in tracer.input_like for t in inputs):
+            # A mask of the model input's values (its padding, the lengths of its sequences):
+            # constant for the rules, as for the gradient, which nothing passes through it.
+            # Constant almost everywhere, unlike an order (x * (x > 0) is a ReLU by hand).
             path, type_name = tracer.where()
             tracer.input_masks.append(f"operation {name!r} in module {path!r} ({type_name})")
+            tracer.note_masks(result)
             return result
         # h[i] = v writes into h (and returns None); an in-place op on a view writes into its base
         outputs = [args[0]] if name == "setitem" else _tensors(result)
@@ -220,8 +224,6 @@ class _TraceMode(TorchFunctionMode):
                 tracer.input_like.discard(id(base))  # written into: no longer the input's values
         for out in outputs:
             tracer.mark(out)
-            if from_input:
-                tracer.input_derived.add(id(out))
             if reshaped_input:
                 tracer.input_like.add(id(out))
             elif writes:  # changed in place (x.sub_(mean)): no longer the input's values
@@ -367,10 +369,10 @@ class _Tracer(ModuleListener):
         self.dependent: dict[int, torch.Tensor] = {}
         self.input_like: set[int] = set()
         self.input_arranged = False  # an operation reshaped or padded the input
-        # tensors computed from the model input alone, without parameters or modules, and the
-        # masks of it computed from them (ids; the tensors stay in self.dependent)
-        self.input_derived: set[int] = set()
-        self.input_masks: list[str] = []
+        self.input_masks: list[str] = []  # the equality tests of the input, named
+        # tensor id → a mask of the input, or a tensor computed from such masks alone: no
+        # signal, but values of the input (forward may branch on them)
+        self.masks: dict[int, torch.Tensor] = {}
         self.producer: dict[int, str] = {}
         self.stack: list[str] = []
         self.calls: dict[str, int] = {}
@@ -407,6 +409,11 @@ class _Tracer(ModuleListener):
     # bookkeeping ---------------------------------------------------------------------------
     def mark(self, tensor: torch.Tensor) -> None:
         self.dependent[id(tensor)] = tensor
+
+    def note_masks(self, result: Any) -> None:
+        """Note the tensors of ``result`` as masks of the input (see ``masks``)."""
+        for tensor in _tensors(result):
+            self.masks[id(tensor)] = tensor
 
     def place(self) -> str:
         """Where the running operation is: a module, or a user hook on one (found on the stack)."""
@@ -482,12 +489,15 @@ class _Tracer(ModuleListener):
             if function is not None:
                 return self.function_problem(function)
             return self.no_grad_problem(name)
-        if name in ("rrelu", "rrelu_") and kwargs.get("training", len(args) > 3 and args[3]):
-            return "is a randomised leaky ReLU in training mode (call model.eval())"
-        if name in self.handled:
+        random_slopes = name in ("rrelu", "rrelu_") and kwargs.get(
+            "training", len(args) > 3 and args[3]
+        )
+        if name in self.handled and not random_slopes:
             return self._dense_call_problem(name, args, kwargs, inputs)
         problem = None
-        if name in _PRODUCT_OPS | {"rmul", "rdiv"}:
+        if random_slopes:
+            problem = "is a randomised leaky ReLU in training mode (call model.eval())"
+        elif name in _PRODUCT_OPS | {"rmul", "rdiv"}:
             if len(inputs) > 1 or (
                 name in ("div", "div_") and args and id(args[0]) != id(inputs[0])
             ):
@@ -524,6 +534,14 @@ class _Tracer(ModuleListener):
         if problem is None:
             return None
         path, type_name = self.where()
+        if self._inside_recurrent_layer():  # not the user's operation: the engine's cells
+            return (
+                f"operation {name!r} of the recurrent layer {path!r} ({type_name}) {problem}: "
+                "the engine computes the layer as its cells' operations, and this method has no "
+                "rule for them. Explain recurrent layers with the LRP presets (lrp.epsilon, "
+                "lrp.epsilon_plus, lrp.attn: the gates held constant, as Arras et al. 2017 do) "
+                "or with the gradient methods"
+            )
         return (
             f"operation {name!r} in {self.place()} {problem}: the "
             f"modified-backpropagation engine cannot see through it and will not fall back "
@@ -709,7 +727,6 @@ class _Tracer(ModuleListener):
         self.mark(x)
         self.input_id = id(x)
         self.input_like.add(id(x))
-        self.input_derived.add(id(x))
         # With gradients on, as the real pass runs: a torch.no_grad() block inside forward
         # shows as operations run without them (see problem()).
         with listening(self), torch.enable_grad(), _TraceMode(self):
@@ -889,17 +906,6 @@ class _Tracer(ModuleListener):
                 plan.custom[name] = rule
         resolve_rules(self.model, self.composite, plan)
         return plan
-
-
-def _reads_parameters(values: Any) -> bool:
-    """Whether any tensor among ``values`` is a parameter (a layer's, not the input's data)."""
-    return any(isinstance(t, nn.Parameter) for t in _tensors(values))
-
-
-def _is_mask(result: Any) -> bool:
-    """Whether ``result`` is boolean tensors only (a comparison's, ``any``'s)."""
-    tensors = _tensors(result)
-    return bool(tensors) and all(t.dtype == torch.bool for t in tensors)
 
 
 def _padding_problem(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -365,6 +365,7 @@ class ContrastiveLRP(Method):
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
         forward = lrp_engine(composites.lrp_zplus()).forward(model, inputs)
         output = forward.output.detach()
+        chosen = select_target(output, target)  # first: it refuses outputs not (batch, n)
         if output.shape[1] < 2:  # no other output: Eq. 15's second map is 0, the first z⁺'s
             raise InvalidInputError(
                 "lrp.contrastive contrasts the explained output with the model's other outputs "
@@ -372,7 +373,6 @@ class ContrastiveLRP(Method):
                 "nothing to contrast it with. Explain a binary classifier's one logit with "
                 "lrp.zplus, the rule lrp.contrastive applies, or another method"
             )
-        chosen = select_target(output, target)
         target_signal = one_hot(output, chosen)
         for_target = input_relevance(forward, target_signal, retain_graph=True)
         for_others = input_relevance(forward, 1 - target_signal)

@@ -578,21 +578,14 @@ class ZBox(AffineRule):
         path = call.input_path
         shape = path.shape if path is not None else x.shape
         bound = torch.as_tensor(value, dtype=x.dtype, device=x.device)
-        if bound.dim() == 0:
-            bound = bound.expand(shape)
-        elif bound.numel() == shape[1:].numel() and bound.shape != shape:
-            bound = bound.reshape(1, *shape[1:]).expand(shape)
-        elif bound.numel() == shape.numel():
-            bound = bound.reshape(shape)
-        else:
-            try:
-                bound = torch.broadcast_to(bound, shape)
-            except RuntimeError:
-                raise InvalidInputError(
-                    f"z^B bound {what} of shape {tuple(bound.shape)} does not fit the inputs of "
-                    f"shape {tuple(shape)}; give a number or a tensor shaped like one sample or "
-                    "the batch"
-                ) from None
+        try:  # a sample's shape, the batch's, or one that broadcasts to it ((C, 1, 1))
+            bound = torch.broadcast_to(bound, shape)
+        except RuntimeError:
+            raise InvalidInputError(
+                f"z^B bound {what} of shape {tuple(bound.shape)} does not fit the inputs of "
+                f"shape {tuple(shape)}; give a number or a tensor shaped like one sample, like "
+                "the batch, or broadcastable to them, in the layout of the model's input"
+            ) from None
         return path.apply(bound) if path is not None else bound
 
     def forward(self, call: RuleCall) -> tuple:  # noqa: D102
