@@ -589,13 +589,34 @@ def test_einsum_roll_and_swapaxes_are_explained_as_matmul_slicing_and_transpose(
         )
 
 
-@pytest.mark.parametrize("model", ["encoder", "shifted windows"])
+class GatedAttention(nn.Module):
+    """Attention, then a squeeze-excitation gate (MaxViT's MBConv) and a SwiGLU-style product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.qkv, self.head = nn.Linear(8, 24), nn.Linear(8, 3)
+        self.squeeze, self.excite, self.up = nn.Linear(8, 4), nn.Linear(4, 8), nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        h = x + torch.softmax(q @ k.transpose(1, 2) / math.sqrt(8), -1) @ v
+        gate = torch.sigmoid(self.excite(F.silu(self.squeeze(h.mean(1, keepdim=True)))))
+        h = h * gate.expand_as(h)  # held by AttnLRP: all relevance to h
+        a, b = self.up(h).chunk(2, dim=-1)
+        return self.head((h + F.silu(a) * b).mean(1))  # SiLU's product: split uniformly
+
+
+@pytest.mark.parametrize("model", ["encoder", "shifted windows", "gated"])
 def test_the_zoo_reference_for_attn_lrp_agrees_and_tells_it_from_cp_lrp(model):
-    # benchmarks/check_torchvision_zoo.py checks the real ViT, Swin and MaxViT with it
+    # benchmarks/check_torchvision_zoo.py checks the real ViT, Swin and MaxViT with it; the
+    # reference split MaxViT's sigmoid gates uniformly, which AttnLRP's gate rule holds
     import zoo_references
 
     if model == "encoder":
         network, x = encoder(norm_first=True), torch.randn(2, 5, 8, dtype=torch.float64)
+    elif model == "gated":
+        network, x = GatedAttention().double().eval(), torch.randn(2, 5, 8, dtype=torch.float64)
     else:
         network = ShiftedWindows("swin").double().eval()
         x = torch.randn(2, 6, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))

@@ -828,7 +828,10 @@ class _AttnLRPReference(TorchFunctionMode):
 
     Every operation on input-dependent tensors runs as written but: a product of two or more of
     them (``@``, ``bmm``, ``baddbmm``, ``einsum``, ``*``) is the average of the product with all
-    but one factor detached (the uniform rule); ``layer_norm`` divides by its σ detached and
+    but one factor detached (the uniform rule), except ``*`` of a signal and a sigmoid-like gate
+    (a sigmoid's or hard sigmoid's output, also reshaped or in arithmetic with a number: the
+    squeeze-excitation of MaxViT's MBConv), which detaches the gate (Arras et al.'s
+    signal-take-all, as the documented AttnLRP); ``layer_norm`` divides by its σ detached and
     ``normalize`` by its norm detached; an
     element-wise activation returns ``x ⊙ (f(x)/x)`` detached (``f'(0)`` at 0); softmax keeps
     its gradient. ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``) is written out
@@ -839,6 +842,7 @@ class _AttnLRPReference(TorchFunctionMode):
         super().__init__()
         self.model = copy.deepcopy(model).double().eval()
         self.dependent: dict[int, torch.Tensor] = {}
+        self.gates: set[int] = set()  # ids of sigmoid-like gates (their tensors: dependent)
         self.softmax_seen = False
 
     def _is_dependent(self, value: Any) -> bool:
@@ -855,7 +859,13 @@ class _AttnLRPReference(TorchFunctionMode):
             with self:  # written out: its operations seen one by one
                 result = _self_attention(*args, **kwargs)
         elif name in _PRODUCTS and len(positions) > 1:
-            result = self._uniform(func, flat, spec, positions)
+            gates = [p for p in positions if id(flat[p]) in self.gates]
+            if name in _ELEMENTWISE_PRODUCTS and len(positions) == 2 and len(gates) == 1:
+                flat[gates[0]] = flat[gates[0]].detach()  # the gate held: all to the signal
+                call_args, call_kwargs = tree_unflatten(flat, spec)
+                result = func(*call_args, **call_kwargs)
+            else:
+                result = self._uniform(func, flat, spec, positions)
         elif name == "layer_norm":
             result = _layer_norm_fixed_sigma(*args, **kwargs)
         elif name == "normalize":  # Swin V2's cosine attention: the norm held constant
@@ -868,10 +878,23 @@ class _AttnLRPReference(TorchFunctionMode):
         else:
             self.softmax_seen |= name in _SOFTMAX
             result = func(*args, **kwargs)
+        gate = func in _SIGMOIDS or self._keeps_gate(name, args)
         for value in tree_flatten(result)[0]:
             if isinstance(value, torch.Tensor):
                 self.dependent[id(value)] = value
+                if gate:
+                    self.gates.add(id(value))
         return result
+
+    def _keeps_gate(self, name: str, args: tuple[Any, ...]) -> bool:
+        """Whether the result is a gate still: one rearranged, or with a number added, …"""
+        if name in _ARRANGING_GATES:
+            return bool(args) and isinstance(args[0], torch.Tensor) and id(args[0]) in self.gates
+        if name not in _NUMBER_ARITHMETIC or len(args) != 2:
+            return False
+        tensor, number = args if isinstance(args[0], torch.Tensor) else args[::-1]
+        is_number = isinstance(number, (int, float)) and not isinstance(number, bool)
+        return is_number and isinstance(tensor, torch.Tensor) and id(tensor) in self.gates
 
     @staticmethod
     def _uniform(func: Callable, flat: list, spec: Any, positions: list[int]) -> torch.Tensor:
@@ -888,6 +911,13 @@ class _AttnLRPReference(TorchFunctionMode):
 
 
 _ATTENTION_ARGUMENTS = inspect.signature(F.multi_head_attention_forward)
+_ELEMENTWISE_PRODUCTS = {"mul", "__mul__", "__rmul__"}
+_SIGMOIDS = {torch.sigmoid, torch.Tensor.sigmoid, F.hardsigmoid}
+# What a gate stays a gate through: its shape, and arithmetic with a number.
+_ARRANGING_GATES = {"view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "flatten"}
+_ARRANGING_GATES |= {"unsqueeze", "squeeze", "permute", "transpose", "contiguous", "__getitem__"}
+_NUMBER_ARITHMETIC = {"mul", "__mul__", "__rmul__", "add", "__add__", "__radd__", "sub"}
+_NUMBER_ARITHMETIC |= {"__sub__", "__rsub__", "div", "__truediv__"}
 
 
 def _self_attention(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
