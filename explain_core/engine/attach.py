@@ -737,13 +737,15 @@ class RulePass(ModuleListener):
         path = self.path_from_input(source) if isinstance(source, torch.Tensor) else None
         if path is None or not isinstance(result, torch.Tensor):
             return
-        rest = args[1:]  # the source itself is not kept: only what it becomes matters
+        # Not the source itself is kept, only what it becomes: the other arguments.
+        positional, rest = bool(args), args[1:]
+        options = {k: v for k, v in kwargs.items() if positional or k != "input"}
 
         def arranged(tensor: torch.Tensor) -> torch.Tensor:
             moved = path(tensor)
-            if args:
-                return func(moved, *rest, **kwargs)
-            return func(*rest, **{**kwargs, "input": moved})
+            if positional:
+                return func(moved, *rest, **options)
+            return func(*rest, input=moved, **options)
 
         self.arranged[id(result)] = (weakref.ref(result), arranged)
 
