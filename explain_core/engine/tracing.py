@@ -426,15 +426,17 @@ class _Tracer(ModuleListener):
         path, type_name = self.where()
         return f"module {path!r} ({type_name})"
 
+    def _innermost(self) -> nn.Module:
+        """The innermost module called now (the model itself outside its submodules)."""
+        return self.model.get_submodule(self.stack[-1]) if self.stack else self.model
+
     def _inside_recurrent_layer(self) -> bool:
         """Whether the innermost module called is an RNN layer or cell (nn.LSTM, nn.GRUCell …)."""
-        module = self.model.get_submodule(self.stack[-1]) if self.stack else self.model
-        return isinstance(module, (nn.RNNBase, nn.RNNCellBase))
+        return isinstance(self._innermost(), (nn.RNNBase, nn.RNNCellBase))
 
     def where(self) -> tuple[str, str]:
         name = self.stack[-1] if self.stack else ""
-        module = self.model.get_submodule(name) if name else self.model
-        return name or "<root>", type(module).__name__
+        return name or "<root>", type(self._innermost()).__name__
 
     def record(
         self,
