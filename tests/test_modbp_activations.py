@@ -128,6 +128,54 @@ def test_deeplift_sums_to_the_output_difference(method, name):
     torch.testing.assert_close(result.attribution.sum((1, 2, 3)), difference)
 
 
+class GlobalMax(nn.Module):
+    """A ReLU net whose features are max-pooled over the whole image, written in ``form``."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.form = form
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+        self.pool = nn.MaxPool2d(6, return_indices=form == "MaxPool2d(return_indices)")
+        self.adaptive = nn.AdaptiveMaxPool2d(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        if self.form == "MaxPool2d":
+            pooled = self.pool(h).flatten(1)
+        elif self.form == "MaxPool2d(return_indices)":
+            pooled = self.pool(h)[0].flatten(1)
+        elif self.form == "AdaptiveMaxPool2d":
+            pooled = self.adaptive(h).flatten(1)
+        elif self.form == "amax":
+            pooled = h.amax((2, 3))
+        else:  # torch.max over one flattened dimension, kept
+            pooled = torch.max(h.flatten(2), dim=-1, keepdim=True).values.squeeze(-1)
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("rule", ["deeplift.rescale", "deeplift.reveal_cancel"])
+def test_deeplift_takes_its_max_pool_rule_at_every_form_of_max_pooling(rule):
+    # the same function written five ways: one map, and it sums to f(x) - f(x0), which the
+    # gradient's map (maxpool="gradient") does not
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    reference = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    forms = ["MaxPool2d", "MaxPool2d(return_indices)", "AdaptiveMaxPool2d", "amax", "max"]
+    maps = []
+    for form in forms:
+        model = GlobalMax(form).double().eval()
+        result = explain(model, x, rule, 1, baselines=reference)
+        with torch.no_grad():
+            difference = model(x)[:, 1] - model(reference)[:, 1]
+        torch.testing.assert_close(result.attribution.sum((1, 2, 3)), difference)
+        maps.append(result.attribution)
+    for form, other in zip(forms[1:], maps[1:], strict=True):
+        torch.testing.assert_close(other, maps[0], msg=form)
+    gradient_rule = explain(model, x, rule, 1, baselines=reference, maxpool="gradient")
+    assert not torch.allclose(gradient_rule.attribution, maps[0])
+
+
 def test_in_place_activations_give_the_same_maps_and_leave_inputs_alone():
     class InPlaceTanh(nn.Module):
         def forward(self, x):

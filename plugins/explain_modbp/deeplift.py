@@ -5,9 +5,10 @@ DeepLIFT's multiplier ``m`` with contributions ``Δx ⊙ m``, ``Δx = x − x⁰
 
 - **Rescale**: an activation's multiplier is ``Δy / Δx`` (the gradient where ``|Δx| < 1e-10``), for
   ReLU and every element-wise activation of :data:`~explain_core.engine.ops.ACTIVATION_OPS`; affine
-  layers, pooling and additions pass the gradient. Max pooling uses the rule written in Captum's
-  source by default (``maxpool="rescale"``: each window's ``Δy`` split between the input's and
-  the reference's winners); ``maxpool="gradient"`` passes the gradient. ``deeplift.rescale``
+  layers, average pooling and additions pass the gradient. Max pooling (``max_pool``, adaptive
+  max pooling, a maximum over dimensions) uses the rule written in Captum's source by default
+  (``maxpool="rescale"``: each window's ``Δy`` split between the input's and the reference's
+  winners); ``maxpool="gradient"`` passes the gradient. ``deeplift.rescale``
   equals ``captum.attr.DeepLift`` on models without max pooling; with max pooling Captum 0.9's
   output equals ``maxpool="gradient"`` (its max-pool hook runs, but the result it returns is not
   what reaches the inputs; measured in ``tests/test_modbp_activations.py``).
@@ -33,7 +34,13 @@ import torch.nn.functional as F
 
 from explain_core.engine import ModifiedBackprop
 from explain_core.engine.attach import LayerRecord
-from explain_core.engine.ops import ACTIVATION_OPS, ADD_OPS, RELU_OPS, OpHandler
+from explain_core.engine.ops import (
+    ACTIVATION_OPS,
+    ADD_OPS,
+    MAX_REDUCTIONS,
+    RELU_OPS,
+    OpHandler,
+)
 from explain_core.errors import InvalidInputError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
@@ -43,7 +50,16 @@ from explain_modbp.composites import gradient_composite
 from explain_modbp.methods import one_hot, per_sample_sum
 
 EPS = 1e-10
-_POOLS = {"max_pool1d": F.max_pool1d, "max_pool2d": F.max_pool2d, "max_pool3d": F.max_pool3d}
+_WINDOW = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+# Max pooling by operation name: the pooling function and its parameters after the input.
+_POOLS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {}
+for _d in (1, 2, 3):
+    for _suffix in ("", "_with_indices"):
+        _POOLS[f"max_pool{_d}d{_suffix}"] = (getattr(F, f"max_pool{_d}d"), _WINDOW)
+        _POOLS[f"adaptive_max_pool{_d}d{_suffix}"] = (
+            getattr(F, f"adaptive_max_pool{_d}d"),
+            ("output_size",),
+        )
 
 
 class _RescaleActivation(torch.autograd.Function):
@@ -131,9 +147,6 @@ class _RescaleMaxPool(torch.autograd.Function):
         return torch.cat([grad, torch.zeros_like(grad)]), None, None, None
 
 
-_POOL_PARAMETERS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
-
-
 class DeepLiftHandler(OpHandler):
     """The DeepLIFT rules for activations, max pooling and (RevealCancel) residual additions.
 
@@ -144,7 +157,7 @@ class DeepLiftHandler(OpHandler):
     """
 
     compares_with_reference = True
-    ops: ClassVar[frozenset[str]] = RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS)
+    ops: ClassVar[frozenset[str]] = RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS) | MAX_REDUCTIONS
 
     def __init__(
         self,
@@ -258,16 +271,58 @@ class DeepLiftHandler(OpHandler):
             positive, negative = self.split(x, pop=True)
             return _RevealCancelActivation.apply(x, positive, negative, activation, self.batch)
         if name in _POOLS:
-            if (
-                self.maxpool == "gradient"
-                or kwargs.get("return_indices")
-                or not self._is_activation(x)
-            ):
+            if self.maxpool == "gradient" or not self._is_activation(x):
                 return func(*args, **kwargs)
-            parameters = dict(zip(_POOL_PARAMETERS, args[1:], strict=False))
-            parameters.update({k: v for k, v in kwargs.items() if k in _POOL_PARAMETERS})
-            return _RescaleMaxPool.apply(x, _POOLS[name], self.batch, parameters)
+            return self._pool(name, args, kwargs)
+        if name in MAX_REDUCTIONS:
+            return self._max_over_dimensions(name, func, args, kwargs)
         return self._add(name, func, args, kwargs)
+
+    def _pool(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Max pooling (fixed or adaptive windows) with the rescale rule; indices if asked."""
+        pool, names = _POOLS[name]
+        parameters = dict(zip(names, args[1:], strict=False))
+        parameters.update({k: v for k, v in kwargs.items() if k in names})
+        positional = args[len(names) + 1] if len(args) > len(names) + 1 else False
+        output = _RescaleMaxPool.apply(args[0], pool, self.batch, parameters)
+        if not kwargs.get("return_indices", positional):
+            return output
+        return output, pool(args[0].detach(), **parameters, return_indices=True)[1]
+
+    def _max_over_dimensions(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """``x.amax(dims)``, ``torch.max(x, dim)``: max pooling over those dimensions.
+
+        The dimensions are moved last and flattened into one window of a 1-d max pooling.
+        ``torch.max`` of two tensors, and a maximum that includes the batch dimension, are
+        not max pooling: they run as they are.
+        """
+        x = args[0]
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+        keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+        if isinstance(dim, int):
+            dims = {dim % x.dim()}
+        elif isinstance(dim, (tuple, list)) and dim:
+            dims = {d % x.dim() for d in dim}
+        elif name == "amax" and not isinstance(dim, torch.Tensor) and "other" not in kwargs:
+            dims = set(range(x.dim()))  # amax(dim=()) reduces every dimension
+        else:
+            dims = {0}  # torch.max(x) of every value, or torch.max(a, b): not a pooling
+        if self.maxpool == "gradient" or 0 in dims or not self._is_activation(x):
+            return func(*args, **kwargs)
+        kept = [d for d in range(x.dim()) if d not in dims]
+        moved = x.permute(*kept, *sorted(dims))
+        window = moved.shape[len(kept) :].numel()
+        windows = moved.reshape(x.shape[0], -1, window)
+        pooled = _RescaleMaxPool.apply(windows, F.max_pool1d, self.batch, {"kernel_size": window})
+        values = pooled.reshape(moved.shape[: len(kept)])
+        if keepdim:
+            for d in sorted(dims):
+                values = values.unsqueeze(d)
+        if name == "max":
+            return torch.return_types.max((values, func(x.detach(), *args[1:], **kwargs)[1]))
+        return values
 
     def _add(self, name, func, args, kwargs):
         result = func(*args, **kwargs)
