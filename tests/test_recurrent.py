@@ -125,15 +125,20 @@ def _stabilised(z: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.where(z >= 0, z + eps, z - eps)
 
 
-def lrp_lstm_by_hand(model: Classifier, x: torch.Tensor, target: int, eps: float) -> torch.Tensor:
-    """Arras et al.'s LRP for a one-layer, batch-first LSTM read at its last step."""
+def lrp_lstm_by_hand(
+    model: Classifier, x: torch.Tensor, target: int, eps: float, c0: float = 0.0
+) -> torch.Tensor:
+    """Arras et al.'s LRP for a one-layer, batch-first LSTM read at its last step.
+
+    It starts from ``h = 0`` and ``c = c0``: constants, which keep the relevance they get.
+    """
     rnn, head = model.rnn, model.head
     hidden = rnn.hidden_size
     w = torch.cat([rnn.weight_ih_l0, rnn.weight_hh_l0], dim=1)
     b = rnn.bias_ih_l0 + rnn.bias_hh_l0
     batch, steps, _ = x.shape
     h = x.new_zeros(batch, hidden)
-    c = x.new_zeros(batch, hidden)
+    c = x.new_full((batch, hidden), c0)
     saved = []
     for t in range(steps):  # the forward pass, keeping what the relevance pass reads
         inputs = torch.cat([x[:, t], h], dim=1)
@@ -173,6 +178,88 @@ def test_lrp_for_lstms_is_arras_et_al(method):
     eps = 0.01
     got = explain(model, x, method, 2, epsilon=eps).attribution
     torch.testing.assert_close(got, lrp_lstm_by_hand(model, x, 2, eps), rtol=1e-9, atol=1e-12)
+
+
+def lrp_gru_by_hand(model: Classifier, x: torch.Tensor, target: int, eps: float) -> torch.Tensor:
+    """LRP for a one-layer, batch-first GRU from a zero state, read at its last step.
+
+    As ``recurrent.md`` writes its rules: ε at ``W x + b`` and ``U h + b``, the gates ``r`` and
+    ``z`` held (all relevance to the factor they multiply), ``tanh`` passed through, sums
+    in proportion. At the first step ``r ⊙ (U_n h_0 + b_n)`` is a constant: it keeps its share.
+    """
+    rnn, head = model.rnn, model.head
+    batch, steps, _ = x.shape
+    h = x.new_zeros(batch, rnn.hidden_size)
+    saved = []
+    for t in range(steps):
+        x_r, x_z, x_n = (x[:, t] @ rnn.weight_ih_l0.T + rnn.bias_ih_l0).chunk(3, dim=1)
+        h_r, h_z, h_n = (h @ rnn.weight_hh_l0.T + rnn.bias_hh_l0).chunk(3, dim=1)
+        r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
+        pre = x_n + r * h_n
+        n = torch.tanh(pre)
+        saved.append((h, x_n, h_n, r, z, pre, n))
+        h = (1 - z) * n + z * h
+    y = h @ head.weight.T + head.bias
+    relevance_y = torch.zeros_like(y)
+    relevance_y[:, target] = y[:, target]
+    relevance_h = h * ((relevance_y / _stabilised(y, eps)) @ head.weight)
+    relevance_x = torch.zeros_like(x)
+    hidden = rnn.hidden_size
+    w_n, u_n = rnn.weight_ih_l0[2 * hidden :], rnn.weight_hh_l0[2 * hidden :]
+    for t in reversed(range(steps)):
+        h_prev, x_n, h_n, r, z, pre, n = saved[t]
+        share = relevance_h / (n + z * (h_prev - n))  # h = n + z ⊙ (h_prev − n): in proportion
+        relevance_n = n * share
+        signal = z * (h_prev - n) * share  # z held: all to h_prev − n, in proportion
+        relevance_prev = h_prev * signal / (h_prev - n)
+        relevance_n = relevance_n - n * signal / (h_prev - n)
+        relevance_x_n = x_n * relevance_n / pre  # tanh passes; pre = x_n + r ⊙ h_n
+        relevance_h_n = r * h_n * relevance_n / pre  # r held: all to h_n
+        relevance_x[:, t] = x[:, t] * ((relevance_x_n / _stabilised(x_n, eps)) @ w_n)
+        if t > 0:  # h_0 is a constant: U_n h_0 + b_n keeps its share
+            relevance_prev = relevance_prev + h_prev * (
+                (relevance_h_n / _stabilised(h_n, eps)) @ u_n
+            )
+        relevance_h = relevance_prev
+    return relevance_x
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.epsilon_plus", "lrp.attn", "lrp.cp"])
+def test_lrp_for_grus_holds_the_gates_also_on_the_zero_state(method):
+    # At the first step the reset gate multiplies U_n·0 + b_n, a constant: the gate scaled by
+    # it went through the rules as a linear map and passed that share into the gate
+    torch.manual_seed(4)
+    model = Classifier(nn.GRU(4, 5, batch_first=True)).double().eval()
+    x = sequences()
+    eps = 0.01
+    got = explain(model, x, method, 2, epsilon=eps).attribution
+    torch.testing.assert_close(got, lrp_gru_by_hand(model, x, 2, eps), rtol=1e-9, atol=1e-12)
+
+
+class LearnedCellState(nn.Module):
+    """An LSTM that starts from a learned cell state ``c_0`` (and ``h_0 = 0``)."""
+
+    def __init__(self, classifier: Classifier) -> None:
+        super().__init__()
+        self.rnn, self.head = classifier.rnn, classifier.head
+        self.c0 = nn.Parameter(torch.full((1, 1, self.rnn.hidden_size), 0.4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c0 = self.c0.expand(1, x.shape[0], -1)
+        out, _ = self.rnn(x, (torch.zeros_like(c0), c0))
+        return self.head(out[:, -1])
+
+
+def test_lrp_for_lstms_holds_the_forget_gate_on_a_learned_cell_state():
+    torch.manual_seed(1)
+    classifier = Classifier(nn.LSTM(4, 5, batch_first=True))
+    model = LearnedCellState(classifier).double().eval()
+    with torch.no_grad():
+        model.c0.fill_(0.4)  # in float64, as the reference's
+    x = sequences()
+    got = explain(model, x, "lrp.epsilon", 2, epsilon=0.01).attribution
+    expected = lrp_lstm_by_hand(model, x, 2, 0.01, c0=0.4)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
 
 
 def elman_by_hand(
@@ -643,10 +730,23 @@ class ElmanByHand(nn.Module):
         return self.head(h)
 
 
-def assert_by_hand_equals_layer(kind: str, by_hand: type[nn.Module], method: str, seed: int):
-    """``method``'s map of a layer of ``kind`` equals that of ``by_hand`` with its weights."""
+def assert_by_hand_equals_layer(
+    kind: str,
+    by_hand: type[nn.Module],
+    method: str,
+    seed: int,
+    constant_state_signal: bool = True,
+):
+    """``method``'s map of a layer of ``kind`` equals that of ``by_hand`` with its weights.
+
+    ``constant_state_signal=False`` zeroes a GRU's ``b_hn``: from the zero state its reset gate
+    then multiplies 0, where a cell written by hand differs from the layer (``recurrent.md``).
+    """
     torch.manual_seed(seed)
     layer = recurrent(kind, 4, 5, batch_first=True).double()
+    if kind == "gru" and not constant_state_signal:
+        with torch.no_grad():
+            layer.bias_hh_l0[2 * layer.hidden_size :] = 0
     model = Classifier(layer).double().eval()
     written = by_hand(layer, model.head).eval()
     x = sequences()
@@ -745,7 +845,7 @@ def test_gates_written_as_one_minus_or_split_from_one_sigmoid_are_held(kind, met
     # 1 − z and a sigmoid's output split into gates lost the gate: the other factor (a tanh)
     # was held instead, and relevance went through the sigmoid (sums of −4e6 for a logit of 0.2)
     by_hand = GRUAsDocumented if kind == "gru" else LSTMOneSigmoid
-    assert_by_hand_equals_layer(kind, by_hand, method, 13)
+    assert_by_hand_equals_layer(kind, by_hand, method, 13, constant_state_signal=False)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -34,6 +34,7 @@ from explain_core.engine.ops import (
     op_name,
     without_function_modes,
 )
+from explain_core.engine.recurrent import input_dependence
 from explain_core.engine.tracing import Plan, user_hook_codes
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import AffineRule, Gradient, InputPath, Rule, RuleCall
@@ -318,9 +319,7 @@ def _apply_op_rule(
     positions = [
         i
         for i, value in enumerate(flat)
-        if isinstance(value, torch.Tensor)
-        and value.requires_grad
-        and not _from_weights(value, attached.input)
+        if isinstance(value, torch.Tensor) and attached.depends_on_input(value)
     ]
     if len(positions) < max(rule.min_inputs, 1):  # e.g. no input-dependent tensor at all
         return func(*args, **kwargs)
@@ -411,7 +410,7 @@ class OperationMode(TorchFunctionMode):
                 fused = self._fused_attention(func, args, kwargs)
                 if fused is not None:
                     return fused
-            with self:
+            with self, input_dependence(self.attached.depends_on_input):
                 return DECOMPOSED[name](*args, **kwargs)
         if name in RELU_OPS and args and self.attached.is_masked_output(args[0]):
             with torch.no_grad():  # the layer's rule applies this ReLU's gradient
@@ -755,6 +754,10 @@ class RulePass(ModuleListener):
             return _unchanged
         entry = self.arranged.get(id(tensor))
         return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def depends_on_input(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is computed from the pass's input (weights and constants are not)."""
+        return tensor.requires_grad and not _from_weights(tensor, self.input)
 
     def source_of(self, tensor: torch.Tensor) -> RuleCall | None:
         """The ruled call of this pass that returned ``tensor``, if any."""

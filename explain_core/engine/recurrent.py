@@ -20,21 +20,60 @@ the fused kernels; the output is packed too.
 
 The composite's rules then apply to them as to a cell written by hand: LRP's presets hold the
 sigmoid gates constant (all relevance to the signal: "signal-take-all"), pass relevance through
-the tanh of the candidate and of the cell, and take their dense rule at the linear maps. The
-values equal the fused kernels' up to float rounding; the model and ``torch`` are not changed.
+the tanh of the candidate and of the cell, and take their dense rule at the linear maps. Where
+the signal a gate multiplies comes from a constant state alone (the first step from a zero,
+learned or given initial state: an LSTM's ``f ⊙ c_0``, a GRU's ``r ⊙ (U_n h_0 + b_hn)``), the gate
+is held there too, by the cell itself: the product is a constant, whose relevance stays there as
+a bias's does, where a rule would otherwise see a gate scaled by a constant (a linear map) and pass
+the relevance into the gate. The pass tells the cells which tensors depend on the input
+(:func:`input_dependence`). The values equal the fused kernels' up to float rounding; the model
+and ``torch`` are not changed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from explain_core.engine.ops import without_function_modes
 from explain_core.errors import UnsupportedModelError
 
-__all__ = ["CELLS", "gru", "lstm", "rnn_relu", "rnn_tanh"]
+__all__ = ["CELLS", "gru", "input_dependence", "lstm", "rnn_relu", "rnn_tanh"]
+
+_DEPENDS_ON_INPUT: ContextVar[Callable[[torch.Tensor], bool] | None] = ContextVar(
+    "depends_on_input", default=None
+)
+
+
+@contextmanager
+def input_dependence(test: Callable[[torch.Tensor], bool]) -> Iterator[None]:
+    """Inside the block the cells ask ``test`` whether a state depends on the input.
+
+    An engine pass (or trace) sets it around the layers it writes out; without it every state
+    counts as input-dependent and every gate is left to the rules (a plain gradient's graph).
+    """
+    token = _DEPENDS_ON_INPUT.set(test)
+    try:
+        yield
+    finally:
+        _DEPENDS_ON_INPUT.reset(token)
+
+
+def _gate_on(gate: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """``gate``, or a constant copy of it where ``state``, its signal's source, is constant.
+
+    The copy is made unseen by the pass, so the product is a constant for every rule.
+    """
+    test = _DEPENDS_ON_INPUT.get()
+    if test is None or test(state):
+        return gate
+    with without_function_modes():
+        return gate.detach()
 
 
 def _check(kind: str, dropout: float, train: bool, num_layers: int) -> None:
@@ -165,7 +204,7 @@ def _joint_linear(
 def _lstm_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: State) -> State:
     h, c = state
     i, f, g, o = _joint_linear(weights, x, h).chunk(4, dim=-1)
-    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
+    c = _gate_on(torch.sigmoid(f), c) * c + torch.sigmoid(i) * torch.tanh(g)
     h = torch.sigmoid(o) * torch.tanh(c)
     w_hr = weights[4]
     return (h if w_hr is None else F.linear(h, w_hr)), c
@@ -177,7 +216,7 @@ def _gru_step(weights: tuple[torch.Tensor | None, ...], x: torch.Tensor, state: 
     x_r, x_z, x_n = F.linear(x, w_ih, b_ih).chunk(3, dim=-1)  # type: ignore[arg-type]
     h_r, h_z, h_n = F.linear(h, w_hh, b_hh).chunk(3, dim=-1)  # type: ignore[arg-type]
     r, z = torch.sigmoid(x_r + h_r), torch.sigmoid(x_z + h_z)
-    n = torch.tanh(x_n + r * h_n)
+    n = torch.tanh(x_n + _gate_on(r, h) * h_n)
     return (n + z * (h - n),)
 
 

@@ -51,6 +51,7 @@ from explain_core.engine.ops import (
     VALUE_READS,
     op_name,
 )
+from explain_core.engine.recurrent import input_dependence
 from explain_core.errors import UnsupportedModelError
 from explain_core.interfaces.relevance import (
     AffineRule,
@@ -177,7 +178,7 @@ class _TraceMode(TorchFunctionMode):
         name = op_name(func)
         if name in DECOMPOSED:  # fused attention: trace the operations it stands for
             tracer.decomposed = True
-            with self:
+            with self, input_dependence(tracer.depends_on_input):
                 return DECOMPOSED[name](*args, **kwargs)
         tensors = _tensors((args, kwargs))
         inputs = [t for t in tensors if id(t) in tracer.dependent]
@@ -409,6 +410,10 @@ class _Tracer(ModuleListener):
     # bookkeeping ---------------------------------------------------------------------------
     def mark(self, tensor: torch.Tensor) -> None:
         self.dependent[id(tensor)] = tensor
+
+    def depends_on_input(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is computed from the traced input."""
+        return self.dependent.get(id(tensor)) is tensor
 
     def note_masks(self, result: Any) -> None:
         """Note the tensors of ``result`` as masks of the input (see ``masks``)."""
