@@ -441,6 +441,44 @@ def test_gated_mlps_hold_the_gate_in_cp_lrp_and_split_uniformly_in_attn_lrp(
     torch.testing.assert_close(explain(model, x, name, 2).attribution, x * grad)
 
 
+class AttentionPooling(nn.Module):
+    """Attention pooling over positions, ``Σ_t a_t v_t``, written as ``form``."""
+
+    def __init__(self, form: str, values: str) -> None:
+        super().__init__()
+        torch.manual_seed(15)
+        self.form, self.values = form, values
+        self.value, self.score = nn.Linear(4, 6, bias=False), nn.Linear(4, 1, bias=False)
+        self.head = nn.Linear(6, 3, bias=False)
+
+    def forward(self, x: torch.Tensor, hold: bool = False) -> torch.Tensor:
+        a = torch.softmax(self.score(x).squeeze(-1), dim=1)
+        v = torch.tanh(self.value(x)) if self.values == "tanh" else self.value(x)
+        if hold:  # CP-LRP's reference: the weights held, the pass rule at tanh
+            a = a.detach()
+            v = self.value(x) * (v / self.value(x)).detach()
+        if self.form == "mul":
+            pooled = (a.unsqueeze(-1) * v).sum(1)
+        else:
+            pooled = torch.bmm(a.unsqueeze(1), v).squeeze(1)
+        return self.head(pooled)
+
+
+@pytest.mark.parametrize("values", ["linear", "tanh"])
+@pytest.mark.parametrize("form", ["mul", "bmm"])
+def test_cp_lrp_holds_attention_weights_also_in_a_product(form, values):
+    # (a.unsqueeze(-1) * v).sum(1) split the relevance uniformly (half lost in the held
+    # softmax), or held tanh(v) as the gate and lost all of it
+    model = AttentionPooling(form, values).double().eval()
+    x = torch.randn(3, 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(16))
+    xr = x.clone().requires_grad_(True)
+    (grad,) = torch.autograd.grad(model(xr, hold=True)[:, 1].sum(), xr)
+    result = explain(model, x, "lrp.cp", 1)
+    torch.testing.assert_close(result.attribution, x * grad)
+    if values == "linear":  # bias-free and linear with the weights held: it conserves
+        torch.testing.assert_close(result.delta, torch.zeros(3, dtype=torch.float64))
+
+
 # --- fused attention with scaled gradients: the same relevance, no attention weights kept ----
 
 

@@ -79,11 +79,12 @@ def product_gradients(
 _SQUASHING = frozenset({"sigmoid", "sigmoid_", "hardsigmoid", "hardsigmoid_"})
 
 
-def _gate_level(source: RuleCall | None) -> int:
+def _gate_level(source: RuleCall | None, attention_weights: bool = False) -> int:
     """How gate-like the factor ``source`` made is.
 
-    2: a sigmoid-like squashing into [0, 1] (squeeze-excitation); 1: another element-wise
-    activation (SwiGLU's SiLU); 0: none.
+    3: attention weights (a softmax's output), if ``attention_weights``; 2: a sigmoid-like
+    squashing into [0, 1] (squeeze-excitation); 1: another element-wise activation (SwiGLU's
+    SiLU); 0: none.
     """
     if source is None:
         return 0
@@ -94,12 +95,16 @@ def _gate_level(source: RuleCall | None) -> int:
         if kind.__module__ not in ("transformers.activations", "torch.nn.modules.activation"):
             return 0
         name = kind.__name__.lower()
+    if name == "softmax":
+        return 3 if attention_weights else 0
     if name in _SQUASHING:
         return 2
     return 1 if source.module is not None or name in ACTIVATION_OPS else 0
 
 
-def _gate(sources: tuple[RuleCall | None, ...], lowest: int = 1) -> int | None:
+def _gate(
+    sources: tuple[RuleCall | None, ...], lowest: int = 1, attention_weights: bool = False
+) -> int | None:
     """The position of the gate among two factors, if one is more gate-like than the other.
 
     In squeeze-excitation the signal itself often comes from an activation (EfficientNet's
@@ -108,7 +113,7 @@ def _gate(sources: tuple[RuleCall | None, ...], lowest: int = 1) -> int | None:
     """
     if len(sources) != 2:
         return None
-    levels = [_gate_level(source) for source in sources]
+    levels = [_gate_level(source, attention_weights) for source in sources]
     if levels[0] == levels[1] or max(levels) < lowest:
         return None
     return 0 if levels[0] > levels[1] else 1
@@ -130,20 +135,30 @@ class HoldGate(Rule):
             output (SwiGLU's SiLU) take ``otherwise``. AttnLRP's choice: it splits those
             uniformly, but the pass rule cannot carry relevance into a sigmoid, whose output is
             1/2 where its input is 0 (the linear map before it would divide by that 0).
+        attention_weights: Hold a softmax's output before any gate: attention weights
+            written as a product (``(a.unsqueeze(-1) * v).sum(1)``, attention pooling), which
+            CP-LRP holds constant as it does in ``A·V``.
     """
 
     min_inputs = 2
     output_in_backward = False
 
-    def __init__(self, otherwise: Rule | None = None, *, squashing_only: bool = False) -> None:
+    def __init__(
+        self,
+        otherwise: Rule | None = None,
+        *,
+        squashing_only: bool = False,
+        attention_weights: bool = False,
+    ) -> None:
         if squashing_only and otherwise is None:
             raise ValueError("squashing_only needs a rule for the other products (otherwise=)")
         self.otherwise = otherwise
         self.squashing_only = squashing_only
+        self.attention_weights = attention_weights
 
     def forward(self, call: RuleCall) -> int | None:
         """The gate's position (refused in the forward pass if none, without a fallback)."""
-        gate = _gate(call.sources, lowest=2 if self.squashing_only else 1)
+        gate = _gate(call.sources, 2 if self.squashing_only else 1, self.attention_weights)
         if gate is None and self.otherwise is None:
             raise UnsupportedModelError(
                 f"operation {call.name!r} multiplies two input-dependent tensors, neither (or "

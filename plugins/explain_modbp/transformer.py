@@ -14,8 +14,10 @@ GELU, SiLU, tanh, …    ``R_x = R_y`` (``f(x)/x``, LRP's pass rule)  the same
 ``matmul``, ``bmm``,   the uniform rule: half of the relevance to   the gradient (with the
 ``einsum`` of two      each factor (:class:`Uniform`)               attention weights constant,
 activations                                                         all relevance goes to V)
-``mul`` of two         the uniform rule; a sigmoid-like gate (an    the activated gate held
-activations            LSTM's, squeeze-excitation's) held constant  constant (:class:`HoldGate`)
+``mul`` of two         the uniform rule; a sigmoid-like gate (an    attention weights (a
+activations            LSTM's, squeeze-excitation's) held constant  softmax's output) or else
+                                                                    the activated gate held
+                                                                    constant (:class:`HoldGate`)
 =====================  ===========================================  ===========================
 
 Modules that act element-wise though written with several operations — Hugging Face's activation
@@ -126,12 +128,13 @@ def lrp_attn(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
 
 def lrp_cp(epsilon: float = 0.0, gamma: float = 0.0) -> Composite:
     """CP-LRP: the attention weights and normalising scales held constant."""
-    # A·V with A constant: all relevance to V (the gradient); a gated MLP's act(gate) · up
-    # with the activated gate constant: all relevance to up. Both conserve.
+    # A·V with A constant: all relevance to V (the gradient), also written as a product
+    # (a * v).sum(…); a gated MLP's act(gate) · up with the activated gate constant: all
+    # relevance to up. Both conserve.
     rules_ = [
         (Op("softmax"), Constant()),
         (Op("matmul", "bmm", "einsum"), Gradient()),
-        (Op("mul"), HoldGate(otherwise=Uniform())),
+        (Op("mul"), HoldGate(otherwise=Uniform(), attention_weights=True)),
     ]
     return Composite([*_shared(epsilon, gamma), *rules_], name="lrp.cp")
 
