@@ -24,6 +24,7 @@ from explain_core.errors import (
     ModelRunError,
     ModelStateError,
     OutOfMemoryError,
+    UnsupportedModelError,
 )
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "check_scores",
     "clear_model_errors",
     "diagnose_failure",
+    "input_gradient",
     "model_error",
     "non_finite_samples",
     "refuse_inference_mode",
@@ -293,6 +295,34 @@ CHECKPOINT_ADVICE = (
     "model.gradient_checkpointing_disable(); your own code: call the module directly when "
     "not training)"
 )
+
+
+CUT_PATH = (
+    "the model's output does not depend differentiably on its input: a torch.no_grad() block "
+    "(or .detach(), .data) in forward cuts the path {signal} must travel back along; remove it "
+    "from forward"
+)
+
+
+def input_gradient(
+    score: torch.Tensor,
+    inputs: torch.Tensor,
+    grad_outputs: torch.Tensor | None = None,
+    **options: bool,
+) -> torch.Tensor:
+    """``torch.autograd.grad(score, inputs, grad_outputs, **options)``'s one gradient.
+
+    ``options``: ``torch.autograd.grad``'s ``create_graph`` and ``is_grads_batched``.
+
+    Raises:
+        UnsupportedModelError: If ``forward`` cut the path from ``inputs`` to ``score`` (torch
+            says only that a tensor was not used in the graph).
+    """
+    if score.requires_grad:
+        (gradient,) = torch.autograd.grad(score, inputs, grad_outputs, allow_unused=True, **options)
+        if gradient is not None:
+            return gradient
+    raise UnsupportedModelError(CUT_PATH.format(signal="the gradient"))
 
 
 _CUDNN_RNN_IN_EVAL = "cudnn RNN backward can only be called in training mode"

@@ -17,6 +17,7 @@ from explain_core import (
     InvalidInputError,
     ModelRunError,
     ModelStateError,
+    UnsupportedModelError,
     explain,
     explain_inputs,
 )
@@ -530,3 +531,31 @@ def test_a_forward_with_another_input_is_told_the_way_to_explain_it(model_type, 
     xg = x.clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(model(xg, mask=mask)[:, 1].sum(), xg)
     torch.testing.assert_close(explained.attribution, expected)
+
+
+def _frozen_features(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():  # a frozen feature extractor
+        features = net[:3](x)
+    return net[3](features)
+
+
+@pytest.mark.parametrize(
+    "forward",
+    [_frozen_features, lambda net, x: net[3](net[:3](x).detach())],
+    ids=["no_grad", "detach"],
+)
+@pytest.mark.parametrize(
+    "method",
+    [
+        "gradient",
+        "input_x_gradient",
+        "smoothgrad",
+        "integrated_gradients",
+        "dynamic.contributions",
+        "lrp.epsilon",
+    ],
+)
+def test_a_forward_that_cuts_the_path_from_its_input_is_refused_by_every_method(method, forward):
+    # the gradient methods let torch's "appears to not have been used in the graph" escape
+    with pytest.raises(UnsupportedModelError, match=r"no_grad\(\)|'detach'"):
+        explain(Wrapped(forward), images(), method, 1)

@@ -55,6 +55,7 @@ from explain_core.engine.tracing import Plan
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.model_guard import require_eval_mode
 from explain_core.scoped import listening
+from explain_core.validation import CUT_PATH
 from explain_core.vjp import vjp
 
 if TYPE_CHECKING:
@@ -251,11 +252,7 @@ class ModifiedBackprop:
                 break
             forget_plan(model)  # the model ran other modules than planned: trace again
         if grad and isinstance(output, torch.Tensor) and not output.requires_grad:
-            raise UnsupportedModelError(
-                "the model's output does not depend differentiably on its input: a "
-                "torch.no_grad() block (or .detach(), .data) in forward cuts the path relevance "
-                "must travel back along; remove it from forward"
-            )
+            raise UnsupportedModelError(CUT_PATH.format(signal="relevance"))
         return ForwardPass(x, output, attached.records, plan)
 
 

@@ -614,7 +614,7 @@ class _Tracer(ModuleListener):
         if function is not None and function is not BackwardHookFunction:
             return self.function_problem(function)
         subject = self.place()
-        if op is not None:
+        if op is not None and not self._inside_recurrent_layer():  # its ops are the engine's
             subject = f"operation {op!r} in {subject}"
         return (
             f"{subject} runs under torch.no_grad() (or inference mode) inside forward, which "

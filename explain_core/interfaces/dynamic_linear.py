@@ -19,6 +19,7 @@ from torch import nn
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
 from explain_core.scoped import scoped_setting, scoped_settings
+from explain_core.validation import input_gradient
 
 __all__ = [
     "Contributions",
@@ -139,13 +140,12 @@ def dynamic_linear_rows(
         selected = output.gather(1, index)  # (batch, n_targets)
         n_targets = index.shape[1]
         if n_targets == 1:
-            (rows,) = torch.autograd.grad(selected.sum(), x, create_graph=create_graph)
-            rows = rows[:, None]
+            rows = input_gradient(selected.sum(), x, create_graph=create_graph)[:, None]
         else:
             # One VJP per target column in a single batched call: row k of eye selects column k.
             eye = torch.eye(n_targets, dtype=selected.dtype, device=selected.device)
             grad_outputs = eye[:, None, :].expand(n_targets, *selected.shape)
-            (rows,) = torch.autograd.grad(
+            rows = input_gradient(
                 selected, x, grad_outputs, is_grads_batched=True, create_graph=create_graph
             )
             rows = rows.movedim(0, 1)  # (batch, n_targets, *input_shape)

@@ -14,8 +14,7 @@ from explain_core.interfaces.relevance import ModifiedGradient
 from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
-from explain_core.validation import check_scores
-from explain_core.vjp import vjp
+from explain_core.validation import check_scores, input_gradient
 
 Composite = str | ModifiedGradient | None
 
@@ -44,7 +43,7 @@ def _output_and_gradient(
     with torch.enable_grad():
         output = model(x)
         chosen_now = select_target(output, target)
-        (gradient,) = torch.autograd.grad(output.gather(1, chosen_now[:, None]).sum(), x)
+        gradient = input_gradient(output.gather(1, chosen_now[:, None]).sum(), x)
     return output.detach(), chosen_now, gradient
 
 
@@ -70,7 +69,7 @@ class ExplanationMode(ModifiedGradient):
         x = inputs.detach().requires_grad_(True)
         with explanation_mode(model), torch.enable_grad():
             output = model(x)
-            (signal,) = vjp(output, x, select(output.detach()))
+            signal = input_gradient((output * select(output.detach())).sum(), x)
         return output.detach(), signal
 
 
