@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from explain_core import ModelStateError, UnsupportedModelError, explain
@@ -174,6 +175,55 @@ def test_deeplift_takes_its_max_pool_rule_at_every_form_of_max_pooling(rule):
         torch.testing.assert_close(other, maps[0], msg=form)
     gradient_rule = explain(model, x, rule, 1, baselines=reference, maxpool="gradient")
     assert not torch.allclose(gradient_rule.attribution, maps[0])
+
+
+class Arranged(nn.Module):
+    """Two convolutions and a head; between the second and its ReLU, ``form`` arranges."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.form = form
+        self.conv1, self.conv2 = nn.Conv2d(2, 4, 3, padding=1), nn.Conv2d(4, 4, 1)
+        self.pointwise = nn.Linear(4, 4)  # ConvNeXt's: conv2 as a Linear on channels last
+        with torch.no_grad():
+            self.pointwise.weight.copy_(self.conv2.weight[:, :, 0, 0])
+            self.pointwise.bias.copy_(self.conv2.bias)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv1(x))
+        if self.form == "channels-last Linear":
+            h = self.pointwise(h.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        elif self.form == "channels-last F.linear":
+            h = F.linear(h.permute(0, 2, 3, 1), self.pointwise.weight, self.pointwise.bias)
+            h = h.permute(0, 3, 1, 2)
+        else:
+            h = self.conv2(h)
+        if self.form == "view(shape)":
+            h = h.view(h.shape)
+        elif self.form == "permuted and back":
+            h = h.permute(0, 2, 3, 1).permute(0, 3, 1, 2)
+        y = self.head(torch.relu(h).mean((2, 3)))
+        return y.view(-1, 3) if self.form == "view(shape)" else y
+
+
+@pytest.mark.parametrize("rule", ["deeplift.reveal_cancel", "deeplift.ablation"])
+def test_reveal_cancel_splits_a_layer_reshaped_or_permuted_before_its_relu_alike(rule):
+    # the positive and negative parts of the layer's output were lost at the reshape (and
+    # never made for F.linear): its ReLU (and the output, reshaped) took the difference split
+    # by sign instead
+    x = torch.randn(3, 2, 5, 5, dtype=torch.float64)
+    forms = [
+        "plain",
+        "view(shape)",
+        "permuted and back",
+        "channels-last Linear",
+        "channels-last F.linear",
+    ]
+    maps = [explain(Arranged(form).double().eval(), x, rule, 1).attribution for form in forms]
+    for form, other in zip(forms[1:], maps[1:], strict=True):
+        torch.testing.assert_close(other, maps[0], msg=form)
 
 
 def test_in_place_activations_give_the_same_maps_and_leave_inputs_alone():

@@ -420,6 +420,10 @@ class OperationMode(TorchFunctionMode):
         if name in self.kinds:
             rule = self.composite.rule_for_op(name)
             if isinstance(rule, Gradient):  # nothing to change: let it through as written
+                if self.handler is not None and name in self.handler.ops:  # it takes note
+                    return self._noted(
+                        name, func, args, kwargs, self.handler.handle(name, func, args, kwargs)
+                    )
                 return self._noted(name, func, args, kwargs, func(*args, **kwargs))
             with self.attached.internal_ops():
                 result = _apply_op_rule(rule, name, func, args, kwargs, self.attached)

@@ -32,6 +32,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.nn.functional as F
 
+from explain_core.affine import AffineLayer, functional_linear
 from explain_core.engine import ModifiedBackprop
 from explain_core.engine.attach import LayerRecord
 from explain_core.engine.ops import (
@@ -39,6 +40,7 @@ from explain_core.engine.ops import (
     ADD_OPS,
     MAX_REDUCTIONS,
     RELU_OPS,
+    RESHAPE_OPS,
     OpHandler,
 )
 from explain_core.errors import InvalidInputError
@@ -50,6 +52,10 @@ from explain_modbp.composites import gradient_composite
 from explain_modbp.methods import one_hot, per_sample_sum
 
 EPS = 1e-10
+# The dense layers DeepLIFT takes as functions (gradient_composite's).
+_FUNCTIONAL_LAYERS = frozenset({"linear", "addmm"})
+# Operations that only arrange values (not in place): a tensor's parts are arranged alike.
+_ARRANGING = frozenset(name for name in RESHAPE_OPS if not name.endswith("_"))
 _WINDOW = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
 # Max pooling by operation name: the pooling function and its parameters after the input.
 _POOLS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {}
@@ -178,7 +184,7 @@ class DeepLiftHandler(OpHandler):
         self.layers: Mapping[str, LayerRecord] = {}
         self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
         if rule != "rescale":
-            self.ops = self.ops | ADD_OPS
+            self.ops = self.ops | ADD_OPS | _ARRANGING | _FUNCTIONAL_LAYERS
 
     @property
     def needs_layers(self) -> bool:
@@ -223,7 +229,8 @@ class DeepLiftHandler(OpHandler):
             return entry[1], entry[2]
         for record in reversed(self.layers.values()):  # the layer that made it ran last, mostly
             if record.output is tensor:
-                positive, negative = self._layer_parts(record)
+                assert record.call.layer is not None
+                positive, negative = self._layer_parts(record.call.layer, record.input)
                 self.register(tensor, positive, negative)
                 return positive, negative
         return None
@@ -239,13 +246,13 @@ class DeepLiftHandler(OpHandler):
         delta = tensor[: self.batch] - tensor[self.batch :]
         return delta * (delta > 0), delta * (delta < 0)
 
-    def _layer_parts(self, record: LayerRecord) -> tuple[torch.Tensor, torch.Tensor]:
-        """``Δz⁺``, ``Δz⁻`` of an affine layer, differentiable functions of its input.
+    def _layer_parts(
+        self, layer: AffineLayer, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``Δz⁺``, ``Δz⁻`` of an affine layer, differentiable functions of its input ``x``.
 
         Their backward is the paper's Eq. 13 (or its decoupled ablation).
         """
-        layer, x = record.call.layer, record.input
-        assert layer is not None
         batch = self.batch
         delta = x[:batch] - x[batch:]
         dpos, dneg = delta * (delta > 0), delta * (delta < 0)
@@ -276,7 +283,36 @@ class DeepLiftHandler(OpHandler):
             return self._pool(name, args, kwargs)
         if name in MAX_REDUCTIONS:
             return self._max_over_dimensions(name, func, args, kwargs)
+        if name in _ARRANGING:
+            return self._arrange(func, args, kwargs)
+        if name in _FUNCTIONAL_LAYERS:
+            return self._functional_layer(name, func, args, kwargs)
         return self._add(name, func, args, kwargs)
+
+    def _functional_layer(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
+    ) -> Any:
+        """``F.linear(x, W, b)`` or ``torch.addmm(b, x, W)``: its output's parts, as a Linear's."""
+        result = func(*args, **kwargs)
+        x = kwargs.get("input", args[0]) if name == "linear" else args[1]
+        layer = functional_linear(name, args, kwargs, x) if self._is_activation(x) else None
+        if layer is not None:
+            self.register(result, *self._layer_parts(layer, x))
+        return result
+
+    def _arrange(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> Any:
+        """A reshape or permute of a tensor with parts: the same of its parts (RevealCancel).
+
+        The parts (the input half's rows each) are arranged stacked, as many rows as the
+        tensor, so that arguments naming its batch size (``h.view(h.shape)``) fit them too.
+        """
+        result = func(*args, **kwargs)
+        parts = self.parts_of(args[0]) if isinstance(args[0], torch.Tensor) else None
+        if parts is None or not isinstance(result, torch.Tensor) or len(result) != 2 * self.batch:
+            return result
+        positive, negative = func(torch.cat(parts), *args[1:], **kwargs).chunk(2)
+        self.register(result, positive, negative)
+        return result
 
     def _pool(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Max pooling (fixed or adaptive windows) with the rescale rule; indices if asked."""
