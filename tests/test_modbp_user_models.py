@@ -167,6 +167,22 @@ def test_input_layer_rules_refuse_an_input_normalised_in_place_in_a_copy():
             explain(model, torch.rand(2, 3, 8, 8), method, target=0, **options)
 
 
+def test_input_layer_rules_refuse_a_batchnorm_that_normalises_the_input():
+    # nn.BatchNorm2d(3, affine=False) in front, as a data normalisation: the rule went onto the
+    # BatchNorm, where w² and flat are the identity, and the first convolution took z⁺
+    model = nn.Sequential(
+        nn.BatchNorm2d(3, affine=False), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten()
+    )
+    model = nn.Sequential(*model, nn.Linear(4 * 36, 3)).eval()
+    model[0].running_mean.fill_(0.5)
+    for method, options in INPUT_LAYER_PRESETS:
+        with pytest.raises(UnsupportedModelError, match=r"'0' \(BatchNorm2d\), which normalises"):
+            explain(model, torch.rand(2, 3, 8, 8), method, target=0, **options)
+    # a composite without an input-layer rule takes the BatchNorm as the affine map it is
+    result = explain(model, torch.rand(2, 3, 8, 8), "lrp.epsilon_plus", 0)
+    assert result.attribution.shape == (2, 3, 8, 8)
+
+
 class RawInputPastFirstLayer(nn.Module):
     """The raw input also reaches the output past the first convolution: added or concatenated."""
 

@@ -927,6 +927,13 @@ def _padding_problem(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | Non
     return None
 
 
+def _is_batchnorm(model: nn.Module, name: str) -> bool:
+    try:
+        return isinstance(model.get_submodule(name), BATCHNORM_TYPES)
+    except AttributeError:  # a functional layer, named by its operation
+        return False
+
+
 def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
     """Fill ``plan.rules`` with the rule of every affine layer in ``plan.order``.
 
@@ -944,6 +951,15 @@ def resolve_rules(model: nn.Module, composite: Composite, plan: Plan) -> None:
             f"the composite {composite.name!r} puts {first!r} on the layer that reads the model "
             f"input, but no Linear/Conv module reads the input directly (up to reshaping and "
             f"padding): {reader} reads it first. {_INPUT_LAYER_ADVICE}"
+        )
+    normalising = [n for n in sorted(plan.input_layers) if _is_batchnorm(model, n)]
+    if first is not None and normalising:
+        type_name = type(model.get_submodule(normalising[0])).__name__
+        raise UnsupportedModelError(
+            f"the composite {composite.name!r} puts {first!r} on the layer that reads the model "
+            f"input, but that is {normalising[0]!r} ({type_name}), which normalises the input "
+            "channel by channel, not a Linear/Conv layer: on it the rule would be the identity "
+            f"(or its bounds those of the raw input). {_INPUT_LAYER_ADVICE}"
         )
     for name in plan.order:
         plan.rules[name] = resolve_rule(model, composite, name, plan)
