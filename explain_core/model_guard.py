@@ -387,6 +387,15 @@ def _training_arguments() -> dict[Any, dict[str, tuple[int, Any]]]:
 
 
 _TRAINING_ARGUMENTS = _training_arguments()
+# Random in every mode unless given the windows (_random_samples, their sixth parameter).
+_FRACTIONAL_POOLS = (
+    torch.nn.functional.fractional_max_pool2d,
+    torch.nn.functional.fractional_max_pool3d,
+)
+
+
+def _sixth(args: tuple[Any, ...]) -> Any:
+    return args[5] if len(args) > 5 else None
 
 
 class RefuseTrainingCalls(TorchFunctionMode):
@@ -398,6 +407,15 @@ class RefuseTrainingCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _FRACTIONAL_POOLS and kwargs.get("_random_samples", _sixth(args)) is None:
+            raise ModelStateError(
+                f"the model's forward calls {func.__name__}, which draws its pooling windows at "
+                "random on every call, also in eval mode, so the explanation would change from "
+                "call to call; fix the windows (pass _random_samples, a tensor of shape "
+                "(batch, channels, 2) in [0, 1)), or pool with nn.MaxPool2d or "
+                "nn.AdaptiveMaxPool2d, or pass allow_training=True to explain() to explain the "
+                "random model anyway"
+            )
         use = _training_use(func, args, kwargs)
         if use is not None:
             raise ModelStateError(

@@ -323,6 +323,28 @@ def test_calls_that_follow_training_mode_are_refused(call):
     torch.testing.assert_close(explain(model, x, "gradient", 0).attribution, first)
 
 
+class FractionalPooling(nn.Module):
+    def __init__(self, windows: torch.Tensor | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.head = nn.Conv2d(2, 3, 3, padding=1), nn.Linear(3 * 16, 2)
+        self.pool = nn.FractionalMaxPool2d(2, output_size=4, _random_samples=windows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.pool(self.conv(x).relu()).flatten(1))
+
+
+def test_fractional_max_pooling_with_random_windows_is_refused_also_in_eval_mode():
+    # it draws new windows on every call in eval mode too: two gradients of one input differed
+    x = torch.randn(3, 2, 8, 8)
+    with pytest.raises(ModelStateError, match=r"fractional_max_pool2d, which draws its pooling"):
+        explain(FractionalPooling().eval(), x, "gradient", 0)
+    explain(FractionalPooling().eval(), x, "gradient", 0, allow_training=True)  # asked for
+    fixed = FractionalPooling(torch.rand(3, 3, 2)).eval()
+    first = explain(fixed, x, "gradient", 0).attribution
+    torch.testing.assert_close(explain(fixed, x, "gradient", 0).attribution, first)
+
+
 def test_attention_dropout_in_training_mode_is_refused():
     attention = nn.MultiheadAttention(8, 2, dropout=0.5, batch_first=True)
 
