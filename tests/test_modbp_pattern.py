@@ -154,3 +154,40 @@ def test_a_map_that_overflows_is_one_clear_error_never_nan():
     # the advice works: in float64 the same patterns give a finite map
     double = explain(model.double(), x.double(), "patternnet", 0, patterns=huge)
     assert torch.isfinite(double.attribution).all()
+
+
+def _data_normalised(affine: bool) -> nn.Sequential:
+    """A BatchNorm that normalises the input (ST-GCN's "data BN"), with or without affine."""
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.BatchNorm2d(3, affine=affine), nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten()
+    )
+    model = nn.Sequential(*model, nn.Linear(4 * 36, 3)).eval()
+    model[0].running_mean.copy_(torch.tensor([0.3, 0.5, 0.7]))
+    model[0].running_var.copy_(torch.tensor([0.5, 2.0, 1.5]))
+    return model
+
+
+def test_a_batchnorm_without_affine_gets_the_patterns_of_the_same_affine_one():
+    # its weight is None, which fit_patterns read for the dtype (a raw AttributeError)
+    x = torch.rand(32, 3, 8, 8)
+    plain, affine = _data_normalised(False), _data_normalised(True)  # weight 1, bias 0
+    fitted, expected = fit_patterns(plain, x), fit_patterns(affine, x)
+    assert fitted.patterns.keys() == expected.patterns.keys()
+    for name, pattern in expected.patterns.items():
+        torch.testing.assert_close(fitted.patterns[name], pattern)
+    for method in ("patternnet", "pattern_attribution"):
+        torch.testing.assert_close(
+            explain(plain, x[:4], method, 1, patterns=fitted).attribution,
+            explain(affine, x[:4], method, 1, patterns=expected).attribution,
+        )
+
+
+def test_patterns_of_a_compiled_model_are_its_eager_models():
+    # dynamo traced into fit_patterns' own checks and failed there; explain() unwraps it
+    model = vgg_bn()
+    x = torch.randn(16, 3, 8, 8, dtype=torch.float64)
+    expected = fit_patterns(model, x)
+    fitted = fit_patterns(torch.compile(model, backend="eager"), x)
+    for name, pattern in expected.patterns.items():
+        torch.testing.assert_close(fitted.patterns[name], pattern)

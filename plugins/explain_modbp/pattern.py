@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
+from explain_core.eager import uncompiled
 from explain_core.engine import Composite, ForwardPass, ModifiedBackprop
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import AffineRule, RuleCall, safe_divide
@@ -204,9 +205,11 @@ def fit_patterns(
     """
     if estimator not in ("linear", "two_component"):
         raise InvalidInputError(f"estimator must be 'linear' or 'two_component'; got {estimator!r}")
+    model = uncompiled(model)  # a torch.compile wrapper: the module it runs, as explain() does
     require_eval_mode(model)
     engine = ModifiedBackprop(gradient_composite("fit_patterns"), record=True)
     moments: dict[str, _Moments] = {}
+    dtypes: dict[str, torch.dtype] = {}
     plan = None
     samples = 0
     for index, batch in enumerate(_batches(data, batch_size)):
@@ -227,6 +230,8 @@ def fit_patterns(
                 )
             if name not in moments:
                 moments[name] = _Moments.zeros(layer)
+                # the layer's weight as the pass saw it: a BatchNorm without affine has none
+                dtypes[name] = layer.weight.dtype
             moments[name].add(layer, record.call.inputs[0], record.call.output)
         plan = forward.plan
         samples += batch.shape[0]
@@ -236,8 +241,7 @@ def fit_patterns(
     layers: dict[str, list[Any]] = {}
     for name in plan.order:
         positive = estimator == "two_component" and name in plan.relu_after
-        dtype = model.get_submodule(name).weight.dtype
-        patterns[name] = moments[name].pattern(positive).to(dtype)
+        patterns[name] = moments[name].pattern(positive).to(dtypes[name])
         layers[name] = [plan.types[name], list(moments[name].weight.shape)]
     return Patterns(patterns, estimator, layers, samples)
 
