@@ -61,6 +61,13 @@ def check_inputs(
     Raises:
         InvalidInputError: If ``inputs`` is not such a tensor.
     """
+    if type(inputs).__name__ == "PackedSequence":
+        raise InvalidInputError(
+            f"{name} must be one torch.Tensor of shape (batch, ...); got a PackedSequence. Pass "
+            "the padded batch (batch, steps, features) and pack it inside forward, with the "
+            "lengths as a forward argument: explain_inputs(model, {'x': x, 'lengths': "
+            "lengths}, method, target, explained='x'), as docs/recurrent.md shows"
+        )
     values = inputs.values() if isinstance(inputs, Mapping) else inputs
     if isinstance(inputs, (tuple, list, Mapping)) and any(
         isinstance(i, torch.Tensor) for i in values
@@ -450,7 +457,11 @@ def _batch_size_dependent(
     return ModelRunError(
         f"{ran} ({happened}): its forward depends on the batch size (e.g. x.view({samples}, -1), "
         f"or a tensor of {samples} row(s) built into it), while {sizes}. Take sizes from the "
-        "input instead (x.view(x.shape[0], -1) or x.flatten(1)); a method with an "
+        "input instead (x.view(x.shape[0], -1) or x.flatten(1)), and pass a tensor of one "
+        "row per sample (sequence lengths, a mask) as a forward argument, where it follows "
+        "each sample (explain_inputs(model, {'x': x, 'lengths': lengths}, method, target, "
+        "explained='x'), or Explainer(model, method).attribute(x, target, "
+        "additional_forward_args=lengths)); a method with an "
         "internal_batch_size option runs one copy of the batch per pass with "
         f"internal_batch_size={samples}{exported}"
     )

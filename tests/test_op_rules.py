@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from explain_core import Composite, InvalidInputError, Rule, explain
+from explain_core import Composite, InvalidInputError, Rule, UnsupportedModelError, explain
 from explain_core.interfaces.relevance import Op
 from explain_modbp import composites
 from explain_modbp.activations import PassRelevance
@@ -220,3 +220,22 @@ def test_tensors_a_rule_keeps_are_checked_for_in_place_changes():
     torch.testing.assert_close(got, expected.detach())
     with pytest.raises(UnsupportedModelError, match="changed in place later in forward"):
         explain(Later("input").double().eval(), x, "gradient", 1, composite=lrp_attn())
+
+
+@pytest.mark.parametrize(
+    ("clamp", "advice"),
+    [((0.0, 6.0), "F.relu6"), ((-1.0, 1.0), "F.hardtanh"), ((1e-6, None), "clamp away from 0")],
+)
+def test_a_clamp_is_refused_with_the_activation_it_may_be_and_how_to_give_it_a_rule(clamp, advice):
+    class Clamped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.head = nn.Conv2d(1, 2, 3), nn.Linear(2, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.head(self.conv(x).clamp(*clamp).mean((2, 3)))
+
+    with pytest.raises(UnsupportedModelError) as error:
+        explain(Clamped().eval(), torch.rand(2, 1, 5, 5), "lrp.epsilon", 0)
+    assert advice in str(error.value)
+    assert "composite.with_rules((explain_core.Op('clamp'), MyRule()))" in str(error.value)

@@ -20,6 +20,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from explain_core import (
     Explainer,
     ExplainError,
+    InvalidInputError,
     ModelRunError,
     ModelStateError,
     UnsupportedModelError,
@@ -954,3 +955,11 @@ def test_lengths_counted_from_the_input_are_taken_as_given(method):
     given = explain_inputs(model, {"x": x, "lengths": lengths}, method, 1, explained="x")
     torch.testing.assert_close(got, given.attribution, rtol=0, atol=0)
     assert not got[2, 3:].any()  # the padded steps are never read
+
+
+def test_a_packed_sequence_as_the_input_is_told_to_pack_inside_forward():
+    packed = nn.utils.rnn.pack_padded_sequence(
+        sequences(), torch.tensor([5, 2, 4]), batch_first=True, enforce_sorted=False
+    )
+    with pytest.raises(InvalidInputError, match=r"got a PackedSequence\. Pass the padded batch"):
+        explain(nn.GRU(4, 5), packed, "gradient", 0)

@@ -26,11 +26,12 @@ _OP_ALTERNATIVES = {
         "(a maximum over dimensions, x.max(dim) or x.amax(dim), is max pooling and has one); "
         "use F.relu where that is what it computes"
     ),
-    "clamp": "for clamp(min=0) use F.relu",
-    "clamp_min": "for clamp_min(0) use F.relu",
-    "clamp_min_": "for clamp_min_(0) use F.relu(x, inplace=True)",
-    "clamp_": "for clamp_(min=0) use F.relu(x, inplace=True)",
-    "clip": "for clip(min=0) use F.relu",
+    **dict.fromkeys(
+        ["clamp", "clamp_", "clip", "clip_", "clamp_min", "clamp_min_"],
+        "for clamp(min=0) use F.relu, for clamp(0, 6) F.relu6, for clamp(-1, 1) F.hardtanh, "
+        "activations with relevance rules (a clamp away from 0, clamp(min=1e-6) before a "
+        "power, has none)",
+    ),
     "threshold": "for a threshold at 0 use F.relu",
     "detach": "keep the path to the output differentiable (a detached tensor carries no relevance)",
     "data": "use the tensor itself, not .data (which is detached and carries no relevance)",
@@ -86,8 +87,13 @@ def op_hint(op: str, type_name: str, *, leaf: bool) -> str:
         )
     if op in _FAMILY_HINTS:
         return f"{_FAMILY_HINTS[op]}; or give the operation a rule of your own ({_by_kind(op)})."
-    if op in _OP_ALTERNATIVES:
+    if op in ("detach", "data"):  # a cut path: no rule can bring relevance across it
         return f"Rewrite it: {_OP_ALTERNATIVES[op]}."
+    if op in _OP_ALTERNATIVES:
+        return (
+            f"Rewrite it: {_OP_ALTERNATIVES[op]}; or give the operation a rule of your own "
+            f"({_by_kind(op)})."
+        )
     if op == "stft" or op.startswith("fft_"):
         return (
             "A spectral front-end (an STFT, a Fourier transform) has no relevance rule: explain "

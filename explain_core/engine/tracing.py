@@ -542,6 +542,8 @@ class _Tracer(ModuleListener):
             return None
         path, type_name = self.where()
         if self._inside_recurrent_layer():  # not the user's operation: the engine's cells
+            if name in ACTIVATION_OPS:  # not the advice for activations in general
+                problem = "is an activation of its cells"
             return (
                 f"operation {name!r} of the recurrent layer {path!r} ({type_name}) {problem}: "
                 "the engine computes the layer as its cells' operations, and this method has no "

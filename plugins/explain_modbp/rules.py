@@ -563,7 +563,9 @@ class ZBox(AffineRule):
         if low is None or high is None:
             raise InvalidInputError(
                 "the z^B rule needs the input's bounds: pass low= and high= (numbers or tensors "
-                "shaped like the inputs), e.g. low=0.0, high=1.0 for images scaled to [0, 1]"
+                "shaped like the inputs), e.g. low=0.0, high=1.0 for images scaled to [0, 1], "
+                "to explain() or to the Explainer itself (Explainer(model, 'lrp.zb', low=0.0, "
+                "high=1.0)), whose options hold for every call of attribute()"
             )
         self.low = low
         self.high = high
