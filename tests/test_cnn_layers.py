@@ -485,3 +485,39 @@ def test_structural_layers_conserve_on_a_bias_free_net():
     torch.testing.assert_close(
         result.attribution, explain(model, images(), "input_x_gradient", 1).attribution
     )
+
+
+class BiasAdded(nn.Module):
+    """A CNN whose convolution and head take their biases as separate additions, or not."""
+
+    def __init__(self, added: str) -> None:
+        super().__init__()
+        torch.manual_seed(9)
+        self.added = added
+        self.conv, self.head = nn.Conv2d(2, 4, 3, padding=1), nn.Linear(4, 3)
+        self.bare = nn.Conv2d(2, 4, 3, padding=1, bias=False)  # conv without its bias
+        with torch.no_grad():  # biases large enough to matter
+            self.conv.bias.mul_(3)
+            self.head.bias.mul_(3)
+            self.bare.weight.copy_(self.conv.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv, head = self.conv, self.head
+        if self.added == "in the layers":
+            return head(torch.relu(conv(x)).mean((2, 3)))
+        pooled = torch.relu(self.bare(x) + conv.bias.view(1, -1, 1, 1)).mean((2, 3))
+        if self.added == "x @ W.T + b":
+            return pooled @ head.weight.T + head.bias
+        return head.bias + torch.mm(pooled, head.weight.t())  # b on the left
+
+
+@pytest.mark.parametrize("added", ["x @ W.T + b", "b + torch.mm(x, W.t())"])
+@pytest.mark.parametrize("method", ["lrp.zplus", "lrp.alpha2beta1", "lrp.w2", "excitation_bp"])
+def test_a_bias_written_as_an_addition_is_the_layers_bias(method, added):
+    # z⁺, αβ, w², flat and Excitation BP ignore biases, but a bias added after the layer took its
+    # share of the relevance, unstabilised: Excitation BP's probabilities summed to −0.05 or 7388
+    x = torch.rand(3, 2, 6, 6, dtype=torch.float64)
+    expected = explain(BiasAdded("in the layers").double().eval(), x, method, 0).attribution
+    assert expected.abs().sum() > 0
+    got = explain(BiasAdded(added).double().eval(), x, method, 0).attribution
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-10)

@@ -217,6 +217,26 @@ class _PassedThrough(torch.autograd.Function):
         return signal, None
 
 
+class _BiasAdded(torch.autograd.Function):
+    """``y = d ± c``: a layer's bias written as an addition (``x @ W + b``), for a rule without one.
+
+    ``c`` is a constant, ``d`` the output of a layer whose rule ignores biases. The backward
+    hands the layer the whole relevance of ``y``, as the rule does with a bias of its own: the
+    signal ``s ⊙ y / d``, so that ``d ⊙ s_d = y ⊙ s`` (0 where ``d`` is 0, where the layer's
+    relevance ``d ⊙ s_d`` is 0 whatever the signal).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, d: torch.Tensor, compute: Any) -> torch.Tensor:
+        y = compute()
+        ctx.ratio = torch.where(d != 0, y / d, 0)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return signal * ctx.ratio, None
+
+
 def _stand_in(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor on the ``meta`` device with ``tensor``'s shape, dtype and strides (no values)."""
     return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
@@ -354,9 +374,12 @@ def _apply_op_rule(
         branch_free=attached.plan.branch_free,
     )
     try:
-        return attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
+        output = attached.produced(_OpRuleFunction.apply(rule, call, apply, *inputs), call)
     except UnsupportedModelError as error:  # a rule refused the call: say where it was made
         raise UnsupportedModelError(f"{error} (in {attached.place()})") from error
+    if layer is not None:
+        attached.note_output(rule, output)
+    return output
 
 
 def _from_weights(tensor: torch.Tensor, inputs: torch.Tensor | None, budget: int = 16) -> bool:
@@ -430,7 +453,30 @@ class OperationMode(TorchFunctionMode):
             return self._keeping_source(name, args, result)
         if self.handler is not None and name in self.handler.ops:
             return self.handler.handle(name, func, args, kwargs)
+        if name in ("add", "sub") and self.attached.without_bias:
+            biased = self._bias_added(func, args, kwargs)
+            if biased is not None:
+                return self._noted(name, func, args, kwargs, biased)
         return self._noted(name, func, args, kwargs, func(*args, **kwargs))
+
+    def _bias_added(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``d ± c`` or ``c ± d`` as :class:`_BiasAdded`, else ``None``.
+
+        ``d`` is the output of a layer whose rule ignores biases, ``c`` a constant of no larger
+        shape.
+        """
+        if len(args) != 2 or kwargs:
+            return None
+        attached = self.attached
+        for d, c in (args, args[::-1]):
+            if not (isinstance(d, torch.Tensor) and attached.ignores_bias(d)):
+                continue
+            constant = not isinstance(c, torch.Tensor) or not attached.depends_on_input(c)
+            if constant and torch.broadcast_shapes(d.shape, getattr(c, "shape", ())) == d.shape:
+                output = _BiasAdded.apply(d, lambda: func(*args))
+                attached.note_without_bias(output)  # a second constant added: a bias too
+                return output
+        return None
 
     def _noted(
         self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
@@ -598,6 +644,8 @@ class RulePass(ModuleListener):
         # reading it stops (such ReLUs run without autograd: see _PassedThrough), and the
         # layer's call where its rule reads that ReLU's output
         self.masked_outputs: dict[int, tuple[weakref.ref[torch.Tensor], RuleCall | None]] = {}
+        # outputs of layers whose rule ignores biases (and those outputs plus constants)
+        self.without_bias: dict[int, weakref.ref[torch.Tensor]] = {}
         # tensor id → (a weak reference to it, the model's operations that made it from the
         # input, as a function of another tensor shaped like the input): see InputPath
         self.arranged: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
@@ -631,7 +679,23 @@ class RulePass(ModuleListener):
             self.records[call.name] = LayerRecord(call.name, x, out, rule, call)
         if masks:
             self.masked_outputs[id(out)] = (weakref.ref(out), call if reads_relu else None)
+        self.note_output(rule, out)
         return out
+
+    def note_output(self, rule: Rule, output: Any) -> None:
+        """Note ``output`` of a layer whose ``rule`` ignores biases (see :class:`_BiasAdded`)."""
+        if isinstance(rule, AffineRule) and not rule.counts_bias:
+            self.note_without_bias(output)
+
+    def note_without_bias(self, output: Any) -> None:
+        """Note ``output`` as a layer's output whose rule ignores biases."""
+        if isinstance(output, torch.Tensor):
+            self.without_bias[id(output)] = weakref.ref(output)
+
+    def ignores_bias(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is the output of a layer whose rule ignores biases."""
+        entry = self.without_bias.get(id(tensor))
+        return entry is not None and entry() is tensor
 
     def _check_recorded_once(self, name: str) -> None:
         """Records are per layer: a layer called twice cannot be recorded (nor checked by them).

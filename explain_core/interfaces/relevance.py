@@ -220,6 +220,16 @@ class AffineRule(Rule):
     def applies_to(self, module: nn.Module) -> bool:  # noqa: D102
         return is_affine(module)
 
+    @property
+    def counts_bias(self) -> bool:
+        """Whether the layer's bias takes its share of the relevance (LRP-0, ε, γ).
+
+        A rule that ignores it (z⁺, w², flat, z^B, Excitation BP) passes the whole relevance of
+        the layer's output to its inputs, and the engine does the same for a constant added to
+        the output, the layer's bias written as an addition (``x @ W + b``). Default: ``True``.
+        """
+        return True
+
     def reads_input_in_backward(self, call: RuleCall) -> bool:
         """Whether :meth:`backward` reads the values of the layer's input for this call.
 

@@ -384,6 +384,10 @@ class AlphaBeta(_SignAware):
         self.beta = float(beta)
         self.bias = _flag("bias", bias)
 
+    @property
+    def counts_bias(self) -> bool:  # noqa: D102
+        return self.bias
+
     def prepare(  # noqa: D102
         self, layer: AffineLayer, x: torch.Tensor, z: torch.Tensor, *, nonnegative: bool
     ) -> tuple:
@@ -520,6 +524,8 @@ class ZPlus(AlphaBeta):
 class WSquare(_ModifiedWeights):
     """Deep Taylor's w² rule for unbounded real inputs (input layer only)."""
 
+    counts_bias = False  # type: ignore[assignment]  # the denominators hold no bias
+
     returns_relevance = True
 
     def forward(self, call: RuleCall) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: D102
@@ -530,6 +536,8 @@ class WSquare(_ModifiedWeights):
 
 class Flat(_ModifiedWeights):
     """The flat rule: each output's relevance spread uniformly over its inputs (input layer)."""
+
+    counts_bias = False  # type: ignore[assignment]  # the denominators hold no bias
 
     returns_relevance = True
 
@@ -555,6 +563,8 @@ class ZBox(AffineRule):
         InvalidInputError: If a bound is missing, or (at use) does not fit the inputs or the
             inputs leave the bounds.
     """
+
+    counts_bias = False  # type: ignore[assignment]  # the denominators hold no bias
 
     returns_relevance = True
     output_in_backward = False
@@ -627,6 +637,8 @@ class Excitation(_ModifiedWeightsWithRatio):
     ``R_i = Σ_j x_i w⁺_ji / Σ_i' x_i' w⁺_ji' · R_j`` (equals z⁺ for non-negative inputs).
     """
 
+    counts_bias = False  # type: ignore[assignment]  # the denominators hold no bias
+
     def forward(self, call: RuleCall) -> tuple[torch.Tensor, ...]:  # noqa: D102
         layer, x, z = self.affine(call)
         positive = layer.weight.clamp(min=0)
@@ -636,6 +648,8 @@ class Excitation(_ModifiedWeightsWithRatio):
 
 class ContrastiveExcitation(_RelevanceForm):
     """Contrastive excitation backprop's final-layer rule ``(Z⁺ − N⁺)``, ``N⁺`` from ``−W``."""
+
+    counts_bias = False  # type: ignore[assignment]  # the denominators hold no bias
 
     def forward(self, call: RuleCall) -> tuple[torch.Tensor, ...]:  # noqa: D102
         layer, x, _ = self.affine(call)
