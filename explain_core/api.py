@@ -22,7 +22,7 @@ from explain_core.captum_calls import (
     has_tuple_targets,
 )
 from explain_core.eager import eager_mode, uncompiled
-from explain_core.errors import InvalidInputError, NumericalError
+from explain_core.errors import InvalidInputError, ModelStateError, NumericalError
 from explain_core.model_guard import ModelGuard, RefuseTrainingCalls, require_eval_mode
 from explain_core.plugin_manager import get_registry
 from explain_core.registry import (
@@ -98,7 +98,8 @@ def explain(
             accelerator), naming the batch size and the method's option that bounds memory.
         ModelStateError: If the model is in training mode, or its parameters change in place
             during the call (found, named and not undone; see ``ModelGuard``): by its forward, or
-            by a third-party method.
+            by a third-party method; or its outputs depend on state its forward keeps on the
+            model (tensors it stores there, which are put back).
         MethodError: If the method's factory builds no ``Method``, it returns no valid
             ``MethodResult`` (a wrong type or shape, non-integer targets), or a third-party
             method raises (its error chained), naming the method and its plugin.
@@ -126,7 +127,7 @@ def explain(
     with (
         # Built-in methods never write to the model: their guard only reads it, so other
         # threads may use the model meanwhile. Third-party methods may, so theirs restores it.
-        ModelGuard(model, during=_third_party_call(spec), restore=not spec.builtin),
+        ModelGuard(model, during=_third_party_call(spec), restore=not spec.builtin) as guard,
         eager_mode(),
         third_party_errors(
             spec,
@@ -143,6 +144,8 @@ def explain(
     check_output_rows(getattr(returned, "output", None), inputs)
     result = check_method_result(returned, inputs, spec.label)
     check_output_finite(result.output)
+    if guard.rebound_attributes:  # put back; did the passes read them?
+        _refuse_state_kept_on_the_model(model, inputs, result.output, guard.rebound_attributes)
     bad = non_finite_samples(result.attribution)
     if bad and not spec.builtin:  # the model's outputs are finite: the NaN/Inf are the method's
         raise MethodError(
@@ -163,6 +166,36 @@ def explain(
         output=result.output,
         delta=result.delta,
         extras=result.extras,
+    )
+
+
+def _refuse_state_kept_on_the_model(
+    model: nn.Module, inputs: torch.Tensor, output: torch.Tensor, attributes: list[str]
+) -> None:
+    """Refuse a model whose outputs depend on state its forward keeps on the model.
+
+    The guard put the attributes the forward set back; a model that only writes them (the
+    last hidden state, kept for the caller) has the same outputs from them, one that reads
+    them (a state carried from call to call) computed the attribution's passes from the
+    states its earlier passes left.
+
+    Raises:
+        ModelStateError: If the model's outputs from its own state differ from the method's.
+    """
+    with ModelGuard(model), torch.no_grad():  # it puts them back again
+        own = model(inputs)
+    if isinstance(own, torch.Tensor) and own.shape == output.shape:
+        scale = float(own.abs().max()) if own.numel() else 0.0
+        if torch.allclose(own.to(output), output, rtol=1e-4, atol=1e-5 * (1 + scale)):
+            return
+    names = ", ".join(attributes[:3]) + (" …" if len(attributes) > 3 else "")
+    raise ModelStateError(
+        f"the model's forward keeps state on the model ({names}) and its outputs depend on it: "
+        "an attribution runs forward several times (a trace, path points, references), each "
+        "from the state the last one left, so the map would explain other calls than yours. "
+        "The attributes were put back as they were. Pass the state as a forward argument "
+        "(explain_inputs(model, {'x': x, 'state': state}, method, target, explained='x')) and "
+        "return the new one instead of storing it"
     )
 
 

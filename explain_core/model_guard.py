@@ -74,7 +74,9 @@ class ModelGuard:
 
     Without ``restore`` (the built-in explainers, which never write to the model: their state
     lives in :mod:`explain_core.scoped`) the guard only reads the model, so other threads may use
-    the same model meanwhile: run plain forwards, train it, or explain it. A restoring guard
+    the same model meanwhile: run plain forwards, train it, or explain it. Only tensors a
+    forward stored on the model (``self.hidden = h``) are put back, and named in
+    :attr:`rebound_attributes`. A restoring guard
     writes the model's state back on exit and sets gradients aside while it is open, which
     other threads would see.
 
@@ -102,7 +104,9 @@ class ModelGuard:
         self._autograd: list[tuple[nn.Parameter, bool, torch.Tensor | None]] = []
         self._checksums: torch.Tensor | None = None
         self._replaced: set[str] = set()  # kept over calls: a second restore() finds them back
+        self._attributes: list[tuple[str, nn.Module, dict[str, Any]]] = []
         self.changed_parameters: list[str] = []  # names of the parameters found changed
+        self.rebound_attributes: list[str] = []  # ``module.attribute`` set by the forward
 
     def __enter__(self) -> ModelGuard:
         for name, parameter in self.model.named_parameters():
@@ -110,6 +114,10 @@ class ModelGuard:
             self._parameters.append((name, parameter, _version(parameter), parameter.detach()))
         self._checksums = _checksums(p for _, p, _, _ in self._parameters)
         if not self.restoring:
+            self._attributes = [
+                (name, module, _tensor_attributes(module))
+                for name, module in self.model.named_modules()
+            ]
             return self
         for module in self.model.modules():
             containers = {
@@ -173,6 +181,7 @@ class ModelGuard:
         once. The names of the parameters whose values changed in place (which it cannot undo)
         are left in :attr:`changed_parameters`.
         """
+        self._put_back_attributes()
         for record in self._records:
             module = record.module
             for key in set(module.__dict__) - set(record.attributes):
@@ -210,6 +219,38 @@ class ModelGuard:
             for (name, parameter, version, _), changed in zip(self._parameters, moved, strict=True)
             if name in self._replaced or _version(parameter) != version or changed
         ]
+
+    def _put_back_attributes(self) -> None:
+        """Put back the tensors a forward stored on the model (a guard that only reads).
+
+        A model that keeps state on itself (``self.hidden = h`` in forward) would be left with
+        the state of the attribution's last internal pass, its graph and batch size; the names
+        go to :attr:`rebound_attributes`. Other attributes stay as the forward left them.
+        """
+        for name, module, saved in self._attributes:
+            now = _tensor_attributes(module)
+            for key in now.keys() - saved.keys():
+                del module.__dict__[key]
+                self.rebound_attributes.append(f"{name or '<root>'}.{key}")
+            for key, value in saved.items():
+                if module.__dict__.get(key, _MISSING) is not value:
+                    module.__dict__[key] = value
+                    self.rebound_attributes.append(f"{name or '<root>'}.{key}")
+
+
+def _tensor_attributes(module: nn.Module) -> dict[str, Any]:
+    """``module``'s public attributes that hold tensors (a tensor, or a tuple or list of them)."""
+    return {
+        key: value
+        for key, value in module.__dict__.items()
+        if not key.startswith("_") and _holds_tensors(value)
+    }
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(isinstance(item, torch.Tensor) for item in value)
+    return isinstance(value, torch.Tensor)
 
 
 _MISSING = object()

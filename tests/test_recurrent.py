@@ -963,3 +963,63 @@ def test_a_packed_sequence_as_the_input_is_told_to_pack_inside_forward():
     )
     with pytest.raises(InvalidInputError, match=r"got a PackedSequence\. Pass the padded batch"):
         explain(nn.GRU(4, 5), packed, "gradient", 0)
+
+
+class KeepsLastState(nn.Module):
+    """Stores its last hidden state on itself (for the caller to read); never reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.rnn, self.head = nn.LSTM(4, 5, batch_first=True), nn.Linear(5, 3)
+        self.hidden: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, self.hidden = self.rnn(x)
+        return self.head(out[:, -1])
+
+
+class CarriesState(KeepsLastState):
+    """Starts each call from the state the last call left (truncated backpropagation)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = self.hidden
+        if state is not None and state[0].shape[1] != x.shape[0]:
+            state = None
+        out, (h, c) = self.rnn(x, state)
+        self.hidden = (h.detach(), c.detach())
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("method", ["gradient", "integrated_gradients", "lrp.epsilon"])
+def test_state_a_forward_keeps_on_the_model_is_put_back(method):
+    # the attribute held the last internal pass's state, with its graph (and a batch of 64
+    # after Integrated Gradients)
+    model = KeepsLastState().double().eval()
+    x = sequences()
+    with torch.no_grad():
+        model(x)
+    kept = model.hidden
+    result = explain(model, x, method, 1)
+    assert model.hidden is kept
+    plain = Classifier(model.rnn)
+    plain.head = model.head
+    torch.testing.assert_close(result.attribution, explain(plain, x, method, 1).attribution)
+
+
+def test_a_state_carried_from_call_to_call_is_refused_where_the_passes_read_it():
+    model = CarriesState().double().eval()
+    x = sequences()
+    with torch.no_grad():
+        model(x)
+        carried = model.hidden
+        expected = model(x)
+    model.hidden = carried
+    # one forward from the caller's state: the gradient's is right, and the state put back
+    result = explain(model, x, "gradient", 1)
+    torch.testing.assert_close(result.output, expected)
+    assert model.hidden is carried
+    # the LRP pass runs after a one-sample trace that left its own state
+    with pytest.raises(ModelStateError, match=r"keeps state on the model \(<root>\.hidden\)"):
+        explain(model, x, "lrp.epsilon", 1)
+    assert model.hidden is carried
