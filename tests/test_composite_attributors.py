@@ -98,7 +98,8 @@ def test_smoothgrad_over_a_composite_is_the_mean_modified_gradient_over_the_same
     sigma = (level * (flat.amax(1) - flat.amin(1))).reshape(-1, 1, 1, 1)
     total = torch.zeros_like(X)
     for _ in range(samples):
-        noisy = X + sigma * torch.randn(X.shape, generator=generator, dtype=X.dtype)
+        noise = torch.randn((1, *X.shape[1:]), generator=generator, dtype=X.dtype)
+        noisy = X + sigma * noise  # one draw for every sample
         total += explain(model, noisy, "gradient", 2, composite="epsilon_plus").attribution
     torch.testing.assert_close(smooth, total / samples, rtol=1e-10, atol=1e-12)
     without_noise = explain(model, X, "smoothgrad", 2, composite="zplus", noise_level=0.0)

@@ -537,7 +537,7 @@ def reference_smoothgrad(
     """Smilkov et al.'s average gradient over noisy copies, σ = level × each sample's range.
 
     The noise is the documented one: a generator on the input's device seeded with 0, one
-    ``randn`` draw shaped like the batch per copy.
+    ``randn`` draw shaped like one sample per copy, the same for every sample.
     """
     copy_ = copy.deepcopy(model).double().eval()
     x = x.detach().double()
@@ -545,7 +545,7 @@ def reference_smoothgrad(
     generator = torch.Generator(device=x.device).manual_seed(0)
     total = torch.zeros_like(x)
     for _ in range(samples):
-        noise = torch.randn(x.shape, generator=generator, dtype=x.dtype, device=x.device)
+        noise = torch.randn((1, *x.shape[1:]), generator=generator, dtype=x.dtype, device=x.device)
         noisy = (x + noise_level * spread * noise).requires_grad_(True)
         (grad,) = torch.autograd.grad(copy_(noisy)[:, target].sum(), noisy)
         total += grad

@@ -214,7 +214,8 @@ class SmoothGrad(Method):
     Each of ``samples`` copies gets Gaussian noise with standard deviation ``noise_level ×
     (max − min)`` of its own sample (the paper's σ / (x_max − x_min), 10–20% recommended). The
     noise comes from a generator seeded with ``seed``, so a call is reproducible and leaves the
-    global random state alone.
+    global random state alone; every sample gets the same draws (scaled by its own σ), so its map
+    does not depend on the other samples of the batch.
 
     Attributes:
         samples: Noisy copies per input.
@@ -260,17 +261,22 @@ class SmoothGrad(Method):
         copies_per_pass, parts = _passes(inputs.shape[0], self.internal_batch_size)
         for start in range(0, self.samples, copies_per_pass):
             copies = min(copies_per_pass, self.samples - start)
-            # One draw per copy of the whole batch: the noise does not depend on the batching.
+            # One draw per copy, the same for every sample (scaled by its own σ): a sample's
+            # map depends neither on the rest of the batch nor on the batching.
+            # (drawn copy by copy: the generator's stream depends on the size of a draw)
             noise = torch.stack(
                 [
                     torch.randn(
-                        inputs.shape, generator=generator, dtype=inputs.dtype, device=inputs.device
+                        (1, *inputs.shape[1:]),
+                        generator=generator,
+                        dtype=inputs.dtype,
+                        device=inputs.device,
                     )
                     for _ in range(copies)
                 ]
             )
             for part in parts:
-                noisy = (inputs[part][None] + sigma[part][None] * noise[:, part]).flatten(0, 1)
+                noisy = (inputs[part][None] + sigma[part][None] * noise).flatten(0, 1)
                 _, _, gradient = _output_and_gradient(
                     model, noisy, chosen[part].repeat(copies), self.composite
                 )
