@@ -320,6 +320,14 @@ class Explainer:
             check_signature(uncompiled(self.model), args)
         groups = group_samples(args, batch, tensor.device)
         flatten = has_tuple_targets(target)
+        if flatten and self._engine.contrasts_outputs:
+            raise InvalidInputError(
+                f"{self.method!r} contrasts the explained output with the model's other outputs; "
+                "with a tuple target those are every other entry of the output map (all pixels "
+                "and classes). Return the outputs to contrast from a wrapper, e.g. the classes at "
+                "the pixel (forward: return model(x)[:, :, i, j]), and give the class as the "
+                "target"
+            )
         if flatten:
             target = flat_targets(target, batch, lambda: self._output_shape(tensor, groups[0]))
         if not args and not flatten:

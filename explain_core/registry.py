@@ -63,6 +63,9 @@ class Method(ABC):
         quadrature: For a path integral, its rule in Captum's naming (``"riemann_middle"``:
             the midpoint rule), so that Captum's ``method=`` keyword can be checked; else
             ``None``.
+        contrasts_outputs: Whether the map contrasts the explained output with the model's
+            other outputs (contrastive LRP): a tuple target, which explains one entry of an
+            output map, would contrast it with every other entry of the map.
     """
 
     uses_baselines: ClassVar[bool] = False
@@ -70,6 +73,7 @@ class Method(ABC):
     convergence_delta: ClassVar[bool] = False
     multiplies_by_inputs: ClassVar[bool] = False
     quadrature: ClassVar[str | None] = None
+    contrasts_outputs: ClassVar[bool] = False
 
     @abstractmethod
     def attribute(

@@ -401,3 +401,19 @@ def test_captum_infidelity_of_our_attribution_by_hand():
     by_hand = ((attribution * shift).sum(1) - change) ** 2
     assert by_hand.min() > 0
     torch.testing.assert_close(score, by_hand)
+
+
+def test_a_tuple_target_with_contrastive_lrp_is_refused_with_the_wrapper_to_write():
+    # it contrasted the entry with every other entry of the output map, where the pixel wrapper
+    # contrasts it with the other classes there: maps 10 times apart
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 6), nn.Unflatten(1, (2, 3)))
+    x = torch.rand(4, 5)
+    with pytest.raises(InvalidInputError, match=r"return model\(x\)\[:, :, i, j\]"):
+        Explainer(model.eval(), "lrp.contrastive").attribute(x, target=(1, 2))
+    # methods that explain the entry alone take the tuple target as the wrapper's
+    wrapper = nn.Sequential(model, nn.Flatten())  # entry (1, 2) is output 5
+    torch.testing.assert_close(
+        Explainer(model, "lrp.zplus").attribute(x, target=(1, 2)),
+        explain(wrapper, x, "lrp.zplus", 5).attribution,
+    )

@@ -354,6 +354,7 @@ class ContrastiveLRP(Method):
 
     clamp: bool = True
     multiplies_by_inputs = True  # differences of normalised z⁺ relevances, input ⊙ signal
+    contrasts_outputs = True
 
     def layer_propagator(self, model, inputs, baselines):
         """The z⁺ chain both of Eq. 15's backward passes use."""
