@@ -239,3 +239,63 @@ def test_a_clamp_is_refused_with_the_activation_it_may_be_and_how_to_give_it_a_r
         explain(Clamped().eval(), torch.rand(2, 1, 5, 5), "lrp.epsilon", 0)
     assert advice in str(error.value)
     assert "composite.with_rules((explain_core.Op('clamp'), MyRule()))" in str(error.value)
+
+
+class GatedLinear(nn.Module):
+    """A gated linear unit, ``F.glu`` or written by hand as ``a * sigmoid(b)``."""
+
+    def __init__(self, by_hand: bool) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.by_hand = by_hand
+        self.up, self.head = nn.Linear(4, 8), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = self.up(x)
+        if self.by_hand:
+            signal, gate = z.chunk(2, -1)
+            return self.head(signal * torch.sigmoid(gate))
+        return self.head(F.glu(z, -1))
+
+
+@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.zplus", "lrp.attn", "lrp.cp"])
+def test_f_glu_is_explained_as_its_gate_written_by_hand(method):
+    # F.glu was refused ("'glu' has no relevance rule") by every rule-based method
+    x = torch.randn(3, 4, dtype=torch.float64)
+    expected = explain(GatedLinear(True).double().eval(), x, method, 1).attribution
+    assert expected.abs().sum() > 0
+    got = explain(GatedLinear(False).double().eval(), x, method, 1).attribution
+    torch.testing.assert_close(got, expected)
+
+
+class TimeSums(nn.Module):
+    """A 1-d CNN whose features are summed up over time (cumsum) or differenced (diff)."""
+
+    def __init__(self, op: str, bias: bool = True) -> None:
+        super().__init__()
+        torch.manual_seed(6)
+        self.op = op
+        self.conv = nn.Conv1d(2, 3, 3, bias=bias)
+        self.head = nn.Linear(3 * (6 if op == "cumsum" else 5), 2, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.conv(x))
+        h = h.cumsum(-1) if self.op == "cumsum" else torch.diff(h, dim=-1)
+        return self.head(h.flatten(1))
+
+
+@pytest.mark.parametrize("op", ["cumsum", "diff"])
+def test_cumsum_and_diff_are_the_linear_maps_they_are(op):
+    # both were refused ("has no relevance rule") by every rule-based method
+    x = torch.randn(3, 2, 8, dtype=torch.float64)
+    model = TimeSums(op).double().eval()
+    lrp_zero = explain(model, x, "lrp.z", 1).attribution  # = Input×Gradient on a ReLU net
+    torch.testing.assert_close(lrp_zero, explain(model, x, "input_x_gradient", 1).attribution)
+    bias_free = TimeSums(op, bias=False).double().eval()
+    delta = explain(bias_free, x, "lrp.zplus", 1).delta  # z⁺ conserves, also at signed inputs
+    torch.testing.assert_close(delta, torch.zeros(3, dtype=torch.float64), atol=1e-10, rtol=0)
+    reference = torch.randn(3, 2, 8, dtype=torch.float64)
+    rescale = explain(model, x, "deeplift.rescale", 1, baselines=reference)
+    with torch.no_grad():
+        gain = model(x)[:, 1] - model(reference)[:, 1]
+    torch.testing.assert_close(rescale.attribution.sum((1, 2)), gain)

@@ -2,7 +2,8 @@
 
 (Fused recurrent layers and cells, ``torch.lstm``, ``torch.gru``, ``torch.rnn_tanh``/``rnn_relu``
 and ``torch.lstm_cell`` …, are written out in :mod:`~explain_core.engine.recurrent` and registered
-here too.)
+here too, and so is the gated linear unit ``F.glu``, ``a ⊙ σ(b)``: the gate rules apply to it
+as to a gate written by hand.)
 
 ``F.scaled_dot_product_attention`` (every backend) and ``F.multi_head_attention_forward`` (what
 ``nn.MultiheadAttention`` and ``nn.TransformerEncoderLayer`` call) reach the engine as single
@@ -31,6 +32,7 @@ __all__ = [
     "DECOMPOSED",
     "MathAttention",
     "baddbmm",
+    "glu",
     "multi_head_attention",
     "scaled_dot_product_attention",
 ]
@@ -227,7 +229,14 @@ def _additive_mask(
     return mask
 
 
+def glu(input: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``F.glu``: the first half of ``input`` along ``dim`` gated by the second's sigmoid."""
+    signal, gate = input.chunk(2, dim)
+    return signal * torch.sigmoid(gate)
+
+
 DECOMPOSED: dict[str, Callable[..., Any]] = {
+    "glu": glu,
     "scaled_dot_product_attention": scaled_dot_product_attention,
     "multi_head_attention_forward": multi_head_attention,
     "baddbmm": baddbmm,

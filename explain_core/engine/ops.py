@@ -119,6 +119,7 @@ _GATHER_OPS = frozenset(
         "mean",
         "masked_fill",
         "masked_fill_",
+        "cumsum",
         "index_select",
         "gather",
         "take_along_dim",
@@ -154,7 +155,7 @@ LINEAR_OPS = (
         # where: a selection by a mask that does not depend on the input (the trace refuses
         # input-dependent masks) is linear in the selected tensors
         [
-            *("add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad"),
+            *("add", "add_", "sub", "sub_", "neg", "mul", "mul_", "div", "div_", "pad", "diff"),
             *("setitem", "where"),
             # resampling (nearest, linear, bilinear, bicubic, …): a fixed linear map
             *("interpolate", "upsample", "upsample_nearest", "upsample_bilinear"),
