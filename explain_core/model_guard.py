@@ -115,7 +115,7 @@ class ModelGuard:
         self._checksums = _checksums(p for _, p, _, _ in self._parameters)
         if not self.restoring:
             self._attributes = [
-                (name, module, _tensor_attributes(module))
+                (name, module, _public_attributes(module))
                 for name, module in self.model.named_modules()
             ]
             return self
@@ -228,23 +228,20 @@ class ModelGuard:
         go to :attr:`rebound_attributes`. Other attributes stay as the forward left them.
         """
         for name, module, saved in self._attributes:
-            now = _tensor_attributes(module)
-            for key in now.keys() - saved.keys():
-                del module.__dict__[key]
+            now = _public_attributes(module)
+            for key in now.keys() | saved.keys():
+                before, after = saved.get(key, _MISSING), now.get(key, _MISSING)
+                if before is after or not (_holds_tensors(before) or _holds_tensors(after)):
+                    continue
+                if before is _MISSING:
+                    del module.__dict__[key]
+                else:
+                    module.__dict__[key] = before
                 self.rebound_attributes.append(f"{name or '<root>'}.{key}")
-            for key, value in saved.items():
-                if module.__dict__.get(key, _MISSING) is not value:
-                    module.__dict__[key] = value
-                    self.rebound_attributes.append(f"{name or '<root>'}.{key}")
 
 
-def _tensor_attributes(module: nn.Module) -> dict[str, Any]:
-    """``module``'s public attributes that hold tensors (a tensor, or a tuple or list of them)."""
-    return {
-        key: value
-        for key, value in module.__dict__.items()
-        if not key.startswith("_") and _holds_tensors(value)
-    }
+def _public_attributes(module: nn.Module) -> dict[str, Any]:
+    return {key: value for key, value in module.__dict__.items() if not key.startswith("_")}
 
 
 def _holds_tensors(value: Any) -> bool:

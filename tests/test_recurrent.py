@@ -997,6 +997,8 @@ def test_state_a_forward_keeps_on_the_model_is_put_back(method):
     # after Integrated Gradients)
     model = KeepsLastState().double().eval()
     x = sequences()
+    explain(model, x, method, 1)
+    assert model.hidden is None  # as it was, not deleted
     with torch.no_grad():
         model(x)
     kept = model.hidden
