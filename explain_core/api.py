@@ -98,8 +98,8 @@ def explain(
             accelerator), naming the batch size and the method's option that bounds memory.
         ModelStateError: If the model is in training mode, or its parameters change in place
             during the call (found, named and not undone; see ``ModelGuard``): by its forward, or
-            by a third-party method; or its outputs depend on state its forward keeps on the
-            model (tensors it stores there, which are put back).
+            by a third-party method; or its outputs depend on tensors its forward stores on the
+            model (state carried from call to call).
         MethodError: If the method's factory builds no ``Method``, it returns no valid
             ``MethodResult`` (a wrong type or shape, non-integer targets), or a third-party
             method raises (its error chained), naming the method and its plugin.
@@ -144,8 +144,8 @@ def explain(
     check_output_rows(getattr(returned, "output", None), inputs)
     result = check_method_result(returned, inputs, spec.label)
     check_output_finite(result.output)
-    if guard.rebound_attributes:  # put back; did the passes read them?
-        _refuse_state_kept_on_the_model(model, inputs, result.output, guard.rebound_attributes)
+    if guard.stored_tensors:  # did the passes read them?
+        _refuse_state_kept_on_the_model(model, inputs, result.output, guard.stored_tensors)
     bad = non_finite_samples(result.attribution)
     if bad and not spec.builtin:  # the model's outputs are finite: the NaN/Inf are the method's
         raise MethodError(
@@ -172,31 +172,34 @@ def explain(
 def _refuse_state_kept_on_the_model(
     model: nn.Module, inputs: torch.Tensor, output: torch.Tensor, attributes: list[str]
 ) -> None:
-    """Refuse a model whose outputs depend on state its forward keeps on the model.
+    """Refuse a model whose outputs depend on tensors its forward stores on the model.
 
-    The guard put the attributes the forward set back; a model that only writes them (the
-    last hidden state, kept for the caller) has the same outputs from them, one that reads
-    them (a state carried from call to call) computed the attribution's passes from the
-    states its earlier passes left.
+    Run once more from the state the attribution left: a model that only writes that state
+    (the last hidden state, kept for the caller) returns the same outputs, one that reads it (a
+    state carried from call to call) computed the attribution's passes each from the state the
+    last one left.
 
     Raises:
-        ModelStateError: If the model's outputs from its own state differ from the method's.
+        ModelStateError: If the outputs differ (or that forward fails).
     """
-    with ModelGuard(model), torch.no_grad():  # it puts them back again
-        own = model(inputs)
-    if isinstance(own, torch.Tensor) and own.shape == output.shape:
-        scale = float(own.abs().max()) if own.numel() else 0.0
-        if torch.allclose(own.to(output), output, rtol=1e-4, atol=1e-5 * (1 + scale)):
-            return
     names = ", ".join(attributes[:3]) + (" …" if len(attributes) > 3 else "")
-    raise ModelStateError(
-        f"the model's forward keeps state on the model ({names}) and its outputs depend on it: "
-        "an attribution runs forward several times (a trace, path points, references), each "
-        "from the state the last one left, so the map would explain other calls than yours. "
-        "The attributes were put back as they were. Pass the state as a forward argument "
-        "(explain_inputs(model, {'x': x, 'state': state}, method, target, explained='x')) and "
-        "return the new one instead of storing it"
+    message = (
+        f"the model's forward stores tensors on the model ({names}) and its outputs depend on "
+        "them: an attribution runs forward several times (a trace, path points, references), "
+        "each from the state the last one left, so the map would explain other calls than "
+        "yours. Pass the state as a forward argument (explain_inputs(model, {'x': x, 'state': "
+        "state}, method, target, explained='x')) and return the new one instead of storing it"
     )
+    try:
+        with ModelGuard(model), torch.no_grad():
+            again = model(inputs)
+    except Exception as error:  # the state the passes left may be what fails
+        raise ModelStateError(message) from error
+    if isinstance(again, torch.Tensor) and again.shape == output.shape:
+        scale = float(again.abs().max()) if again.numel() else 0.0
+        if torch.allclose(again.to(output), output, rtol=1e-4, atol=1e-5 * (1 + scale)):
+            return
+    raise ModelStateError(message)
 
 
 def _third_party_call(spec: MethodSpec) -> str | None:

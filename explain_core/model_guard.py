@@ -74,9 +74,9 @@ class ModelGuard:
 
     Without ``restore`` (the built-in explainers, which never write to the model: their state
     lives in :mod:`explain_core.scoped`) the guard only reads the model, so other threads may use
-    the same model meanwhile: run plain forwards, train it, or explain it. Only tensors a
-    forward stored on the model (``self.hidden = h``) are put back, and named in
-    :attr:`rebound_attributes`. A restoring guard
+    the same model meanwhile: run plain forwards, train it, or explain it. Tensors a forward
+    stores on the model (``self.hidden = h``) stay, as after a plain forward, and are named in
+    :attr:`stored_tensors`. A restoring guard
     writes the model's state back on exit and sets gradients aside while it is open, which
     other threads would see.
 
@@ -106,7 +106,7 @@ class ModelGuard:
         self._replaced: set[str] = set()  # kept over calls: a second restore() finds them back
         self._attributes: list[tuple[str, nn.Module, dict[str, Any]]] = []
         self.changed_parameters: list[str] = []  # names of the parameters found changed
-        self.rebound_attributes: list[str] = []  # ``module.attribute`` set by the forward
+        self.stored_tensors: list[str] = []  # ``module.attribute`` the forward stored tensors in
 
     def __enter__(self) -> ModelGuard:
         for name, parameter in self.model.named_parameters():
@@ -181,7 +181,7 @@ class ModelGuard:
         once. The names of the parameters whose values changed in place (which it cannot undo)
         are left in :attr:`changed_parameters`.
         """
-        self._put_back_attributes()
+        self._note_stored_tensors()
         for record in self._records:
             module = record.module
             for key in set(module.__dict__) - set(record.attributes):
@@ -220,24 +220,19 @@ class ModelGuard:
             if name in self._replaced or _version(parameter) != version or changed
         ]
 
-    def _put_back_attributes(self) -> None:
-        """Put back the tensors a forward stored on the model (a guard that only reads).
+    def _note_stored_tensors(self) -> None:
+        """Name the public attributes the forward stored tensors in (:attr:`stored_tensors`).
 
-        A model that keeps state on itself (``self.hidden = h`` in forward) would be left with
-        the state of the attribution's last internal pass, its graph and batch size; the names
-        go to :attr:`rebound_attributes`. Other attributes stay as the forward left them.
+        A model that keeps state on itself (``self.hidden = h``) is left as its forward leaves
+        it, as after a plain forward (a guard that only reads writes nothing); the caller can
+        tell whether its outputs depend on that state (``explain()`` does).
         """
         for name, module, saved in self._attributes:
             now = _public_attributes(module)
             for key in now.keys() | saved.keys():
                 before, after = saved.get(key, _MISSING), now.get(key, _MISSING)
-                if before is after or not (_holds_tensors(before) or _holds_tensors(after)):
-                    continue
-                if before is _MISSING:
-                    del module.__dict__[key]
-                else:
-                    module.__dict__[key] = before
-                self.rebound_attributes.append(f"{name or '<root>'}.{key}")
+                if before is not after and (_holds_tensors(before) or _holds_tensors(after)):
+                    self.stored_tensors.append(f"{name or '<root>'}.{key}")
 
 
 def _public_attributes(module: nn.Module) -> dict[str, Any]:
@@ -426,9 +421,10 @@ def _training_arguments() -> dict[Any, dict[str, tuple[int, Any]]]:
 
 _TRAINING_ARGUMENTS = _training_arguments()
 # Random in every mode unless given the windows (_random_samples, their sixth parameter).
-_FRACTIONAL_POOLS = (
-    torch.nn.functional.fractional_max_pool2d,
-    torch.nn.functional.fractional_max_pool3d,
+_FRACTIONAL_POOLS = tuple(
+    getattr(torch.nn.functional, f"fractional_max_pool{d}d{suffix}")
+    for d in (2, 3)
+    for suffix in ("", "_with_indices")
 )
 
 
@@ -449,10 +445,8 @@ class RefuseTrainingCalls(TorchFunctionMode):
             raise ModelStateError(
                 f"the model's forward calls {func.__name__}, which draws its pooling windows at "
                 "random on every call, also in eval mode, so the explanation would change from "
-                "call to call; fix the windows (pass _random_samples, a tensor of shape "
-                "(batch, channels, 2) in [0, 1)), or pool with nn.MaxPool2d or "
-                "nn.AdaptiveMaxPool2d, or pass allow_training=True to explain() to explain the "
-                "random model anyway"
+                "call to call; pool with nn.MaxPool2d or nn.AdaptiveMaxPool2d instead, or pass "
+                "allow_training=True to explain() to explain the random model anyway"
             )
         use = _training_use(func, args, kwargs)
         if use is not None:

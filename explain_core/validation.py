@@ -306,8 +306,8 @@ CHECKPOINT_ADVICE = (
 
 CUT_PATH = (
     "the model's output does not depend differentiably on its input: a torch.no_grad() block "
-    "(or .detach(), .data) in forward cuts the path {signal} must travel back along; remove it "
-    "from forward"
+    "(or .detach(), .data) in forward cuts the path {signal} must travel back along (remove it "
+    "from forward), or the output does not depend on the input at all"
 )
 
 

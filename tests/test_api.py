@@ -339,6 +339,13 @@ def test_fractional_max_pooling_with_random_windows_is_refused_also_in_eval_mode
     x = torch.randn(3, 2, 8, 8)
     with pytest.raises(ModelStateError, match=r"fractional_max_pool2d, which draws its pooling"):
         explain(FractionalPooling().eval(), x, "gradient", 0)
+    with_indices = FractionalPooling().eval()
+    with_indices.pool.return_indices = True
+    with_indices.forward = lambda x: with_indices.head(  # type: ignore[method-assign]
+        with_indices.pool(with_indices.conv(x).relu())[0].flatten(1)
+    )
+    with pytest.raises(ModelStateError, match=r"fractional_max_pool2d_with_indices, which draws"):
+        explain(with_indices, x, "gradient", 0)
     explain(FractionalPooling().eval(), x, "gradient", 0, allow_training=True)  # asked for
     fixed = FractionalPooling(torch.rand(3, 3, 2)).eval()
     first = explain(fixed, x, "gradient", 0).attribution

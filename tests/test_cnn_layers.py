@@ -521,3 +521,56 @@ def test_a_bias_written_as_an_addition_is_the_layers_bias(method, added):
     assert expected.abs().sum() > 0
     got = explain(BiasAdded(added).double().eval(), x, method, 0).attribution
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-10)
+
+
+class PositionEmbedded(nn.Module):
+    """Patches embedded by a bias-free convolution, a position embedding added (ViT's way)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(10)
+        self.patches = nn.Conv2d(2, 4, 2, stride=2, bias=False)
+        self.position = nn.Parameter(torch.randn(1, 9, 4))
+        self.head = nn.Linear(4 * 9, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = self.patches(x).flatten(2).transpose(1, 2) + self.position
+        return self.head(torch.relu(tokens).flatten(1))
+
+
+@pytest.mark.parametrize("method", ["lrp.zplus", "excitation_bp"])
+def test_a_position_embedding_added_after_the_patches_is_their_bias(method):
+    # arranged (flatten, transpose) before the addition, the layer's output was not known
+    # any more: excitation's probabilities summed to 0.1–0.3, z⁺ to a tenth of the logit
+    x = torch.rand(3, 2, 6, 6, dtype=torch.float64)
+    model = PositionEmbedded().double().eval()
+    result = explain(model, x, method, 0)
+    expected = (
+        torch.ones(3, dtype=torch.float64) if method == "excitation_bp" else result.output[:, 0]
+    )
+    chosen = result.attribution.sum((1, 2, 3))
+    alive = result.output[:, 0] > 0  # z⁺ maps of negative logits may be empty
+    torch.testing.assert_close(chosen[alive], expected[alive])
+
+
+class ReLUAfterLayer(nn.Module):
+    """A bias-free layer, a ReLU (in place or not), and a constant added after the ReLU."""
+
+    def __init__(self, in_place: bool) -> None:
+        super().__init__()
+        torch.manual_seed(11)
+        self.layer, self.head = nn.Linear(5, 6, bias=False), nn.Linear(6, 3)
+        self.shift = nn.Parameter(torch.rand(6))
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(F.relu(self.layer(x), inplace=self.in_place) + self.shift)
+
+
+@pytest.mark.parametrize("method", ["lrp.zplus", "excitation_bp", "lrp.alpha2beta1"])
+def test_a_constant_added_after_an_in_place_relu_is_no_bias(method):
+    # the in-place ReLU kept the layer output's identity, and the constant counted as its bias
+    x = torch.randn(4, 5, dtype=torch.float64)
+    expected = explain(ReLUAfterLayer(False).double().eval(), x, method, 1).attribution
+    got = explain(ReLUAfterLayer(True).double().eval(), x, method, 1).attribution
+    torch.testing.assert_close(got, expected)

@@ -151,6 +151,8 @@ class GlobalMax(nn.Module):
             pooled = self.adaptive(h).flatten(1)
         elif self.form == "amax":
             pooled = h.amax((2, 3))
+        elif self.form == "amax(input=)":
+            pooled = torch.amax(input=h, dim=(-2, -1))
         else:  # torch.max over one flattened dimension, kept
             pooled = torch.max(h.flatten(2), dim=-1, keepdim=True).values.squeeze(-1)
         return self.head(pooled)
@@ -163,6 +165,7 @@ def test_deeplift_takes_its_max_pool_rule_at_every_form_of_max_pooling(rule):
     x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
     reference = torch.randn(3, 2, 6, 6, dtype=torch.float64)
     forms = ["MaxPool2d", "MaxPool2d(return_indices)", "AdaptiveMaxPool2d", "amax", "max"]
+    forms.append("amax(input=)")  # the input as a keyword raised an IndexError
     maps = []
     for form in forms:
         model = GlobalMax(form).double().eval()
@@ -175,6 +178,23 @@ def test_deeplift_takes_its_max_pool_rule_at_every_form_of_max_pooling(rule):
         torch.testing.assert_close(other, maps[0], msg=form)
     gradient_rule = explain(model, x, rule, 1, baselines=reference, maxpool="gradient")
     assert not torch.allclose(gradient_rule.attribution, maps[0])
+
+
+class MaximumOfTwo(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b, self.head = nn.Linear(4, 5), nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.max(self.a(x), self.b(x)))  # a comparison, not a pooling
+
+
+@pytest.mark.parametrize("rule", ["deeplift.rescale", "deeplift.reveal_cancel"])
+def test_deeplift_refuses_a_maximum_of_two_tensors(rule):
+    # taking the max-pool rule's operations into DeepLIFT's handler let it through unruled
+    with pytest.raises(UnsupportedModelError, match="operation 'max'"):
+        explain(MaximumOfTwo().double().eval(), torch.randn(3, 4, dtype=torch.float64), rule, 1)
 
 
 class Arranged(nn.Module):
@@ -202,6 +222,8 @@ class Arranged(nn.Module):
             h = self.conv2(h)
         if self.form == "view(shape)":
             h = h.view(h.shape)
+        elif self.form == "reshape(input=)":  # the input as a keyword raised an IndexError
+            h = torch.reshape(input=h, shape=h.shape)
         elif self.form == "permuted and back":
             h = h.permute(0, 2, 3, 1).permute(0, 3, 1, 2)
         y = self.head(torch.relu(h).mean((2, 3)))
@@ -220,6 +242,7 @@ def test_reveal_cancel_splits_a_layer_reshaped_or_permuted_before_its_relu_alike
         "permuted and back",
         "channels-last Linear",
         "channels-last F.linear",
+        "reshape(input=)",
     ]
     maps = [explain(Arranged(form).double().eval(), x, rule, 1).attribution for form in forms]
     for form, other in zip(forms[1:], maps[1:], strict=True):

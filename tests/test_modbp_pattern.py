@@ -1,5 +1,7 @@
 """PatternNet / PatternAttribution: estimators, streaming, save/load, architecture checks."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -191,3 +193,20 @@ def test_patterns_of_a_compiled_model_are_its_eager_models():
     fitted = fit_patterns(torch.compile(model, backend="eager"), x)
     for name, pattern in expected.patterns.items():
         torch.testing.assert_close(fitted.patterns[name], pattern)
+
+
+def test_patterns_of_a_compiled_submodule_are_its_eager_modules():
+    # only a compiled model was unwrapped: a compiled submodule raised a raw AttributeError
+    model = vgg_bn()
+    x = torch.randn(16, 3, 8, 8, dtype=torch.float64)
+    expected = fit_patterns(model, x)
+    compiled = copy.deepcopy(model)
+    compiled[0] = torch.compile(compiled[0], backend="eager")
+    fitted = fit_patterns(compiled, x)
+    assert fitted.patterns.keys() == expected.patterns.keys()
+    for name, pattern in expected.patterns.items():
+        torch.testing.assert_close(fitted.patterns[name], pattern)
+    torch.testing.assert_close(  # the eager model's patterns fit the compiled one's layers
+        explain(compiled, x[:2], "pattern_attribution", 1, patterns=expected).attribution,
+        explain(model, x[:2], "pattern_attribution", 1, patterns=expected).attribution,
+    )

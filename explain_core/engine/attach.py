@@ -217,6 +217,10 @@ class _PassedThrough(torch.autograd.Function):
         return signal, None
 
 
+# Reshapes and permutes that return a new tensor (a layer's output, arranged, is one still).
+_ARRANGING_COPIES = frozenset(name for name in RESHAPE_OPS if not name.endswith("_"))
+
+
 class _BiasAdded(torch.autograd.Function):
     """``y = d ± c``: a layer's bias written as an addition (``x @ W + b``), for a rule without one.
 
@@ -468,7 +472,10 @@ class OperationMode(TorchFunctionMode):
         if len(args) != 2 or kwargs:
             return None
         attached = self.attached
-        for d, c in (args, args[::-1]):
+        if getattr(func, "__name__", "") == "__rsub__":  # c − d: d enters with the other sign
+            return None
+        orders = [args] if op_name(func) == "sub" else [args, args[::-1]]  # d − c, not c − d
+        for d, c in orders:
             if not (isinstance(d, torch.Tensor) and attached.ignores_bias(d)):
                 continue
             constant = not isinstance(c, torch.Tensor) or not attached.depends_on_input(c)
@@ -482,6 +489,15 @@ class OperationMode(TorchFunctionMode):
         self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], result: Any
     ) -> Any:
         """``result`` of an operation as written, noted for the sources and the input's path."""
+        attached = self.attached
+        if (
+            name in _ARRANGING_COPIES
+            and attached.without_bias
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and attached.ignores_bias(args[0])
+        ):
+            attached.note_without_bias(result)  # conv(x).flatten(2) + a position embedding
         if name in _INPUT_ARRANGING and self.attached.plan.input_arranged:
             self.attached.note_arrangement(func, args, kwargs, result)
         return self._keeping_source(name, args, result)
@@ -644,8 +660,9 @@ class RulePass(ModuleListener):
         # reading it stops (such ReLUs run without autograd: see _PassedThrough), and the
         # layer's call where its rule reads that ReLU's output
         self.masked_outputs: dict[int, tuple[weakref.ref[torch.Tensor], RuleCall | None]] = {}
-        # outputs of layers whose rule ignores biases (and those outputs plus constants)
-        self.without_bias: dict[int, weakref.ref[torch.Tensor]] = {}
+        # outputs of layers whose rule ignores biases (and those outputs arranged or plus
+        # constants), with their version: an in-place operation (a ReLU) makes another tensor
+        self.without_bias: dict[int, tuple[weakref.ref[torch.Tensor], int]] = {}
         # tensor id → (a weak reference to it, the model's operations that made it from the
         # input, as a function of another tensor shaped like the input): see InputPath
         self.arranged: dict[int, tuple[weakref.ref[torch.Tensor], Any]] = {}
@@ -690,12 +707,12 @@ class RulePass(ModuleListener):
     def note_without_bias(self, output: Any) -> None:
         """Note ``output`` as a layer's output whose rule ignores biases."""
         if isinstance(output, torch.Tensor):
-            self.without_bias[id(output)] = weakref.ref(output)
+            self.without_bias[id(output)] = (weakref.ref(output), output._version)
 
     def ignores_bias(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor`` is the output of a layer whose rule ignores biases."""
+        """Whether ``tensor`` is, as it is now, the output of a layer whose rule ignores biases."""
         entry = self.without_bias.get(id(tensor))
-        return entry is not None and entry() is tensor
+        return entry is not None and entry[0]() is tensor and entry[1] == tensor._version
 
     def _check_recorded_once(self, name: str) -> None:
         """Records are per layer: a layer called twice cannot be recorded (nor checked by them).

@@ -499,7 +499,8 @@ class _Tracer(ModuleListener):
         random_slopes = name in ("rrelu", "rrelu_") and kwargs.get(
             "training", len(args) > 3 and args[3]
         )
-        if name in self.handled and not random_slopes:
+        binary_max = name in MAX_REDUCTIONS and _maximum_of_two(args, kwargs)
+        if name in self.handled and not random_slopes and not binary_max:
             return self._dense_call_problem(name, args, kwargs, inputs)
         problem = None
         if random_slopes:
@@ -532,7 +533,7 @@ class _Tracer(ModuleListener):
                 "networks refuse them; a composite of one's own "
                 f"maps Op({name!r}) to a rule)"
             )
-        elif name in MAX_REDUCTIONS and _maximum_of_two(args, kwargs):
+        elif binary_max:
             problem = "has no relevance rule"  # an element-wise comparison of two tensors
         elif not (
             name in LINEAR_OPS or name in RELU_OPS or name in MAXPOOL_OPS or name in MAX_REDUCTIONS

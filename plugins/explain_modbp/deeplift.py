@@ -268,6 +268,9 @@ class DeepLiftHandler(OpHandler):
         return positive, negative
 
     def handle(self, name, func, args, kwargs):  # noqa: D102
+        if not args and "input" in kwargs:  # torch.amax(input=h, dim=1): the input first
+            kwargs = dict(kwargs)
+            args = (kwargs.pop("input"),)
         x = args[0]
         if name in RELU_OPS | ACTIVATION_OPS:
             if not self._is_activation(x):
@@ -294,7 +297,7 @@ class DeepLiftHandler(OpHandler):
     ) -> Any:
         """``F.linear(x, W, b)`` or ``torch.addmm(b, x, W)``: its output's parts, as a Linear's."""
         result = func(*args, **kwargs)
-        x = kwargs.get("input", args[0]) if name == "linear" else args[1]
+        x = args[0] if name == "linear" else args[1]
         layer = functional_linear(name, args, kwargs, x) if self._is_activation(x) else None
         if layer is not None:
             self.register(result, *self._layer_parts(layer, x))

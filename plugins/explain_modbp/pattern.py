@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from explain_core.affine import BATCHNORM_TYPES, LINEAR_TYPES, AffineLayer
-from explain_core.eager import uncompiled
+from explain_core.eager import eager_mode, uncompiled
 from explain_core.engine import Composite, ForwardPass, ModifiedBackprop
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.interfaces.relevance import AffineRule, RuleCall, safe_divide
@@ -216,7 +216,7 @@ def fit_patterns(
         if max_batches is not None and index >= max_batches:
             break
         batch = check_inputs(batch, model, name="pattern data")  # dtype, device, finite
-        with torch.no_grad():
+        with torch.no_grad(), eager_mode():  # compiled submodules run as their eager selves
             forward = engine.forward(model, batch, grad=False)
         for name, record in forward.records.items():
             layer = record.call.layer
@@ -241,9 +241,14 @@ def fit_patterns(
     layers: dict[str, list[Any]] = {}
     for name in plan.order:
         positive = estimator == "two_component" and name in plan.relu_after
-        patterns[name] = moments[name].pattern(positive).to(dtypes[name])
-        layers[name] = [plan.types[name], list(moments[name].weight.shape)]
+        patterns[_plain(name)] = moments[name].pattern(positive).to(dtypes[name])
+        layers[_plain(name)] = [plan.types[name], list(moments[name].weight.shape)]
     return Patterns(patterns, estimator, layers, samples)
+
+
+def _plain(name: str) -> str:
+    """A layer's name without the ``_orig_mod`` of compiled submodules: one pattern for both."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
 class PatternRule(AffineRule):
@@ -259,7 +264,7 @@ class PatternRule(AffineRule):
 
     def forward(self, call: RuleCall) -> torch.Tensor:  # noqa: D102
         layer, _, _ = self.affine(call)
-        pattern = self.patterns.patterns.get(layer.name)
+        pattern = self.patterns.patterns.get(_plain(layer.name))
         if pattern is None or pattern.shape != layer.weight.shape:
             got = "no pattern" if pattern is None else f"a pattern of shape {tuple(pattern.shape)}"
             raise PatternMismatchError(
@@ -303,7 +308,7 @@ def pattern_forward(
         name=_method_name(attribution),
     )
     forward = ModifiedBackprop(composite, record=record).forward(model, inputs)
-    extra = sorted(set(patterns.patterns) - set(forward.plan.order))
+    extra = sorted(set(patterns.patterns) - {_plain(name) for name in forward.plan.order})
     if extra:
         raise PatternMismatchError(
             "the patterns were fitted on a different architecture: they hold layers the model "
