@@ -335,3 +335,24 @@ def test_rrelu_in_eval_is_the_leaky_relu_of_its_mean_slope_and_refused_in_traini
     for method_ in (method, "gradient"):  # the gradient changed from call to call
         with pytest.raises(ModelStateError, match="calls rrelu in training mode"):
             explain(RandomSlopesPositional().eval(), x, method_, 1)
+
+
+class ScaledAddmm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.layer, self.head = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.addmm(self.layer.bias, x, self.layer.weight.t(), beta=0.5, alpha=2.0)
+        return self.head(torch.relu(h))
+
+
+@pytest.mark.parametrize("rule", ["deeplift.reveal_cancel", "deeplift.ablation"])
+def test_reveal_cancel_refuses_an_addmm_it_cannot_split(rule):
+    # with beta and alpha the output had no parts: its ReLU split the difference by sign
+    with pytest.raises(UnsupportedModelError, match="'addmm' with beta or alpha"):
+        explain(ScaledAddmm().double().eval(), torch.randn(3, 4, dtype=torch.float64), rule, 1)
+    explain(
+        ScaledAddmm().double().eval(), torch.randn(3, 4, dtype=torch.float64), "deeplift.rescale", 1
+    )

@@ -43,7 +43,7 @@ from explain_core.engine.ops import (
     RESHAPE_OPS,
     OpHandler,
 )
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_core.vjp import vjp
@@ -298,9 +298,16 @@ class DeepLiftHandler(OpHandler):
         """``F.linear(x, W, b)`` or ``torch.addmm(b, x, W)``: its output's parts, as a Linear's."""
         result = func(*args, **kwargs)
         x = args[0] if name == "linear" else args[1]
-        layer = functional_linear(name, args, kwargs, x) if self._is_activation(x) else None
-        if layer is not None:
-            self.register(result, *self._layer_parts(layer, x))
+        if not self._is_activation(x):
+            return result
+        layer = functional_linear(name, args, kwargs, x)
+        if layer is None:  # addmm with beta or alpha: not a dense layer's parts
+            raise UnsupportedModelError(
+                f"operation {name!r} with beta or alpha: DeepLIFT {self.rule} splits a dense "
+                "layer's output into positive and negative parts, and has no split for it; "
+                "write it as F.linear(x, W, b) (or scale the result), or use deeplift.rescale"
+            )
+        self.register(result, *self._layer_parts(layer, x))
         return result
 
     def _arrange(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict) -> Any:
