@@ -420,16 +420,19 @@ def _training_arguments() -> dict[Any, dict[str, tuple[int, Any]]]:
 
 
 _TRAINING_ARGUMENTS = _training_arguments()
-# Random in every mode unless given the windows (_random_samples, their sixth parameter).
+
+
+def _random_windows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a fractional max pooling draws its windows (no ``_random_samples``, sixth)."""
+    return kwargs.get("_random_samples", args[5] if len(args) > 5 else None) is None
+
+
+# Random in every mode unless given the windows.
 _FRACTIONAL_POOLS = tuple(
     getattr(torch.nn.functional, f"fractional_max_pool{d}d{suffix}")
     for d in (2, 3)
     for suffix in ("", "_with_indices")
 )
-
-
-def _sixth(args: tuple[Any, ...]) -> Any:
-    return args[5] if len(args) > 5 else None
 
 
 class RefuseTrainingCalls(TorchFunctionMode):
@@ -441,7 +444,7 @@ class RefuseTrainingCalls(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _FRACTIONAL_POOLS and kwargs.get("_random_samples", _sixth(args)) is None:
+        if func in _FRACTIONAL_POOLS and _random_windows(args, kwargs):
             raise ModelStateError(
                 f"the model's forward calls {func.__name__}, which draws its pooling windows at "
                 "random on every call, also in eval mode, so the explanation would change from "

@@ -169,18 +169,6 @@ def lrp_lstm_by_hand(
     return relevance_x
 
 
-@pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.epsilon_plus", "lrp.attn", "lrp.cp"])
-def test_lrp_for_lstms_is_arras_et_al(method):
-    # AttnLRP too holds the sigmoid gates constant: its uniform rule sent half the relevance
-    # into them, and past the identity rule a linear map divided it by pre-activations near 0
-    torch.manual_seed(1)
-    model = Classifier(nn.LSTM(4, 5, batch_first=True)).double().eval()
-    x = sequences()
-    eps = 0.01
-    got = explain(model, x, method, 2, epsilon=eps).attribution
-    torch.testing.assert_close(got, lrp_lstm_by_hand(model, x, 2, eps), rtol=1e-9, atol=1e-12)
-
-
 def lrp_gru_by_hand(model: Classifier, x: torch.Tensor, target: int, eps: float) -> torch.Tensor:
     """LRP for a one-layer, batch-first GRU from a zero state, read at its last step.
 
@@ -225,16 +213,23 @@ def lrp_gru_by_hand(model: Classifier, x: torch.Tensor, target: int, eps: float)
     return relevance_x
 
 
+@pytest.mark.parametrize(
+    ("layer", "by_hand"),
+    [(nn.LSTM, lrp_lstm_by_hand), (nn.GRU, lrp_gru_by_hand)],
+    ids=["lstm", "gru"],
+)
 @pytest.mark.parametrize("method", ["lrp.epsilon", "lrp.epsilon_plus", "lrp.attn", "lrp.cp"])
-def test_lrp_for_grus_holds_the_gates_also_on_the_zero_state(method):
-    # At the first step the reset gate multiplies U_n·0 + b_n, a constant: the gate scaled by
-    # it went through the rules as a linear map and passed that share into the gate
-    torch.manual_seed(4)
-    model = Classifier(nn.GRU(4, 5, batch_first=True)).double().eval()
+def test_lrp_for_recurrent_layers_is_their_rules_by_hand(method, layer, by_hand):
+    # AttnLRP too holds the sigmoid gates constant: its uniform rule sent half the relevance
+    # into them, and past the identity rule a linear map divided it by pre-activations near 0.
+    # A GRU's reset gate multiplies U_n·0 + b_n at the first step, a constant: the gate scaled
+    # by it went through the rules as a linear map and passed that share into the gate.
+    torch.manual_seed(1)
+    model = Classifier(layer(4, 5, batch_first=True)).double().eval()
     x = sequences()
     eps = 0.01
     got = explain(model, x, method, 2, epsilon=eps).attribution
-    torch.testing.assert_close(got, lrp_gru_by_hand(model, x, 2, eps), rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(got, by_hand(model, x, 2, eps), rtol=1e-9, atol=1e-12)
 
 
 class LearnedCellState(nn.Module):

@@ -28,6 +28,7 @@ from explain_core.engine.ops import (
     ARRANGING_OPS,
     DROPOUT_OPS,
     RELU_OPS,
+    RESHAPE_COPIES,
     RESHAPE_OPS,
     SPLITTING_OPS,
     OpHandler,
@@ -215,10 +216,6 @@ class _PassedThrough(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, signal: torch.Tensor) -> tuple[torch.Tensor, None]:
         return signal, None
-
-
-# Reshapes and permutes that return a new tensor (a layer's output, arranged, is one still).
-_ARRANGING_COPIES = frozenset(name for name in RESHAPE_OPS if not name.endswith("_"))
 
 
 class _BiasAdded(torch.autograd.Function):
@@ -491,7 +488,7 @@ class OperationMode(TorchFunctionMode):
         """``result`` of an operation as written, noted for the sources and the input's path."""
         attached = self.attached
         if (
-            name in _ARRANGING_COPIES
+            name in RESHAPE_COPIES  # a layer's output, arranged, is one still
             and attached.without_bias
             and args
             and isinstance(args[0], torch.Tensor)

@@ -27,6 +27,7 @@ __all__ = [
     "PACKING_OPS",
     "PAD_MODES",
     "RELU_OPS",
+    "RESHAPE_COPIES",
     "RESHAPE_OPS",
     "SPLITTING_OPS",
     "VALUE_FREE_OPS",
@@ -125,6 +126,8 @@ _GATHER_OPS = frozenset(
         "take_along_dim",
     ]
 )
+# Reshapes and permutes that return a new tensor (not in place).
+RESHAPE_COPIES = frozenset(name for name in RESHAPE_OPS if not name.endswith("_"))
 # The values of their first argument, rearranged, selected or repeated.
 ARRANGING_OPS = RESHAPE_OPS | frozenset(
     ["expand", "expand_as", "broadcast_to", "getitem", "narrow", "select", "repeat", "tile"]

@@ -40,7 +40,7 @@ from explain_core.engine.ops import (
     ADD_OPS,
     MAX_REDUCTIONS,
     RELU_OPS,
-    RESHAPE_OPS,
+    RESHAPE_COPIES,
     OpHandler,
 )
 from explain_core.errors import InvalidInputError, UnsupportedModelError
@@ -54,18 +54,16 @@ from explain_modbp.methods import one_hot, per_sample_sum
 EPS = 1e-10
 # The dense layers DeepLIFT takes as functions (gradient_composite's).
 _FUNCTIONAL_LAYERS = frozenset({"linear", "addmm"})
-# Operations that only arrange values (not in place): a tensor's parts are arranged alike.
-_ARRANGING = frozenset(name for name in RESHAPE_OPS if not name.endswith("_"))
-_WINDOW = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
 # Max pooling by operation name: the pooling function and its parameters after the input.
-_POOLS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {}
-for _d in (1, 2, 3):
-    for _suffix in ("", "_with_indices"):
-        _POOLS[f"max_pool{_d}d{_suffix}"] = (getattr(F, f"max_pool{_d}d"), _WINDOW)
-        _POOLS[f"adaptive_max_pool{_d}d{_suffix}"] = (
-            getattr(F, f"adaptive_max_pool{_d}d"),
-            ("output_size",),
-        )
+_POOLS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
+    f"{kind}{d}d{suffix}": (getattr(F, f"{kind}{d}d"), parameters)
+    for kind, parameters in (
+        ("max_pool", ("kernel_size", "stride", "padding", "dilation", "ceil_mode")),
+        ("adaptive_max_pool", ("output_size",)),
+    )
+    for d in (1, 2, 3)
+    for suffix in ("", "_with_indices")
+}
 
 
 class _RescaleActivation(torch.autograd.Function):
@@ -184,7 +182,7 @@ class DeepLiftHandler(OpHandler):
         self.layers: Mapping[str, LayerRecord] = {}
         self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
         if rule != "rescale":
-            self.ops = self.ops | ADD_OPS | _ARRANGING | _FUNCTIONAL_LAYERS
+            self.ops = self.ops | ADD_OPS | RESHAPE_COPIES | _FUNCTIONAL_LAYERS
 
     @property
     def needs_layers(self) -> bool:
@@ -286,7 +284,7 @@ class DeepLiftHandler(OpHandler):
             return self._pool(name, args, kwargs)
         if name in MAX_REDUCTIONS:
             return self._max_over_dimensions(name, func, args, kwargs)
-        if name in _ARRANGING:
+        if name in RESHAPE_COPIES:  # a tensor's parts are arranged alike
             return self._arrange(func, args, kwargs)
         if name in _FUNCTIONAL_LAYERS:
             return self._functional_layer(name, func, args, kwargs)
