@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations
+from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.overrides import TorchFunctionMode
 
 from explain_core.errors import ModelStateError
@@ -321,6 +323,7 @@ _MODE_DEPENDENT = (
     nn.AlphaDropout,
     nn.FeatureAlphaDropout,
     nn.RReLU,
+    parametrizations._SpectralNorm,  # a power iteration on every forward in training mode
 )
 
 
@@ -351,6 +354,8 @@ def _mode_dependent(module: nn.Module) -> bool:
         return module.track_running_stats
     if isinstance(module, nn.RNNBase):  # dropout between its layers, in training mode only
         return module.dropout > 0 and module.num_layers > 1
+    if any(isinstance(hook, SpectralNorm) for hook in module._forward_pre_hooks.values()):
+        return True  # torch.nn.utils.spectral_norm's hook: a power iteration per forward
     return isinstance(module, _MODE_DEPENDENT)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from explain_core.captum_calls import ForwardWithArgs
 from explain_core.errors import (
@@ -40,6 +41,19 @@ __all__ = [
     "refuse_inference_mode",
     "run_once",
 ]
+
+
+def _refuse_uninitialised(model: nn.Module, caller: str) -> None:
+    """Refuse a model with lazy parameters that no forward has given a shape yet."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    lazy = [name for name, tensor in tensors if is_lazy(tensor)]
+    if lazy:
+        more = f" and {len(lazy) - 1} more" if len(lazy) > 1 else ""
+        raise ModelStateError(
+            f"the model has uninitialised parameters ({lazy[0]!r}{more}): a lazy module "
+            "(nn.LazyLinear, nn.LazyConv2d, …) gets their shapes from its first forward pass; "
+            f"run the model once on an input (model(x)) before {caller}"
+        )
 
 
 def check_inputs(
@@ -269,9 +283,12 @@ def refuse_inference_mode(caller: str, model: nn.Module | None = None) -> None:
         caller: The entry point named in the message, e.g. ``"explain()"``.
         model: The model to check, if any.
 
+    A lazy module not run yet (``nn.LazyLinear``) is refused first: its parameters have no
+    shape, and reading them raises torch's own error.
+
     Raises:
         InvalidInputError: If inference mode is enabled.
-        ModelStateError: If ``model`` holds inference tensors.
+        ModelStateError: If ``model`` holds inference tensors or uninitialised parameters.
     """
     if torch.is_inference_mode_enabled():
         raise InvalidInputError(
@@ -280,6 +297,7 @@ def refuse_inference_mode(caller: str, model: nn.Module | None = None) -> None:
         )
     if not isinstance(model, nn.Module):  # none given, or not a model: refused elsewhere
         return
+    _refuse_uninitialised(model, caller)
     tensors = itertools.chain(model.named_parameters(), model.named_buffers())
     made_there = [name for name, tensor in tensors if tensor.is_inference()]
     if made_there:

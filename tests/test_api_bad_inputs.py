@@ -559,3 +559,46 @@ def test_a_forward_that_cuts_the_path_from_its_input_is_refused_by_every_method(
     # the gradient methods let torch's "appears to not have been used in the graph" escape
     with pytest.raises(UnsupportedModelError, match=r"no_grad\(\)|'detach'"):
         explain(Wrapped(forward), images(), method, 1)
+
+
+@pytest.mark.parametrize("method", [*METHODS, "deeplift.rescale"])
+def test_a_lazy_model_not_run_yet_is_refused_and_explained_after_one_forward(method):
+    # reading its parameters raised torch's "Attempted to use an uninitialized parameter"
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.LazyConv2d(2, 3, padding=1), nn.ReLU(), nn.Flatten(), nn.LazyLinear(3))
+    x = images()
+    with pytest.raises(ModelStateError, match=r"uninitialised parameters \('0\.weight' and 3 "):
+        explain(lazy.eval(), x, method, 1)
+    lazy(x)  # what the message advises: the shapes are set, the weights drawn
+    torch.manual_seed(0)
+    plain = cnn()
+    plain.load_state_dict(lazy.state_dict())
+    expected = explain(plain, x, method, 1).attribution
+    torch.testing.assert_close(explain(lazy, x, method, 1).attribution, expected)
+
+
+def _spectral(linear: nn.Linear, form: str) -> nn.Module:
+    if form == "parametrization":
+        return nn.utils.parametrizations.spectral_norm(linear)
+    return nn.utils.spectral_norm(linear)  # the hook-based original
+
+
+@pytest.mark.parametrize("method", [*METHODS, "deeplift.rescale"])
+@pytest.mark.parametrize("form", ["parametrization", "hook"])
+def test_spectral_normalisation_in_training_mode_is_refused(method, form):
+    # each forward took a step of its power iteration: the LRP methods blamed the layer's
+    # forward, the others explained a weight the user's own forward never used
+    torch.manual_seed(0)
+    model = nn.Sequential(_spectral(nn.Linear(4, 5), form), nn.ReLU(), nn.Linear(5, 3))
+    x = torch.randn(2, 4)
+    with pytest.raises(ModelStateError, match=r"'0.*' is in training mode; call model\.eval"):
+        explain(model.train(), x, method, 1)
+    model.eval()
+    plain = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).eval()
+    with torch.no_grad():
+        model(x)  # the hook sets the normalised weight in a forward (fixed in eval mode)
+        plain[0].weight.copy_(model[0].weight)
+        plain[0].bias.copy_(model[0].bias)
+        plain[2].load_state_dict(model[2].state_dict())
+    expected = explain(plain, x, method, 1).attribution
+    torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)

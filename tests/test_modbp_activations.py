@@ -356,3 +356,82 @@ def test_reveal_cancel_refuses_an_addmm_it_cannot_split(rule):
     explain(
         ScaledAddmm().double().eval(), torch.randn(3, 4, dtype=torch.float64), "deeplift.rescale", 1
     )
+
+
+class TimeMajor(nn.Module):
+    """Features of each step, a nonlinearity and a pooling over time, with the batch moved
+    (``form``) or first throughout ("batch first")."""
+
+    def __init__(self, form: str, hidden: int = 5) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.form = form
+        self.step, self.head = nn.Linear(4, hidden), nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, time, 4)
+        if self.form == "batch first":
+            return self.head(torch.relu(self.step(x)).amax(1))
+        if self.form == "transposed and back":
+            h = self.step(x.transpose(0, 1)).transpose(0, 1)
+            return self.head(torch.relu(h).amax(1))
+        if self.form == "stacked steps":  # a loop over time, its states stacked time-major
+            step = self.step  # as an operation: RevealCancel keeps one record per module
+            h = torch.stack([F.linear(x_t, step.weight, step.bias) for x_t in x.unbind(1)])
+            return self.head(torch.relu(h).amax(0))
+        if self.form == "max over time":  # time-major, ReLU'd batch first
+            h = torch.relu(self.step(x)).permute(1, 0, 2)
+            return self.head(h.max(0).values)
+        h = torch.relu(self.step(x).transpose(0, 1))  # "time-major ReLU"
+        return self.head(h.amax(0))
+
+
+def _sums_to_difference(model: nn.Module, x: torch.Tensor, rule: str) -> None:
+    reference = torch.randn_like(x)
+    result = explain(model, x, rule, 1, baselines=reference)
+    with torch.no_grad():
+        difference = model(x)[:, 1] - model(reference)[:, 1]
+    torch.testing.assert_close(result.attribution.sum((1, 2)), difference)
+
+
+@pytest.mark.parametrize("rule", ["deeplift.rescale", "deeplift.reveal_cancel"])
+@pytest.mark.parametrize("form", ["time-major ReLU", "stacked steps", "max over time"])
+def test_deeplift_refuses_a_nonlinearity_off_the_batch_axis(rule, form):
+    # its input's rows are not the inputs' and the references': the nonlinearity ran as written
+    # (the gradient), and the map did not sum to f(x) - f(x0)
+    model = TimeMajor(form).double().eval()
+    x = torch.randn(3, 7, 4, dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError, match=r"first axis is not the batch.*\(in module"):
+        explain(model, x, rule, 1)
+
+
+@pytest.mark.parametrize("rule", ["deeplift.rescale", "deeplift.reveal_cancel"])
+@pytest.mark.parametrize("form", ["time-major ReLU", "stacked steps"])
+def test_deeplift_refuses_a_moved_batch_it_cannot_tell_from_another_axis(rule, form):
+    # 6 steps, 3 samples: the time-major tensor has 6 rows, as many as the stacked batch
+    model = TimeMajor(form).double().eval()
+    with pytest.raises(UnsupportedModelError, match="cannot tell which one is the batch"):
+        explain(model, torch.randn(3, 6, 4, dtype=torch.float64), rule, 1)
+
+
+@pytest.mark.parametrize(
+    "rule, form, steps, hidden",
+    [
+        *(
+            (rule, "batch first", steps, hidden)
+            for rule in ("deeplift.rescale", "deeplift.reveal_cancel")
+            for steps, hidden in ((7, 5), (6, 6))  # other axes as long as the stacked batch
+        ),
+        ("deeplift.rescale", "transposed and back", 7, 5),
+    ],
+)
+def test_deeplift_takes_a_nonlinearity_with_the_batch_first(rule, form, steps, hidden):
+    model = TimeMajor(form, hidden).double().eval()
+    _sums_to_difference(model, torch.randn(3, steps, 4, dtype=torch.float64), rule)
+
+
+def test_reveal_cancel_refuses_a_layer_that_reads_a_moved_batch():
+    # it split the layer's difference from reference at the wrong rows: torch's size error
+    model = TimeMajor("transposed and back").double().eval()
+    x = torch.randn(3, 7, 4, dtype=torch.float64)
+    with pytest.raises(UnsupportedModelError, match=r"layer 'step' gets .* not the batch"):
+        explain(model, x, "deeplift.reveal_cancel", 1)

@@ -1031,3 +1031,13 @@ def test_an_activation_written_with_a_comparison_stays_refused(hidden, method):
     model = HandWrittenReLU(hidden).eval()
     with pytest.raises(UnsupportedModelError, match=r"operation 'gt'.*comparison of activations"):
         explain(model, torch.randn(2, 3), method, 1)
+
+
+def test_a_softmax_module_inside_the_model_is_not_called_its_last_layer():
+    # the advice was to leave out "its final Softmax2d" with model[:-1], which drops the head
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.Softmax2d(), nn.Conv2d(4, 2, 1), nn.Flatten())
+    with pytest.raises(UnsupportedModelError) as refused:
+        explain(model.eval(), torch.rand(2, 3, 2, 2), "lrp.epsilon", target=1)
+    message = str(refused.value)
+    assert "If it is the model's last layer" in message
+    assert "composite.with_rules((Softmax2d, MyRule()))" in message

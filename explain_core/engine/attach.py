@@ -446,19 +446,27 @@ class OperationMode(TorchFunctionMode):
             if isinstance(rule, Gradient):  # nothing to change: let it through as written
                 if self.handler is not None and name in self.handler.ops:  # it takes note
                     return self._noted(
-                        name, func, args, kwargs, self.handler.handle(name, func, args, kwargs)
+                        name, func, args, kwargs, self._handled(name, func, args, kwargs)
                     )
                 return self._noted(name, func, args, kwargs, func(*args, **kwargs))
             with self.attached.internal_ops():
                 result = _apply_op_rule(rule, name, func, args, kwargs, self.attached)
             return self._keeping_source(name, args, result)
         if self.handler is not None and name in self.handler.ops:
-            return self.handler.handle(name, func, args, kwargs)
+            return self._handled(name, func, args, kwargs)
         if name in ("add", "sub") and self.attached.without_bias:
             biased = self._bias_added(func, args, kwargs)
             if biased is not None:
                 return self._noted(name, func, args, kwargs, biased)
         return self._noted(name, func, args, kwargs, func(*args, **kwargs))
+
+    def _handled(self, name: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The handler's result for the operation; where it refuses it, the error says where."""
+        assert self.handler is not None
+        try:
+            return self.handler.handle(name, func, args, kwargs)
+        except UnsupportedModelError as error:
+            raise UnsupportedModelError(f"{error} (in {self.attached.place()})") from error
 
     def _bias_added(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``d ± c`` or ``c ± d`` as :class:`_BiasAdded`, else ``None``.

@@ -15,8 +15,9 @@ RULE_HINT = (
     f"operations ({_SUPPORTED})"
 )
 SOFTMAX_HINT = (
-    "Relevance methods explain the scores before normalisation: explain a model that returns "
-    "the logits (leave out its final {type}, e.g. nn.Sequential(*list(model)[:-1]))"
+    "If it is the model's last layer, relevance methods explain the scores before it: explain "
+    "a model that returns the logits (leave the {type} out, e.g. "
+    "nn.Sequential(*list(model)[:-1])). Inside the model it has no relevance rule: " + RULE_HINT
 )
 
 # Supported ways to write what a model's own forward does with an unsupported operation.

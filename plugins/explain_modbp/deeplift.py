@@ -151,6 +151,12 @@ class _RescaleMaxPool(torch.autograd.Function):
         return torch.cat([grad, torch.zeros_like(grad)]), None, None, None
 
 
+# Operations that may move the first axis elsewhere (see ``DeepLiftHandler._moves_batch``).
+_AXIS_MOVES = frozenset(
+    {"permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT", "movedim", "moveaxis", "stack"}
+)
+
+
 class DeepLiftHandler(OpHandler):
     """The DeepLIFT rules for activations, max pooling and (RevealCancel) residual additions.
 
@@ -161,7 +167,9 @@ class DeepLiftHandler(OpHandler):
     """
 
     compares_with_reference = True
-    ops: ClassVar[frozenset[str]] = RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS) | MAX_REDUCTIONS
+    ops: ClassVar[frozenset[str]] = (
+        RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS) | MAX_REDUCTIONS | _AXIS_MOVES
+    )
 
     def __init__(
         self,
@@ -181,6 +189,7 @@ class DeepLiftHandler(OpHandler):
         self.parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.layers: Mapping[str, LayerRecord] = {}
         self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
+        self.batch_moved: str | None = None  # the operation that moved the batch off axis 0
         if rule != "rescale":
             self.ops = self.ops | ADD_OPS | RESHAPE_COPIES | _FUNCTIONAL_LAYERS
 
@@ -193,6 +202,7 @@ class DeepLiftHandler(OpHandler):
         self.batch = inputs.shape[0]
         self.parts.clear()
         self.consumed.clear()
+        self.batch_moved = None
         self.layers = layers
         self.input = torch.cat([inputs, self.reference.to(inputs)])
         return self.input
@@ -210,6 +220,42 @@ class DeepLiftHandler(OpHandler):
             and (value.grad_fn is not None or value is self.input)
         )
 
+    def _pairs_rows(self, reader: str, x: Any) -> bool:
+        """Whether ``x`` holds rows of inputs and references on its first axis, for ``reader``.
+
+        ``reader``: a nonlinearity (``"operation 'relu'"``), or a layer whose output
+        RevealCancel splits. ``False`` for a constant (computed from weights only): it runs as
+        written.
+
+        Raises:
+            UnsupportedModelError: ``x`` is computed from the inputs but does not have their
+                rows on its first axis (the batch moved: ``h.transpose(0, 1)``), where its
+                difference from reference cannot be found; or, after the model moved the
+                batch, another axis has as many entries as the first.
+        """
+        rows = 2 * self.batch
+        if self._is_activation(x):
+            if self.batch_moved is not None and rows in x.shape[1:]:
+                raise UnsupportedModelError(
+                    f"{reader} gets a tensor of shape {tuple(x.shape)} after the model moved "
+                    f"the batch axis ({self.batch_moved}): DeepLIFT runs the {self.batch} "
+                    f"inputs and their references stacked ({rows} rows), and more than one "
+                    "axis has that many entries, so it cannot tell which one is the batch. "
+                    "Explain batches of another size (so that no other axis has twice as many "
+                    "entries), or apply it where the batch is the first axis"
+                )
+            return True
+        if not isinstance(x, torch.Tensor) or not _computed_from(x, self.input):
+            return False
+        raise UnsupportedModelError(
+            f"{reader} gets a tensor of shape {tuple(x.shape)} computed from the inputs whose "
+            f"first axis is not the batch: DeepLIFT runs the {self.batch} inputs and their "
+            f"references stacked on the first axis ({rows} rows) and finds each value's "
+            "reference value there. Apply it where the batch is the first axis (before a "
+            "transpose(0, 1), or in a recurrent layer with batch_first=True), or explain with "
+            "a method that needs no reference (lrp.epsilon, gradient)"
+        )
+
     # positive/negative parts ---------------------------------------------------------------
     def register(self, tensor: torch.Tensor, positive: torch.Tensor, negative: torch.Tensor):
         """Record the parts of ``tensor``'s difference from reference (input half)."""
@@ -225,9 +271,10 @@ class DeepLiftHandler(OpHandler):
         entry = self.parts.get(id(tensor))
         if entry is not None and entry[0] is tensor:
             return entry[1], entry[2]
-        for record in reversed(self.layers.values()):  # the layer that made it ran last, mostly
+        for name, record in reversed(self.layers.items()):  # the layer that made it ran last
             if record.output is tensor:
                 assert record.call.layer is not None
+                self._pairs_rows(f"layer {name!r}", record.input)
                 positive, negative = self._layer_parts(record.call.layer, record.input)
                 self.register(tensor, positive, negative)
                 return positive, negative
@@ -271,7 +318,7 @@ class DeepLiftHandler(OpHandler):
             args = (kwargs.pop("input"),)
         x = args[0]
         if name in RELU_OPS | ACTIVATION_OPS:
-            if not self._is_activation(x):
+            if not self._pairs_rows(f"operation {name!r}", x):
                 return func(*args, **kwargs)
             activation = Activation(func, args, kwargs)
             if self.rule == "rescale":
@@ -279,16 +326,57 @@ class DeepLiftHandler(OpHandler):
             positive, negative = self.split(x, pop=True)
             return _RevealCancelActivation.apply(x, positive, negative, activation, self.batch)
         if name in _POOLS:
-            if self.maxpool == "gradient" or not self._is_activation(x):
+            if self.maxpool == "gradient" or not self._pairs_rows(f"operation {name!r}", x):
                 return func(*args, **kwargs)
             return self._pool(name, args, kwargs)
         if name in MAX_REDUCTIONS:
             return self._max_over_dimensions(name, func, args, kwargs)
-        if name in RESHAPE_COPIES:  # a tensor's parts are arranged alike
+        if name in _AXIS_MOVES and self._moves_batch(name, args, kwargs):
+            self.batch_moved = (
+                "torch.stack on the first axis, as a recurrent layer stacks its final states"
+                if name == "stack"
+                else name
+            )
+        if name in RESHAPE_COPIES and self.rule != "rescale":  # parts are arranged alike
             return self._arrange(func, args, kwargs)
+        if name in _AXIS_MOVES:
+            return func(*args, **kwargs)
         if name in _FUNCTIONAL_LAYERS:
             return self._functional_layer(name, func, args, kwargs)
         return self._add(name, func, args, kwargs)
+
+    def _moves_batch(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether the operation moves the batch off the first axis.
+
+        ``transpose(0, 1)``, ``torch.stack(steps)``: a reshape that does changes the first axis's
+        size instead, which :meth:`_pairs_rows` sees.
+        """
+        if name == "stack":
+            tensors = args[0] if args else kwargs.get("tensors", ())
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            return (
+                any(self._is_activation(t) for t in tensors) and dim % (tensors[0].dim() + 1) == 0
+            )
+        x = args[0] if args else kwargs.get("input")
+        if not self._is_activation(x):
+            return False
+        rank, rest = x.dim(), [*args[1:], *kwargs.values()]
+        if name in ("t", "mT"):
+            return rank == 2
+        if name == "T":
+            return rank >= 2
+        if name == "permute":
+            dims = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
+            return dims[0] % rank != 0
+        if name in ("movedim", "moveaxis"):
+            source, destination = (
+                [d % rank for d in ([v] if isinstance(v, int) else v)] for v in rest[:2]
+            )
+            if 0 in source:  # where the first axis goes
+                return destination[source.index(0)] != 0
+            return 0 in destination  # else it goes to the first place no axis is moved to
+        first, second = (d % rank for d in rest[:2])  # transpose, swapaxes, swapdims
+        return (first == 0) != (second == 0)
 
     def _functional_layer(
         self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
@@ -296,7 +384,7 @@ class DeepLiftHandler(OpHandler):
         """``F.linear(x, W, b)`` or ``torch.addmm(b, x, W)``: its output's parts, as a Linear's."""
         result = func(*args, **kwargs)
         x = args[0] if name == "linear" else args[1]
-        if not self._is_activation(x):
+        if not self._pairs_rows(f"operation {name!r}", x):
             return result
         layer = functional_linear(name, args, kwargs, x)
         if layer is None:  # addmm with beta or alpha: not a dense layer's parts
@@ -353,7 +441,11 @@ class DeepLiftHandler(OpHandler):
             dims = set(range(x.dim()))  # amax(dim=()) reduces every dimension
         else:
             dims = {0}  # torch.max(x) of every value, or torch.max(a, b): not a pooling
-        if self.maxpool == "gradient" or 0 in dims or not self._is_activation(x):
+        if (
+            self.maxpool == "gradient"
+            or not self._pairs_rows(f"operation {name!r}", x)
+            or 0 in dims
+        ):
             return func(*args, **kwargs)
         kept = [d for d in range(x.dim()) if d not in dims]
         moved = x.permute(*kept, *sorted(dims))
@@ -384,6 +476,22 @@ class DeepLiftHandler(OpHandler):
             negative = n if negative is None else negative + n
         self.register(result, positive, negative)
         return result
+
+
+def _computed_from(tensor: torch.Tensor, leaf: torch.Tensor) -> bool:
+    """Whether ``tensor``'s autograd graph reaches ``leaf`` (each node visited once)."""
+    if tensor is leaf:
+        return True
+    pending, seen = [tensor.grad_fn], set()
+    while pending:
+        node = pending.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if getattr(node, "variable", None) is leaf:
+            return True
+        pending.extend(next_node for next_node, _ in node.next_functions)
+    return False
 
 
 def _run(handler: DeepLiftHandler, model: Any, inputs: torch.Tensor, *, record: bool) -> Any:
