@@ -395,22 +395,22 @@ def _sums_to_difference(model: nn.Module, x: torch.Tensor, rule: str) -> None:
 
 @pytest.mark.parametrize("rule", ["deeplift.rescale", "deeplift.reveal_cancel"])
 @pytest.mark.parametrize("form", ["time-major ReLU", "stacked steps", "max over time"])
-def test_deeplift_refuses_a_nonlinearity_off_the_batch_axis(rule, form):
+@pytest.mark.parametrize("steps", [7, 6])  # 6: as many as the stacked batch
+def test_deeplift_refuses_a_nonlinearity_off_the_batch_axis(rule, form, steps):
     # its input's rows are not the inputs' and the references': the nonlinearity ran as written
-    # (the gradient), and the map did not sum to f(x) - f(x0)
+    # (the gradient), or paired the wrong rows, and the map did not sum to f(x) - f(x0)
     model = TimeMajor(form).double().eval()
-    x = torch.randn(3, 7, 4, dtype=torch.float64)
+    x = torch.randn(3, steps, 4, dtype=torch.float64)
     with pytest.raises(UnsupportedModelError, match=r"first axis is not the batch.*\(in module"):
         explain(model, x, rule, 1)
 
 
-@pytest.mark.parametrize("rule", ["deeplift.rescale", "deeplift.reveal_cancel"])
-@pytest.mark.parametrize("form", ["time-major ReLU", "stacked steps"])
-def test_deeplift_refuses_a_moved_batch_it_cannot_tell_from_another_axis(rule, form):
-    # 6 steps, 3 samples: the time-major tensor has 6 rows, as many as the stacked batch
-    model = TimeMajor(form).double().eval()
+def test_deeplift_refuses_a_moved_batch_it_cannot_tell_from_another_axis():
+    # a layer ran on the time-major tensor: where the batch is in its output is not followed,
+    # and its 6 steps are as many as the stacked batch's rows
+    model = TimeMajor("transposed and back").double().eval()
     with pytest.raises(UnsupportedModelError, match="cannot tell which one is the batch"):
-        explain(model, torch.randn(3, 6, 4, dtype=torch.float64), rule, 1)
+        explain(model, torch.randn(3, 6, 4, dtype=torch.float64), "deeplift.rescale", 1)
 
 
 @pytest.mark.parametrize(
@@ -427,6 +427,30 @@ def test_deeplift_refuses_a_moved_batch_it_cannot_tell_from_another_axis(rule, f
 def test_deeplift_takes_a_nonlinearity_with_the_batch_first(rule, form, steps, hidden):
     model = TimeMajor(form, hidden).double().eval()
     _sums_to_difference(model, torch.randn(3, steps, 4, dtype=torch.float64), rule)
+
+
+class Recurrent(nn.Module):
+    """An Elman RNN, time-major or batch first, whose last states feed a ReLU and a head."""
+
+    def __init__(self, batch_first: bool) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.rnn = nn.RNN(4, 6, num_layers=2, batch_first=batch_first)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (batch, time, 4)
+        out, h_n = self.rnn(x if self.rnn.batch_first else x.transpose(0, 1))
+        last = out[:, -1] if self.rnn.batch_first else out[-1]
+        return self.head(torch.relu(h_n[-1]) + torch.relu(last))
+
+
+@pytest.mark.parametrize("rule", ["deeplift.rescale", "deeplift.reveal_cancel"])
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_deeplift_follows_the_batch_through_a_recurrent_layer(rule, batch_first):
+    # 3 samples, hidden size 6: each step's tanh, and the ReLUs on h_n[-1] and the last output,
+    # have the stacked batch's 6 rows on two axes, after the layer (and the model) moved it
+    model = Recurrent(batch_first).double().eval()
+    _sums_to_difference(model, torch.randn(3, 6, 4, dtype=torch.float64), rule)
 
 
 def test_reveal_cancel_refuses_a_layer_that_reads_a_moved_batch():

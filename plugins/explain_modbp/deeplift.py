@@ -48,6 +48,7 @@ from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
 from explain_core.vjp import vjp
 from explain_modbp.activations import Activation, secant_slope
+from explain_modbp.batch_axes import MOVING_OPS, BatchAxes
 from explain_modbp.composites import gradient_composite
 from explain_modbp.methods import one_hot, per_sample_sum
 
@@ -151,12 +152,6 @@ class _RescaleMaxPool(torch.autograd.Function):
         return torch.cat([grad, torch.zeros_like(grad)]), None, None, None
 
 
-# Operations that may move the first axis elsewhere (see ``DeepLiftHandler._moves_batch``).
-_AXIS_MOVES = frozenset(
-    {"permute", "transpose", "swapaxes", "swapdims", "t", "T", "mT", "movedim", "moveaxis", "stack"}
-)
-
-
 class DeepLiftHandler(OpHandler):
     """The DeepLIFT rules for activations, max pooling and (RevealCancel) residual additions.
 
@@ -168,7 +163,7 @@ class DeepLiftHandler(OpHandler):
 
     compares_with_reference = True
     ops: ClassVar[frozenset[str]] = (
-        RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS) | MAX_REDUCTIONS | _AXIS_MOVES
+        RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS) | MAX_REDUCTIONS | MOVING_OPS
     )
 
     def __init__(
@@ -189,7 +184,7 @@ class DeepLiftHandler(OpHandler):
         self.parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.layers: Mapping[str, LayerRecord] = {}
         self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
-        self.batch_moved: str | None = None  # the operation that moved the batch off axis 0
+        self.axes = BatchAxes()  # where the model moved the batch
         if rule != "rescale":
             self.ops = self.ops | ADD_OPS | RESHAPE_COPIES | _FUNCTIONAL_LAYERS
 
@@ -202,7 +197,7 @@ class DeepLiftHandler(OpHandler):
         self.batch = inputs.shape[0]
         self.parts.clear()
         self.consumed.clear()
-        self.batch_moved = None
+        self.axes.clear()
         self.layers = layers
         self.input = torch.cat([inputs, self.reference.to(inputs)])
         return self.input
@@ -235,17 +230,19 @@ class DeepLiftHandler(OpHandler):
         """
         rows = 2 * self.batch
         if self._is_activation(x):
-            if self.batch_moved is not None and rows in x.shape[1:]:
+            axis = self.axes.axis_of(x) if rows in x.shape[1:] else 0  # else it is first
+            if axis == 0:
+                return True
+            if axis is None:
                 raise UnsupportedModelError(
-                    f"{reader} gets a tensor of shape {tuple(x.shape)} after the model moved "
-                    f"the batch axis ({self.batch_moved}): DeepLIFT runs the {self.batch} "
+                    f"{reader} gets a tensor of shape {tuple(x.shape)} computed from one whose "
+                    f"batch the model moved off the first axis: DeepLIFT runs the {self.batch} "
                     f"inputs and their references stacked ({rows} rows), and more than one "
                     "axis has that many entries, so it cannot tell which one is the batch. "
                     "Explain batches of another size (so that no other axis has twice as many "
                     "entries), or apply it where the batch is the first axis"
                 )
-            return True
-        if not isinstance(x, torch.Tensor) or not _computed_from(x, self.input):
+        elif not isinstance(x, torch.Tensor) or not _computed_from(x, self.input):
             return False
         raise UnsupportedModelError(
             f"{reader} gets a tensor of shape {tuple(x.shape)} computed from the inputs whose "
@@ -331,52 +328,16 @@ class DeepLiftHandler(OpHandler):
             return self._pool(name, args, kwargs)
         if name in MAX_REDUCTIONS:
             return self._max_over_dimensions(name, func, args, kwargs)
-        if name in _AXIS_MOVES and self._moves_batch(name, args, kwargs):
-            self.batch_moved = (
-                "torch.stack on the first axis, as a recurrent layer stacks its final states"
-                if name == "stack"
-                else name
-            )
+        if name in MOVING_OPS:
+            arranged = name in RESHAPE_COPIES and self.rule != "rescale"
+            result = self._arrange(func, args, kwargs) if arranged else func(*args, **kwargs)
+            self.axes.note(name, args, kwargs, result, self._is_activation)
+            return result
         if name in RESHAPE_COPIES and self.rule != "rescale":  # parts are arranged alike
             return self._arrange(func, args, kwargs)
-        if name in _AXIS_MOVES:
-            return func(*args, **kwargs)
         if name in _FUNCTIONAL_LAYERS:
             return self._functional_layer(name, func, args, kwargs)
         return self._add(name, func, args, kwargs)
-
-    def _moves_batch(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-        """Whether the operation moves the batch off the first axis.
-
-        ``transpose(0, 1)``, ``torch.stack(steps)``: a reshape that does changes the first axis's
-        size instead, which :meth:`_pairs_rows` sees.
-        """
-        if name == "stack":
-            tensors = args[0] if args else kwargs.get("tensors", ())
-            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
-            return (
-                any(self._is_activation(t) for t in tensors) and dim % (tensors[0].dim() + 1) == 0
-            )
-        x = args[0] if args else kwargs.get("input")
-        if not self._is_activation(x):
-            return False
-        rank, rest = x.dim(), [*args[1:], *kwargs.values()]
-        if name in ("t", "mT"):
-            return rank == 2
-        if name == "T":
-            return rank >= 2
-        if name == "permute":
-            dims = rest[0] if len(rest) == 1 and not isinstance(rest[0], int) else rest
-            return dims[0] % rank != 0
-        if name in ("movedim", "moveaxis"):
-            source, destination = (
-                [d % rank for d in ([v] if isinstance(v, int) else v)] for v in rest[:2]
-            )
-            if 0 in source:  # where the first axis goes
-                return destination[source.index(0)] != 0
-            return 0 in destination  # else it goes to the first place no axis is moved to
-        first, second = (d % rank for d in rest[:2])  # transpose, swapaxes, swapdims
-        return (first == 0) != (second == 0)
 
     def _functional_layer(
         self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict
