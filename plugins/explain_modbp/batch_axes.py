@@ -47,7 +47,10 @@ class BatchAxes:
             return 0
         if node in self.moved:
             return self.moved[node]
-        return None if self._reaches_moved(node) else 0
+        if self._reaches_moved(node):
+            self.moved[node] = None  # remembered: later walks stop here
+            return None
+        return 0
 
     def note(
         self,
@@ -91,7 +94,11 @@ class BatchAxes:
         return node is not None and (node in self.moved or node in self.restored)
 
     def _reaches_moved(self, node: Any) -> bool:
-        """Whether the graph behind ``node`` reaches a moved result before a restored one."""
+        """Whether the graph behind ``node`` reaches a moved result before a restored one.
+
+        Where it does not, no node it passed does either (the graph behind a node never
+        changes): they count as restored, so that a loop over time walks each step once.
+        """
         pending, seen = [node], set()
         while pending:
             current = pending.pop()
@@ -101,6 +108,7 @@ class BatchAxes:
                 return True
             seen.add(current)
             pending.extend(next_node for next_node, _ in current.next_functions)
+        self.restored.update(seen)
         return False
 
 
