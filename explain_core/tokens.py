@@ -111,6 +111,7 @@ class _KeywordModel(nn.Module):
     def _call_model(self, embeddings: torch.Tensor) -> Any:
         others = {}
         samples = embeddings.shape[0]
+        tiled = False  # some input repeated for copies of the batch
         for name, value in self.others.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 others[name] = value  # an option (a flag, a number): as given
@@ -125,7 +126,18 @@ class _KeywordModel(nn.Module):
                 )
             else:  # methods stack copies of the batch (path points, noisy copies, reference)
                 others[name] = value.repeat(copies, *([1] * (value.dim() - 1)))
-        return self.model(**{self.key: embeddings}, **others)
+                tiled = tiled or copies > 1
+        try:
+            return self.model(**{self.key: embeddings}, **others)
+        except RuntimeError as error:
+            if not tiled or "must be sorted in decreasing order" not in str(error):
+                raise
+            raise InvalidInputError(
+                "the model packs its sequences with pack_padded_sequence(..., "
+                "enforce_sorted=True), and the method runs it on copies of the batch one after "
+                "another (path points, noisy copies or references), whose lengths are then no "
+                "longer sorted; pack with enforce_sorted=False, which gives the same outputs"
+            ) from error
 
     def _scores(self, embeddings: torch.Tensor) -> torch.Tensor:
         output = self._call_model(embeddings)

@@ -32,6 +32,7 @@ __all__ = [
     "check_inputs",
     "check_one_tensor",
     "check_output_finite",
+    "check_reference_output_finite",
     "check_scores",
     "clear_model_errors",
     "diagnose_failure",
@@ -269,6 +270,25 @@ def check_output_finite(output: torch.Tensor) -> None:
             f"the model's output is not finite (NaN or infinite) for samples [{bad}] of "
             f"{len(output)}, so there is nothing meaningful to attribute; check the model's "
             "weights and forward (overflow, division by zero, log of 0) and the inputs' scale"
+        )
+
+
+def check_reference_output_finite(output: torch.Tensor, method: str) -> None:
+    """Refuse a reference input (baseline) where the model's output is NaN or infinite.
+
+    A method that attributes the change from the reference's output has nothing to measure
+    from there (an all-zero input may be all padding, which a mask turns into NaN).
+
+    Raises:
+        InvalidInputError: Naming the samples whose reference output is not finite.
+    """
+    bad = non_finite_samples(output)
+    if bad:
+        raise InvalidInputError(
+            f"the model's output at the reference input (baselines) is not finite (NaN or "
+            f"infinite) for samples [{bad}] of {len(output)}: {method} attributes the change "
+            "from that output, which is undefined there; pass baselines= a reference the model "
+            "is defined at (an all-zero input, the default, may be all padding to the model)"
         )
 
 

@@ -602,3 +602,20 @@ def test_spectral_normalisation_in_training_mode_is_refused(method, form):
         plain[2].load_state_dict(model[2].state_dict())
     expected = explain(plain, x, method, 1).attribution
     torch.testing.assert_close(explain(model, x, method, 1).attribution, expected)
+
+
+@pytest.mark.parametrize("method", ["integrated_gradients", "deeplift.rescale"])
+def test_a_reference_where_the_model_is_not_finite_is_refused(method):
+    # its completeness gap (delta) came back NaN, silently
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)).double().eval()
+    with torch.no_grad():
+        model[0].weight.fill_(10.0)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    overflowing = torch.full_like(x, 1e308)  # finite, but 10 × 1e308 overflows to inf
+    with pytest.raises(
+        InvalidInputError, match=r"output at the reference input .* samples \[0, 1\]"
+    ):
+        explain(model, x, method, 1, baselines=overflowing)
+    result = explain(model, x, method, 1, baselines=torch.full_like(x, 0.5))
+    assert torch.isfinite(result.delta).all()

@@ -363,7 +363,10 @@ def test_guided_bp_and_deconv_take_a_relu_rnn_and_refuse_a_tanh_rnn_by_name():
         got = explain(relu_model, x, method, 1).attribution
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-12)
     tanh_model = Classifier(nn.RNN(4, 5, batch_first=True)).double().eval()
-    refusal = r"'tanh' of the recurrent layer 'rnn' \(RNN\) is an activation.*the LRP presets"
+    refusal = (  # naming the form these methods explain (the advice was the gates' held)
+        r"'tanh' of the recurrent layer 'rnn' \(RNN\) is an activation.*an Elman RNN with "
+        r"nonlinearity='relu'; explain this one with the LRP presets"
+    )
     with pytest.raises(UnsupportedModelError, match=refusal):
         explain(tanh_model, x, "guided_bp", 0)
 
@@ -1007,3 +1010,55 @@ def test_a_state_carried_from_call_to_call_is_refused(method):
         model(x)
     with pytest.raises(ModelStateError, match=r"stores tensors on the model \(<root>\.hidden\)"):
         explain(model, x, method, 1)
+
+
+class PackedElman(nn.Module):
+    """A tanh RNN over sequences packed with the lengths given, sorted or not."""
+
+    def __init__(self, enforce_sorted: bool) -> None:
+        super().__init__()
+        torch.manual_seed(7)
+        self.enforce_sorted = enforce_sorted
+        self.rnn, self.head = nn.RNN(4, 5, batch_first=True), nn.Linear(5, 2)
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        packed = pack_padded_sequence(x, lengths, True, enforce_sorted=self.enforce_sorted)
+        return self.head(self.rnn(packed)[1][-1])
+
+
+def _padded(lengths: list[int]) -> torch.Tensor:
+    x = sequences(batch=len(lengths), steps=max(lengths))
+    for row, length in enumerate(lengths):
+        x[row, length:] = 0
+    return x
+
+
+def test_sorted_packing_under_copies_of_the_batch_is_told_to_pack_unsorted():
+    # the lengths repeated for IG's path points are no longer sorted: torch's error was reported
+    # as a forward that depends on the batch size, advising the call that was made
+    x, lengths = _padded([6, 3, 2]), torch.tensor([6, 3, 2])
+    inputs = {"x": x, "lengths": lengths}
+    with pytest.raises(InvalidInputError, match="enforce_sorted=False, which gives the same"):
+        explain_inputs(
+            PackedElman(True).double().eval(), inputs, "integrated_gradients", 1, explained="x"
+        )
+    unsorted = PackedElman(False).double().eval()  # as advised: the same weights
+    got = explain_inputs(unsorted, inputs, "integrated_gradients", 1, explained="x").attribution
+    grouped = Explainer(unsorted, "integrated_gradients").attribute(
+        x, 1, additional_forward_args=lengths
+    )
+    torch.testing.assert_close(got, grouped)
+
+
+def test_deeplift_on_packed_sequences_of_several_lengths_is_told_to_group_them():
+    # a step's rows are the sequences still running: the refusal blamed batch_first
+    model = PackedElman(False).double().eval()
+    x, lengths = _padded([6, 6, 3, 3]), torch.tensor([6, 6, 3, 3])
+    with pytest.raises(
+        UnsupportedModelError, match=r"from packed sequences.*additional_forward_args"
+    ):
+        explain_inputs(model, {"x": x, "lengths": lengths}, "deeplift.rescale", 1, explained="x")
+    grouped = Explainer(model, "deeplift.rescale").attribute(x, 1, additional_forward_args=lengths)
+    with torch.no_grad():
+        difference = model(x, lengths)[:, 1] - model(torch.zeros_like(x), lengths)[:, 1]
+    torch.testing.assert_close(grouped.sum((1, 2)), difference)  # what the message advises

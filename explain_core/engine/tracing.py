@@ -543,14 +543,22 @@ class _Tracer(ModuleListener):
             return None
         path, type_name = self.where()
         if self._inside_recurrent_layer():  # not the user's operation: the engine's cells
+            elman = name == "tanh" and type_name in ("RNN", "RNNCell")
             if name in ACTIVATION_OPS:  # not the advice for activations in general
                 problem = "is an activation of its cells"
             return (
                 f"operation {name!r} of the recurrent layer {path!r} ({type_name}) {problem}: "
                 "the engine computes the layer as its cells' operations, and this method has no "
-                "rule for them. Explain recurrent layers with the LRP presets (lrp.epsilon, "
-                "lrp.epsilon_plus, lrp.attn: the gates held constant, as Arras et al. 2017 do) "
-                "or with the gradient methods"
+                "rule for them. "
+                + (
+                    "Methods defined for ReLU networks explain an Elman RNN with "
+                    "nonlinearity='relu'; explain this one with the LRP presets (lrp.epsilon, "
+                    "lrp.epsilon_plus), DeepLIFT or the gradient methods"
+                    if elman
+                    else "Explain recurrent layers with the LRP presets (lrp.epsilon, "
+                    "lrp.epsilon_plus, lrp.attn: the gates held constant, as Arras et al. 2017 "
+                    "do) or with the gradient methods"
+                )
             )
         return (
             f"operation {name!r} in {self.place()} {problem}: the "

@@ -39,6 +39,7 @@ from explain_core.engine.ops import (
     ACTIVATION_OPS,
     ADD_OPS,
     MAX_REDUCTIONS,
+    PACKING_OPS,
     RELU_OPS,
     RESHAPE_COPIES,
     OpHandler,
@@ -46,6 +47,7 @@ from explain_core.engine.ops import (
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
+from explain_core.validation import check_reference_output_finite
 from explain_core.vjp import vjp
 from explain_modbp.activations import Activation, secant_slope
 from explain_modbp.batch_axes import MOVING_OPS, BatchAxes
@@ -163,7 +165,7 @@ class DeepLiftHandler(OpHandler):
 
     compares_with_reference = True
     ops: ClassVar[frozenset[str]] = (
-        RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS) | MAX_REDUCTIONS | MOVING_OPS
+        RELU_OPS | ACTIVATION_OPS | frozenset(_POOLS) | MAX_REDUCTIONS | MOVING_OPS | PACKING_OPS
     )
 
     def __init__(
@@ -185,6 +187,7 @@ class DeepLiftHandler(OpHandler):
         self.layers: Mapping[str, LayerRecord] = {}
         self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
         self.axes = BatchAxes()  # where the model moved the batch
+        self.packed = False  # the model packed sequences (a step's rows: those still running)
         if rule != "rescale":
             self.ops = self.ops | ADD_OPS | RESHAPE_COPIES | _FUNCTIONAL_LAYERS
 
@@ -198,6 +201,7 @@ class DeepLiftHandler(OpHandler):
         self.parts.clear()
         self.consumed.clear()
         self.axes.clear()
+        self.packed = False
         self.layers = layers
         self.input = torch.cat([inputs, self.reference.to(inputs)])
         return self.input
@@ -244,6 +248,15 @@ class DeepLiftHandler(OpHandler):
                 )
         elif not isinstance(x, torch.Tensor) or not _computed_from(x, self.input):
             return False
+        if self.packed:
+            raise UnsupportedModelError(
+                f"{reader} gets a tensor of shape {tuple(x.shape)} from packed sequences: a "
+                "step's rows are the sequences still running, sorted by length, not the "
+                f"{rows} rows of the {self.batch} inputs and their references stacked that "
+                "DeepLIFT pairs. Explain the model with Explainer(model, method).attribute(x, "
+                "target, additional_forward_args=lengths), which runs the samples of each "
+                "length together (every step then has all their rows)"
+            )
         raise UnsupportedModelError(
             f"{reader} gets a tensor of shape {tuple(x.shape)} computed from the inputs whose "
             f"first axis is not the batch: DeepLIFT runs the {self.batch} inputs and their "
@@ -328,6 +341,9 @@ class DeepLiftHandler(OpHandler):
             return self._pool(name, args, kwargs)
         if name in MAX_REDUCTIONS:
             return self._max_over_dimensions(name, func, args, kwargs)
+        if name in PACKING_OPS:
+            self.packed = self.packed or name == "_pack_padded_sequence"
+            return func(*args, **kwargs)
         if name in MOVING_OPS:
             arranged = name in RESHAPE_COPIES and self.rule != "rescale"
             result = self._arrange(func, args, kwargs) if arranged else func(*args, **kwargs)
@@ -518,6 +534,7 @@ class _DeepLift(Method):
         batch = inputs.shape[0]
         both = forward.output.detach()
         output, reference_output = both[:batch], both[batch:]
+        check_reference_output_finite(reference_output, f"deeplift.{self.rule}")
         chosen = select_target(output, target)
         start = one_hot(output, chosen)
         parts = handler.parts_of(forward.output) if handler.needs_layers else None
