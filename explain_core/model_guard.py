@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.ao.quantization.fake_quantize import FakeQuantizeBase
+from torch.ao.quantization.observer import ObserverBase
 from torch.nn.utils import parametrizations
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.overrides import TorchFunctionMode
@@ -334,17 +336,31 @@ def require_eval_mode(model: nn.Module) -> None:
     Dropout drops random units, so the explanation would describe a random network. Models
     without such layers are explained in whatever mode they are in.
 
+    Quantization observers, which record statistics in every mode, are refused too.
+
     Raises:
         ModelStateError: If a BatchNorm, InstanceNorm (with running statistics), Dropout or
             RReLU layer, or an LSTM, GRU or RNN with dropout between its layers, is in training
-            mode.
+            mode, or the model holds an enabled quantization observer.
     """
+    fake_quantizers: list[str] = []  # their observers run only where they let them
     for name, module in model.named_modules():
+        if isinstance(module, FakeQuantizeBase):
+            fake_quantizers.append(f"{name}.")
         if module.training and _mode_dependent(module):
             raise ModelStateError(
                 f"{type(module).__name__} {name or '<root>'!r} is in training mode; call "
                 "model.eval() before explaining, so that normalisation and dropout are "
                 "deterministic and the model's buffers stay unchanged"
+            )
+        if _observes(module) and not name.startswith(tuple(fake_quantizers)):
+            raise ModelStateError(
+                f"{type(module).__name__} {name or '<root>'!r} records statistics of every "
+                "forward (a quantization observer, from torch.ao.quantization.prepare or "
+                "prepare_qat), in eval mode too: explaining would add the inputs the method runs "
+                "(path points, references, noisy copies) to its calibration. Explain the float "
+                "model (a copy kept before prepare(): copy.deepcopy(model)); for fake "
+                "quantization, call model.apply(torch.ao.quantization.disable_observer) first"
             )
 
 
@@ -357,6 +373,13 @@ def _mode_dependent(module: nn.Module) -> bool:
     if any(isinstance(hook, SpectralNorm) for hook in module._forward_pre_hooks.values()):
         return True  # torch.nn.utils.spectral_norm's hook: a power iteration per forward
     return isinstance(module, _MODE_DEPENDENT)
+
+
+def _observes(module: nn.Module) -> bool:
+    """Whether ``module`` updates quantization statistics in every forward."""
+    if isinstance(module, FakeQuantizeBase):
+        return bool(module.observer_enabled[0])
+    return isinstance(module, ObserverBase)
 
 
 def _training_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

@@ -619,3 +619,39 @@ def test_a_reference_where_the_model_is_not_finite_is_refused(method):
         explain(model, x, method, 1, baselines=overflowing)
     result = explain(model, x, method, 1, baselines=torch.full_like(x, 0.5))
     assert torch.isfinite(result.delta).all()
+
+
+def _prepared(form: str) -> nn.Module:
+    """A small CNN prepared for quantization: observers (PTQ) or fake quantization (QAT)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        torch.ao.quantization.QuantStub(), cnn(), torch.ao.quantization.DeQuantStub()
+    )
+    if form == "post-training":
+        model.qconfig = torch.ao.quantization.get_default_qconfig("fbgemm")
+        torch.ao.quantization.prepare(model.eval(), inplace=True)
+    else:
+        model.qconfig = torch.ao.quantization.get_default_qat_qconfig("fbgemm")
+        torch.ao.quantization.prepare_qat(model.train(), inplace=True)
+    model(images())  # calibration
+    return model.eval()
+
+
+@pytest.mark.parametrize("method", [*METHODS, "deeplift.rescale"])
+@pytest.mark.parametrize("form", ["post-training", "quantization-aware"])
+def test_a_model_prepared_for_quantization_is_refused_not_calibrated(method, form):
+    # its observers took in the explained images, path points and references, silently
+    model = _prepared(form)
+    before = state_fingerprint(model)
+    with pytest.raises(ModelStateError, match=r"records statistics of every forward"):
+        explain(model, images(), method, 1)
+    assert_same_state(before, state_fingerprint(model))
+    if form == "quantization-aware":  # the advice for fake quantization: explained as it is
+        model.apply(torch.ao.quantization.disable_observer)
+        before = state_fingerprint(model)
+        if method in ("lrp.epsilon", "deeplift.rescale"):  # the rules see quantized weights
+            with pytest.raises(UnsupportedModelError, match="does not compute the affine map"):
+                explain(model, images(), method, 1)
+        else:
+            assert torch.isfinite(explain(model, images(), method, 1).attribution).all()
+        assert_same_state(before, state_fingerprint(model))
