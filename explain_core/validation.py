@@ -337,8 +337,9 @@ def refuse_inference_mode(caller: str, model: nn.Module | None = None) -> None:
 CHECKPOINT_ADVICE = (
     "activation checkpointing (torch.utils.checkpoint), which recomputes forward during "
     "backward and cannot be explained: turn it off while explaining (a Hugging Face model: "
-    "model.gradient_checkpointing_disable(); your own code: call the module directly when "
-    "not training)"
+    "model.gradient_checkpointing_disable(); torchvision's DenseNet, which checkpoints "
+    "whenever its input requires grad: set memory_efficient = False on its _DenseLayer "
+    "modules; your own code: call the module directly when not training)"
 )
 
 
