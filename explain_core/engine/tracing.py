@@ -729,12 +729,18 @@ class _Tracer(ModuleListener):
         if expected.shape != output.shape or not torch.allclose(
             expected, output, rtol=tolerance, atol=tolerance * (scale + float(output.abs().max()))
         ):
-            cause = (
-                "does a forward pre-hook of its own change its input? Change the input before "
-                "the call instead, in forward"
-                if module._forward_pre_hooks
-                else "a subclass with its own forward, e.g. weight standardisation?"
-            )
+            if hasattr(module, "weight_fake_quant"):
+                cause = (
+                    "it fake-quantizes its weights, as prepare_qat() made it: explain the float "
+                    "model (a copy kept before prepare_qat)"
+                )
+            elif module._forward_pre_hooks:
+                cause = (
+                    "does a forward pre-hook of its own change its input? Change the input "
+                    "before the call instead, in forward"
+                )
+            else:
+                cause = "a subclass with its own forward, e.g. weight standardisation?"
             raise UnsupportedModelError(
                 f"module {name!r} ({type(module).__name__}) does not compute the affine map of "
                 f"its parameters on its input ({cause}), so the affine rules would explain a "
