@@ -39,6 +39,9 @@ X = torch.randn(3, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().man
 def add_observers(model: nn.Module, seen: list[str]) -> None:
     """What Grad-CAM utilities and monitoring register: full backward and reading forward hooks."""
     model[4].register_full_backward_hook(lambda m, gi, go: seen.append("backward conv"))
+    # on a convolution and the BatchNorm merged into it: their outputs come wrapped (aliases)
+    model[0].register_full_backward_hook(lambda m, gi, go: seen.append("backward merged conv"))
+    model[1].register_full_backward_pre_hook(lambda m, go: seen.append("backward pre norm"))
     model[2].register_full_backward_hook(lambda m, gi, go: seen.append("backward relu"))
     model[5].register_forward_hook(lambda m, i, o: seen.append(f"norm {float(o.detach().norm())}"))
     model[0].register_forward_pre_hook(lambda m, i: seen.append("pre"))
@@ -57,6 +60,7 @@ def test_observing_hooks_neither_break_nor_change_a_map(method, explained_before
     with_hooks = explain(model, X, method, 1).attribution
     torch.testing.assert_close(with_hooks, plain, rtol=1e-12, atol=1e-14)
     assert "pre" in seen and "backward conv" in seen and "backward root" in seen
+    assert "backward pre norm" in seen
     again = explain(model, X, method, 1).attribution  # and from the cache
     torch.testing.assert_close(again, plain, rtol=1e-12, atol=1e-14)
 

@@ -383,6 +383,20 @@ def _apply_op_rule(
     return output
 
 
+def _wraps(alias: torch.Tensor, tensor: torch.Tensor) -> bool:
+    """Whether ``alias`` is ``tensor`` wrapped by a user's full backward hooks.
+
+    Their ``BackwardHookFunction`` returns an alias of each tensor it wraps; its node's inputs
+    are the nodes of those tensors.
+    """
+    node, index = alias.grad_fn, alias.output_nr
+    if node is None or type(node).__name__ != "BackwardHookFunctionBackward":
+        return False
+    while node is not None and type(node).__name__ == "BackwardHookFunctionBackward":
+        node, index = node.next_functions[index]
+    return node is tensor.grad_fn and index == tensor.output_nr
+
+
 def _from_weights(tensor: torch.Tensor, inputs: torch.Tensor | None, budget: int = 16) -> bool:
     """Whether ``tensor`` is a weight or computed from weights only (``w.view(1, -1, 1)``).
 
@@ -909,6 +923,12 @@ class RulePass(ModuleListener):
     def _stashed_input(self, name: str, bn_name: str, bn_input: torch.Tensor) -> torch.Tensor:
         """The input of the call of ``name`` whose output the BatchNorm ``bn_name`` reads."""
         entry = self.stash.pop(id(bn_input), None)
+        if entry is None:  # a user's full backward hook wrapped the output, or the BN's input
+            for key, (ref, _) in self.stash.items():
+                stashed = ref()
+                if stashed is not None and _wraps(bn_input, stashed):
+                    entry, bn_input = self.stash.pop(key), stashed
+                    break
         if entry is None or entry[0]() is not bn_input:
             raise UnsupportedModelError(
                 f"BatchNorm {bn_name!r} read something other than the output of {name!r} in "

@@ -234,6 +234,10 @@ class _TraceMode(TorchFunctionMode):
             else:
                 tracer.nonnegative.discard(id(out))  # an in-place op may make it signed
         outputs += bases
+        if _hook_wrapping(name, args, result):  # the same tensor to the rules: same producer
+            source = tracer.producer.get(id(args[0]))
+            if source is not None:
+                tracer.producer[id(result)] = source
         problem = tracer.problem(name, args, kwargs, inputs)
         reads_input = reads_input and not reshaped_input  # what reads a reshape of it counts
         tracer.record(name, inputs, outputs, problem, reads_input=reads_input)
@@ -245,6 +249,17 @@ class _TraceMode(TorchFunctionMode):
 _BACKWARD_HOOK_SETUP = getattr(
     getattr(torch.utils.hooks.BackwardHook, "_apply_on_tensors", None), "__code__", None
 )
+
+
+def _hook_wrapping(name: str, args: tuple[Any, ...], result: Any) -> bool:
+    """Whether ``x.view_as(x)`` is a user's full backward hook wrapping a module's tensor."""
+    return (
+        name == "view_as"
+        and len(args) == 2
+        and args[0] is args[1]
+        and not torch.is_grad_enabled()
+        and _autograd_function() is BackwardHookFunction
+    )
 
 
 def _autograd_function(depth: int = 16) -> type | None:
