@@ -267,9 +267,9 @@ class Explainer:
         self,
         inputs: torch.Tensor | tuple[torch.Tensor],
         target: Any = None,
+        *misplaced: Any,
         baselines: torch.Tensor | float | tuple[torch.Tensor] | None = None,
         additional_forward_args: Any = None,
-        *,
         n_steps: int | None = None,
         method: str | None = None,
         internal_batch_size: int | None = None,
@@ -277,12 +277,16 @@ class Explainer:
     ) -> Any:
         """Attribute like Captum: returns a tensor shaped like ``inputs`` (and the delta).
 
+        Only ``inputs`` and ``target`` are taken by position: Captum's classes differ there
+        (``IntegratedGradients`` and ``DeepLift`` take baselines second).
+
         Args:
             inputs: A tensor, or a 1-tuple holding one (returned as a 1-tuple too).
             target: Captum's forms: ``None`` (the predicted class), an int or 1-element tensor
                 for every sample, a list or 1-D tensor of one int per sample, or for models
                 whose output has more axes after the batch one tuple of indices into them (for
                 every sample) or a list of one tuple per sample.
+            *misplaced: Refused: any further positional argument (see above).
             baselines: Reference input for methods that use one (a tensor broadcastable to the
                 inputs, one row per sample, or a number; a 1-tuple of those).
             additional_forward_args: Further arguments of the model's forward after the
@@ -305,6 +309,24 @@ class Explainer:
                 Captum keyword maps to no option of the method, or the target or forward
                 arguments do not fit the inputs; and as :func:`explain` does.
         """
+        if not isinstance(self.model, nn.Module):
+            raise InvalidInputError(
+                f"model must be a torch.nn.Module; got {type(self.model).__name__}, so wrap it "
+                "in an nn.Module whose forward calls it"
+            )
+        if misplaced:
+            raise InvalidInputError(
+                f"Explainer.attribute takes inputs and target by position and the rest by "
+                f"keyword; got {len(misplaced)} more positional argument(s). Captum's "
+                "IntegratedGradients and DeepLift take baselines second: write "
+                "attribute(x, target=..., baselines=...)"
+            )
+        if isinstance(target, float) and self._engine.uses_baselines:
+            raise InvalidInputError(
+                f"target must be a class index; got the number {target}. Captum's "
+                "IntegratedGradients and DeepLift take baselines second: here write "
+                "attribute(x, target=..., baselines=...)"
+            )
         if return_convergence_delta and not self.has_convergence_delta():
             raise InvalidInputError(
                 f"method {self.method!r} defines no convergence delta (has_convergence_delta() "
@@ -315,6 +337,8 @@ class Explainer:
         tensor = _single_tensor(inputs, "inputs")
         if isinstance(baselines, tuple):
             baselines = _single_tensor(baselines, "baselines")
+        if baselines is not None and not isinstance(baselines, (torch.Tensor, int, float)):
+            baselines = _as_tensor(baselines, "baselines")  # NumPy, nested lists: rows to group
         if not isinstance(tensor, torch.Tensor) or tensor.dim() < 2 or len(tensor) == 0:
             check_inputs(tensor, self.model)  # explain()'s error for what is no batch
         batch = tensor.shape[0]
@@ -511,6 +535,16 @@ def _single_tensor(value: Any, what: str) -> torch.Tensor:
             )
         value = value[0]
     return value
+
+
+def _as_tensor(value: Any, what: str) -> torch.Tensor:
+    """``value`` (a NumPy array, nested lists) as a tensor, to pick rows from."""
+    try:
+        return torch.as_tensor(np.asarray(value))
+    except (TypeError, ValueError, RuntimeError):
+        raise InvalidInputError(
+            f"{what} must be a tensor, a number or an array of numbers; got {type(value).__name__}"
+        ) from None
 
 
 def _model_device(model: nn.Module) -> torch.device:

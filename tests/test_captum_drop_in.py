@@ -417,3 +417,44 @@ def test_a_tuple_target_with_contrastive_lrp_is_refused_with_the_wrapper_to_writ
         Explainer(model, "lrp.zplus").attribute(x, target=(1, 2)),
         explain(wrapper, x, "lrp.zplus", 5).attribution,
     )
+
+
+@pytest.mark.parametrize("form", ["ndarray", "nested list", "1-tuple of an ndarray"])
+def test_per_sample_baselines_not_given_as_a_tensor_follow_their_samples(form):
+    # with a forward argument the batch is explained in groups: only a tensor's rows were picked,
+    # and an array of 3 rows met a group of 2
+    model, x = Gated().double().eval(), inputs(3)
+    gate = torch.tensor([[1.0] * 5, [1.0] * 5, [0.0, 1, 1, 1, 1]], dtype=torch.float64)
+    reference = torch.randn(3, 5, dtype=torch.float64)
+    given = {
+        "ndarray": reference.numpy(),
+        "nested list": reference.tolist(),
+        "1-tuple of an ndarray": (reference.numpy(),),
+    }[form]
+    explainer = Explainer(model, "integrated_gradients")
+    keywords = {"target": 1, "additional_forward_args": (gate, 2.0)}
+    expected = explainer.attribute(x, baselines=reference, **keywords)
+    torch.testing.assert_close(explainer.attribute(x, baselines=given, **keywords), expected)
+
+
+def test_captum_positional_baselines_are_refused_not_read_as_a_target():
+    # IntegratedGradients.attribute(x, baselines, target): attribute(x, 0, 2) explained class 0
+    model, x = relu_net(), inputs()
+    explainer = Explainer(model, "integrated_gradients")
+    with pytest.raises(InvalidInputError, match=r"by keyword.*target=\.\.\., baselines=\.\.\."):
+        explainer.attribute(x, 0, 2)
+    with pytest.raises(InvalidInputError, match=r"got the number 0\.5.*baselines second"):
+        explainer.attribute(x, 0.5)
+    ours = explainer.attribute(x, 2, baselines=0.0, n_steps=8)  # the target second: Saliency's
+    theirs = IntegratedGradients(model).attribute(x, 0.0, 2, n_steps=8, method="riemann_middle")
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_a_function_as_the_model_gets_the_clear_error_with_forward_arguments_too():
+    # ForwardWithArgs raised "'function' object has no attribute 'training'"
+    def forward(x, scale):
+        return relu_net()(x) * scale
+
+    for keywords in ({}, {"additional_forward_args": 2.0}):
+        with pytest.raises(InvalidInputError, match=r"model must be a torch\.nn\.Module"):
+            Explainer(forward, "gradient").attribute(inputs(), target=1, **keywords)
