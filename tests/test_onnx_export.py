@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import assert_same_state, state_fingerprint
@@ -148,6 +149,19 @@ def test_invalid_targets_give_nan_maps_and_the_session_refuses_them(cnn, tmp_pat
         session.run(held_back, target)
     with pytest.raises(InvalidInputError, match="integer class indices"):
         session.run(held_back, target.float())
+    # onnxruntime's own errors named a node (or a type mismatch): the wrapper names the input
+    valid_target = torch.tensor([3, 1, 0, 9, 2])
+    expected = session.run(held_back, valid_target)
+    widened = session.run(held_back, valid_target.int())  # int32 class indices: widened
+    np.testing.assert_array_equal(widened[1], expected[1])
+    with pytest.raises(
+        InvalidInputError, match=r"one row per sample each; got input: 5, target: 4"
+    ):
+        session.run(held_back, valid_target[:4])
+    with pytest.raises(InvalidInputError, match=r"'input' must be float32.*got float64"):
+        session.run(held_back.double(), valid_target)
+    with pytest.raises(InvalidInputError, match=r"shape \(batch, 1, 8, 8\), as exported"):
+        session.run(torch.zeros(5, 1, 9, 9), valid_target)
 
 
 def test_plain_cnn_with_opset(cnn, tmp_path):

@@ -254,6 +254,14 @@ class OnnxSession:
         feeds = self._feeds(inputs, named)
         if self._classes is not None:
             _check_targets(feeds[TARGET], self._classes)
+        for declared in self.session.get_inputs():
+            feeds[declared.name] = _fitted(declared, feeds[declared.name])
+        batches = {name: len(array) for name, array in feeds.items() if array.ndim}
+        if len(set(batches.values())) > 1:
+            raise InvalidInputError(
+                "the inputs must have one row per sample each; got "
+                + ", ".join(f"{name}: {rows}" for name, rows in batches.items())
+            )
         return self.session.run(None, feeds)
 
     def _feeds(self, inputs: Sequence[Any], named: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -291,6 +299,46 @@ def _check_targets(target: np.ndarray, classes: int) -> None:
             f"target must lie in [0, {classes - 1}] for a graph with {classes} classes; got "
             f"{shown}{' …' if bad.size > 5 else ''}"
         )
+
+
+# onnxruntime's names of the element types an exported graph's inputs have
+_ELEMENT_TYPES = {
+    "tensor(float)": np.float32,
+    "tensor(double)": np.float64,
+    "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(bool)": np.bool_,
+}
+
+
+def _fitted(declared: Any, array: np.ndarray) -> np.ndarray:
+    """``array`` checked against the graph's input ``declared`` (integers widened to it).
+
+    Only the batch axis of an exported graph is dynamic: every other size, and the rank, is the
+    export's. Raises InvalidInputError naming the input otherwise (onnxruntime's own error
+    names a node).
+    """
+    dtype = _ELEMENT_TYPES.get(declared.type)
+    if dtype is not None and array.dtype != dtype:
+        if np.issubdtype(array.dtype, np.integer) and np.issubdtype(dtype, np.integer):
+            array = array.astype(dtype)  # class indices: int32 → int64 loses nothing
+        else:
+            raise InvalidInputError(
+                f"input {declared.name!r} must be {np.dtype(dtype).name}, the type the graph "
+                f"was exported with; got {array.dtype.name} (convert it: "
+                f"x.to(torch.{np.dtype(dtype).name}) or array.astype(np.{np.dtype(dtype).name}))"
+            )
+    shape = declared.shape
+    fixed = [(axis, size) for axis, size in enumerate(shape) if isinstance(size, int)]
+    if array.ndim != len(shape) or any(array.shape[axis] != size for axis, size in fixed):
+        wanted = ", ".join(str(size) if size is not None else "?" for size in shape)
+        raise InvalidInputError(
+            f"input {declared.name!r} must have shape ({wanted}), as exported (only its "
+            f"named axes may differ); got {tuple(array.shape)}: export again with inputs of "
+            "the sizes to run on"
+        )
+    return array
 
 
 def _as_array(value: Any) -> np.ndarray:

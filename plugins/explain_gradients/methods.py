@@ -14,7 +14,12 @@ from explain_core.interfaces.relevance import ModifiedGradient
 from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import select_target
-from explain_core.validation import check_reference_output_finite, check_scores, input_gradient
+from explain_core.validation import (
+    check_output_finite,
+    check_reference_output_finite,
+    check_scores,
+    input_gradient,
+)
 
 Composite = str | ModifiedGradient | None
 
@@ -178,6 +183,7 @@ class IntegratedGradients(Method):
         reference = torch.zeros_like(inputs) if baselines is None else baselines
         output = _outputs(model, inputs, self.internal_batch_size)
         reference_output = _outputs(model, reference, self.internal_batch_size)
+        check_output_finite(output)  # said first: NaN at the input is the model's own
         check_reference_output_finite(reference_output, "integrated gradients")
         chosen = select_target(output, target)
         difference = inputs - reference

@@ -47,7 +47,7 @@ from explain_core.engine.ops import (
 from explain_core.errors import InvalidInputError, UnsupportedModelError
 from explain_core.registry import Method, MethodResult, MethodSpec
 from explain_core.targets import select_target
-from explain_core.validation import check_reference_output_finite
+from explain_core.validation import check_output_finite, check_reference_output_finite
 from explain_core.vjp import vjp
 from explain_modbp.activations import Activation, secant_slope
 from explain_modbp.batch_axes import MOVING_OPS, BatchAxes
@@ -534,6 +534,7 @@ class _DeepLift(Method):
         batch = inputs.shape[0]
         both = forward.output.detach()
         output, reference_output = both[:batch], both[batch:]
+        check_output_finite(output)  # said first: NaN at the input is the model's own
         check_reference_output_finite(reference_output, f"deeplift.{self.rule}")
         chosen = select_target(output, target)
         start = one_hot(output, chosen)
