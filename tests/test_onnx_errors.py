@@ -670,3 +670,28 @@ def test_a_long_onnxruntime_error_is_shortened_between_words(tmp_path, monkeypat
     shown = quoted.split()
     assert shown[-1] == "…" and shown[:-1] == words[: len(shown) - 1]  # whole words only
     assert len(quoted) <= 300
+
+
+def test_a_float64_convolution_is_told_to_export_in_float32(tmp_path):
+    # onnxruntime's CPU provider has no float64 Conv: the advice was a lower opset, circularly
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 3)).double().eval()
+    with pytest.raises(ExportError, match=r"Conv.*export in float32 \(model\.float\(\)"):
+        export_onnx(model, torch.rand(2, 1, 4, 4, dtype=torch.float64), tmp_path / "m.onnx")
+
+
+@pytest.mark.parametrize(
+    "pool, explained, named",
+    [
+        (nn.AvgPool2d(3, 2, ceil_mode=True), "input_x_gradient", "average pooling with ceil_mode"),
+        (nn.AdaptiveMaxPool2d(2), None, r"adaptive max pooling \(write it as nn\.MaxPool2d"),
+    ],
+)
+def test_a_pooling_without_an_onnx_form_is_named_with_the_way_to_write_it(
+    tmp_path, pool, explained, named
+):
+    # the explained export named the library's own wrapper module and advised standard layers
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 2, 3), nn.ReLU(), pool, nn.Flatten(), nn.Linear(8, 3))
+    with pytest.raises(UnsupportedOperatorError, match=named) as refused:
+        export_onnx(model.eval(), torch.rand(2, 1, 7, 7), tmp_path / "m.onnx", explain=explained)
+    assert "TracedGradientGraph" not in str(refused.value)

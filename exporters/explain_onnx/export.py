@@ -313,11 +313,16 @@ def _open_session(path: Path, opset: int) -> OnnxSession:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0]
         version = require("onnxruntime").__version__
         newest = newest_runtime_opset()
-        advice = (
-            f"choose opset {newest} or lower"
-            if newest is not None and opset > newest
-            else "choose a lower opset"
-        )
+        if "Could not find an implementation" in first:  # a kernel missing for the types
+            advice = (
+                "onnxruntime has no kernel for that operator in the graph's element type (a "
+                "float64 Conv on the CPU, for one): export in float32 (model.float() and "
+                "float32 inputs)"
+            )
+        elif newest is not None and opset > newest:
+            advice = f"choose opset {newest} or lower"
+        else:
+            advice = "choose a lower opset"
         raise ExportError(
             f"onnxruntime {version} cannot load the exported graph (opset {opset}): "
             f"{textwrap.shorten(first, 300, placeholder=' …')}; {advice}"
@@ -421,14 +426,35 @@ def _conversion_error(error: Exception, program: Any, opset: int | None) -> Expo
         hint = f" (opset {opset})" if opset is not None else ""
         return ExportError(f"converting the traced model to ONNX{hint} failed: {detail}")
     module = _module_calling(program, operator)
+    if module and "TracedGradientGraph" in module:  # the explanation's graph: no user module
+        module = ""
     where = f" called by module {module}" if module else ""
+    layer = _UNEXPORTED_LAYERS.get(operator.split(".default")[0].removesuffix("_backward"))
+    replace = (
+        f"it comes from {layer}"
+        if layer
+        else "replace that computation with standard layers or operations"
+    )
     return UnsupportedOperatorError(
-        f"the ONNX exporter has no translation for operator {operator}{where}; replace that "
-        "computation with standard layers or operations, or register a translation with "
-        "torch.onnx.export(custom_translation_table=...)",
+        f"the ONNX exporter has no translation for operator {operator}{where}; {replace}, or "
+        "register a translation with torch.onnx.export(custom_translation_table=...)",
         operator=operator,
         module=module,
     )
+
+
+# Layers whose backward (or forward) has no ONNX form here, and how to write them instead.
+_UNEXPORTED_LAYERS = {
+    "aten.avg_pool2d": (
+        "average pooling with ceil_mode=True, or with padding and count_include_pad=False "
+        "(write it with ceil_mode=False and count_include_pad=True, padding the input "
+        "explicitly where needed)"
+    ),
+    "aten.adaptive_max_pool2d": (
+        "adaptive max pooling (write it as nn.MaxPool2d with the window and stride the input "
+        "size gives)"
+    ),
+}
 
 
 def _module_calling(program: Any, operator: str) -> str:
