@@ -255,3 +255,31 @@ def test_a_recurrent_classifier_exports_its_lrp_and_runs_in_a_plain_session(tmp_
     expected = explain(model, held_back, "lrp.epsilon_plus")
     np.testing.assert_allclose(logits, expected.output.numpy(), atol=1e-5)
     assert relative_difference(maps, expected.attribution.numpy()) <= 1e-3
+
+
+class _LearnedInitialState(nn.Module):
+    """A 2-layer GRU started from a learned state: its first size, 2, is the example batch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.rnn, self.head = nn.GRU(4, 6, num_layers=2, batch_first=True), nn.Linear(6, 3)
+        self.h0 = nn.Parameter(0.3 * torch.randn(2, 1, 6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.rnn(x, self.h0.expand(-1, x.shape[0], -1))
+        return self.head(out[:, -1])
+
+
+@pytest.mark.parametrize("method", ["input_x_gradient", "lrp.epsilon"])
+def test_an_example_batch_as_large_as_another_size_keeps_the_batch_dynamic(tmp_path, method):
+    # symbolic tracing gave the batch of 2 and the 2 layers one symbol, which the layer's check
+    # of its initial states fixed: refused as a model that fixes the batch size
+    model = _LearnedInitialState().eval()
+    x = torch.rand(2, 5, 4, generator=torch.Generator().manual_seed(1))
+    result = export_onnx(model, x, tmp_path / "h0.onnx", explain=method)
+    assert result.parity.passed
+    held_back = torch.rand(3, 5, 4, generator=torch.Generator().manual_seed(2))
+    _, maps = OnnxSession(result.path).run(held_back)
+    expected = explain(model, held_back, method).attribution
+    assert relative_difference(maps, expected.numpy()) <= 1e-3

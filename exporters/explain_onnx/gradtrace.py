@@ -23,7 +23,7 @@ submodule, losing the constants.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -357,6 +357,17 @@ def _decompositions() -> dict[Any, Callable[..., Any]]:
     return table
 
 
+def _batch_of_its_own(example: torch.Tensor, tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """``example`` with as many rows as no other size of it or of the model's tensors has.
+
+    Symbolic tracing gives equal sizes one symbol: a batch of 2 in a model with 2 recurrent
+    layers would be fixed to 2 where the layer checks its initial states' first size.
+    """
+    taken = {size for tensor in tensors for size in tensor.shape} | set(example.shape[1:])
+    rows = next(n for n in range(2, len(taken) + 3) if n not in taken)
+    return example[:1].expand(rows, *example.shape[1:]).contiguous()
+
+
 class TracedGradientGraph(nn.Module):
     """A traced gradient function with the model's tensors as buffers; see the module docs.
 
@@ -452,9 +463,9 @@ def trace_explanation(
         name: tensor.detach()
         for name, tensor in [*model.named_parameters(), *model.named_buffers()]
     }
-    inputs = [example]
+    inputs = [_batch_of_its_own(example, tensors.values())]
     if target_input:
-        inputs.append(torch.zeros(example.shape[0], dtype=torch.long, device=example.device))
+        inputs.append(torch.zeros(len(inputs[0]), dtype=torch.long, device=example.device))
     graph = make_fx(explained, tracing_mode="symbolic", decomposition_table=_decompositions())(
         tensors, *inputs
     )
