@@ -266,8 +266,8 @@ class Explainer:
     def attribute(
         self,
         inputs: torch.Tensor | tuple[torch.Tensor],
+        *positional: Any,
         target: Any = None,
-        *misplaced: Any,
         baselines: torch.Tensor | float | tuple[torch.Tensor] | None = None,
         additional_forward_args: Any = None,
         n_steps: int | None = None,
@@ -286,7 +286,7 @@ class Explainer:
                 for every sample, a list or 1-D tensor of one int per sample, or for models
                 whose output has more axes after the batch one tuple of indices into them (for
                 every sample) or a list of one tuple per sample.
-            *misplaced: Refused: any further positional argument (see above).
+            *positional: The target, if not given by keyword; anything more is refused.
             baselines: Reference input for methods that use one (a tensor broadcastable to the
                 inputs, one row per sample, or a number; a 1-tuple of those).
             additional_forward_args: Further arguments of the model's forward after the
@@ -314,18 +314,25 @@ class Explainer:
                 f"model must be a torch.nn.Module; got {type(self.model).__name__}, so wrap it "
                 "in an nn.Module whose forward calls it"
             )
-        if misplaced:
+        captum_order = (
+            "Captum's IntegratedGradients and DeepLift take baselines second: here write "
+            "attribute(x, target=..., baselines=...)"
+        )
+        if len(positional) > 1 or (positional and target is not None):
             raise InvalidInputError(
-                f"Explainer.attribute takes inputs and target by position and the rest by "
-                f"keyword; got {len(misplaced)} more positional argument(s). Captum's "
-                "IntegratedGradients and DeepLift take baselines second: write "
-                "attribute(x, target=..., baselines=...)"
+                "Explainer.attribute takes inputs and target by position and the rest by "
+                f"keyword; got {len(positional)} positional argument(s) after the inputs"
+                f"{' and target= as well' if target is not None else ''}. {captum_order}"
             )
-        if isinstance(target, float) and self._engine.uses_baselines:
+        if positional:
+            target = positional[0]
+        floating = isinstance(target, float) or (
+            isinstance(target, torch.Tensor) and target.is_floating_point()
+        )
+        if floating and self._engine.uses_baselines:
             raise InvalidInputError(
-                f"target must be a class index; got the number {target}. Captum's "
-                "IntegratedGradients and DeepLift take baselines second: here write "
-                "attribute(x, target=..., baselines=...)"
+                f"target must be a class index; got a {type(target).__name__} of floating "
+                f"point values. {captum_order}"
             )
         if return_convergence_delta and not self.has_convergence_delta():
             raise InvalidInputError(

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.ao.quantization.fake_quantize import FakeQuantizeBase
-from torch.ao.quantization.observer import ObserverBase
+from torch.ao.quantization.observer import (
+    NoopObserver,
+    ObserverBase,
+    PlaceholderObserver,
+    ReuseInputObserver,
+)
 from torch.nn.utils import parametrizations
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.overrides import TorchFunctionMode
@@ -379,7 +384,11 @@ def _observes(module: nn.Module) -> bool:
     """Whether ``module`` updates quantization statistics in every forward."""
     if isinstance(module, FakeQuantizeBase):
         return bool(module.observer_enabled[0])
-    return isinstance(module, ObserverBase)
+    return isinstance(module, ObserverBase) and not isinstance(module, _RECORDING_NOTHING)
+
+
+# Observers that keep no statistics (a fixed dtype, an input's own parameters).
+_RECORDING_NOTHING = (PlaceholderObserver, ReuseInputObserver, NoopObserver)
 
 
 def _training_use(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

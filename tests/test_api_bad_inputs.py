@@ -655,3 +655,18 @@ def test_a_model_prepared_for_quantization_is_refused_not_calibrated(method, for
         else:
             assert torch.isfinite(explain(model, images(), method, 1).attribution).all()
         assert_same_state(before, state_fingerprint(model))
+
+
+def test_a_model_whose_observers_keep_no_statistics_is_explained():
+    # float16_static_qconfig's PlaceholderObserver records nothing: refused as an observer
+    torch.manual_seed(0)
+    model = nn.Sequential(torch.ao.quantization.QuantStub(), cnn())
+    model.qconfig = torch.ao.quantization.float16_static_qconfig
+    torch.ao.quantization.prepare(model.eval(), inplace=True)
+    before = state_fingerprint(model)
+    x = images()
+    got = explain(model, x, "gradient", 1).attribution
+    assert_same_state(before, state_fingerprint(model))
+    x.requires_grad_(True)
+    (expected,) = torch.autograd.grad(model(x)[:, 1].sum(), x)
+    torch.testing.assert_close(got, expected)

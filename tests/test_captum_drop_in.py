@@ -443,8 +443,12 @@ def test_captum_positional_baselines_are_refused_not_read_as_a_target():
     explainer = Explainer(model, "integrated_gradients")
     with pytest.raises(InvalidInputError, match=r"by keyword.*target=\.\.\., baselines=\.\.\."):
         explainer.attribute(x, 0, 2)
-    with pytest.raises(InvalidInputError, match=r"got the number 0\.5.*baselines second"):
+    with pytest.raises(InvalidInputError, match=r"floating point values.*baselines second"):
         explainer.attribute(x, 0.5)
+    with pytest.raises(InvalidInputError, match=r"floating point values.*baselines second"):
+        explainer.attribute(x, torch.zeros_like(x))  # a baseline tensor second
+    with pytest.raises(InvalidInputError, match=r"after the inputs and target= as well"):
+        explainer.attribute(x, torch.zeros_like(x), target=2)  # Python's TypeError before
     ours = explainer.attribute(x, 2, baselines=0.0, n_steps=8)  # the target second: Saliency's
     theirs = IntegratedGradients(model).attribute(x, 0.0, 2, n_steps=8, method="riemann_middle")
     torch.testing.assert_close(ours, theirs)

@@ -154,9 +154,7 @@ def test_invalid_targets_give_nan_maps_and_the_session_refuses_them(cnn, tmp_pat
     expected = session.run(held_back, valid_target)
     widened = session.run(held_back, valid_target.int())  # int32 class indices: widened
     np.testing.assert_array_equal(widened[1], expected[1])
-    with pytest.raises(
-        InvalidInputError, match=r"one row per sample each; got input: 5, target: 4"
-    ):
+    with pytest.raises(InvalidInputError, match=r"one target per sample; got input: 5 rows"):
         session.run(held_back, valid_target[:4])
     with pytest.raises(InvalidInputError, match=r"'input' must be float32.*got float64"):
         session.run(held_back.double(), valid_target)

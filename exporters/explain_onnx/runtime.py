@@ -256,12 +256,13 @@ class OnnxSession:
             _check_targets(feeds[TARGET], self._classes)
         for declared in self.session.get_inputs():
             feeds[declared.name] = _fitted(declared, feeds[declared.name])
-        batches = {name: len(array) for name, array in feeds.items() if array.ndim}
-        if len(set(batches.values())) > 1:
-            raise InvalidInputError(
-                "the inputs must have one row per sample each; got "
-                + ", ".join(f"{name}: {rows}" for name, rows in batches.items())
-            )
+        if TARGET in feeds and len(feeds) == 2:  # an explained graph: one class per sample
+            rows = {name: len(array) for name, array in feeds.items() if array.ndim}
+            if len(set(rows.values())) > 1:
+                raise InvalidInputError(
+                    "give one target per sample; got "
+                    + ", ".join(f"{name}: {count} rows" for name, count in rows.items())
+                )
         return self.session.run(None, feeds)
 
     def _feeds(self, inputs: Sequence[Any], named: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -321,7 +322,7 @@ def _fitted(declared: Any, array: np.ndarray) -> np.ndarray:
     """
     dtype = _ELEMENT_TYPES.get(declared.type)
     if dtype is not None and array.dtype != dtype:
-        if np.issubdtype(array.dtype, np.integer) and np.issubdtype(dtype, np.integer):
+        if np.issubdtype(dtype, np.integer) and np.can_cast(array.dtype, dtype, "safe"):
             array = array.astype(dtype)  # class indices: int32 → int64 loses nothing
         else:
             raise InvalidInputError(
@@ -330,6 +331,8 @@ def _fitted(declared: Any, array: np.ndarray) -> np.ndarray:
                 f"x.to(torch.{np.dtype(dtype).name}) or array.astype(np.{np.dtype(dtype).name}))"
             )
     shape = declared.shape
+    if not shape:  # a scalar, or a graph that declares no shape: onnxruntime checks it
+        return array
     fixed = [(axis, size) for axis, size in enumerate(shape) if isinstance(size, int)]
     if array.ndim != len(shape) or any(array.shape[axis] != size for axis, size in fixed):
         wanted = ", ".join(str(size) if size is not None else "?" for size in shape)

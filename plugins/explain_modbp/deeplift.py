@@ -229,23 +229,16 @@ class DeepLiftHandler(OpHandler):
         Raises:
             UnsupportedModelError: ``x`` is computed from the inputs but does not have their
                 rows on its first axis (the batch moved: ``h.transpose(0, 1)``), where its
-                difference from reference cannot be found; or, after the model moved the
-                batch, another axis has as many entries as the first.
+                difference from reference cannot be found; also where the first axis is as
+                long, if the pass followed the batch elsewhere.
         """
         rows = 2 * self.batch
         if self._is_activation(x):
-            axis = self.axes.axis_of(x) if rows in x.shape[1:] else 0  # else it is first
-            if axis == 0:
+            # as many rows elsewhere: refused only where the batch is known to be elsewhere (an
+            # axis the pass does not follow counts as first)
+            axis = self.axes.axis_of(x) if rows in x.shape[1:] else 0
+            if axis is None or axis == 0:
                 return True
-            if axis is None:
-                raise UnsupportedModelError(
-                    f"{reader} gets a tensor of shape {tuple(x.shape)} computed from one whose "
-                    f"batch the model moved off the first axis: DeepLIFT runs the {self.batch} "
-                    f"inputs and their references stacked ({rows} rows), and more than one "
-                    "axis has that many entries, so it cannot tell which one is the batch. "
-                    "Explain batches of another size (so that no other axis has twice as many "
-                    "entries), or apply it where the batch is the first axis"
-                )
         elif not isinstance(x, torch.Tensor) or not _computed_from(x, self.input):
             return False
         if self.packed:
@@ -550,13 +543,41 @@ class _DeepLift(Method):
         handler.parts.clear()
         attribution = (inputs - reference) * multiplier
         gain = (output - reference_output).gather(1, chosen[:, None])[:, 0]
+        delta = gain - per_sample_sum(attribution)
+        if self.rule != "ablation" and self.maxpool == "rescale":
+            self._check_summation(attribution, gain, delta)
         return MethodResult(
             attribution,
             output,
             chosen,
-            gain - per_sample_sum(attribution),
+            delta,
             {"baselines": reference, "multipliers": multiplier},
         )
+
+    def _check_summation(
+        self, attribution: torch.Tensor, gain: torch.Tensor, delta: torch.Tensor
+    ) -> None:
+        """Refuse contributions that do not add up to ``f(x) − f(x⁰)``, as the rules guarantee.
+
+        Every operation the pass allows keeps the sum (Rescale and RevealCancel, max pooling
+        by its rule); a sum off by more than rounding means the pass paired values that are not
+        an input's and its reference's, through operations it could not follow.
+        """
+        rounding = {torch.float64: 1e-7, torch.float32: 5e-3}.get(attribution.dtype)
+        if rounding is None:  # half precision: its rounding is as large as such an error
+            return
+        scale = gain.abs() + attribution.flatten(1).abs().sum(1)
+        bad = torch.nonzero(delta.abs() > rounding * scale).flatten().tolist()
+        if bad:
+            raise UnsupportedModelError(
+                f"deeplift.{self.rule}'s contributions do not add up to f(x) − f(x⁰) for "
+                f"samples {bad[:5]} (off by {float(delta[bad[0]]):.3g} of "
+                f"{float(gain[bad[0]]):.3g}): a nonlinearity read values that are not an "
+                "input's and its reference's in the same row, through operations the pass "
+                "cannot follow (a time-major tensor built with unsqueeze(0) and cat or expand, "
+                "say). Apply nonlinearities where the batch is the first axis, or explain with "
+                "a method that needs no reference (lrp.epsilon, gradient)"
+            )
 
 
 @dataclass
