@@ -543,45 +543,13 @@ class _DeepLift(Method):
         handler.parts.clear()
         attribution = (inputs - reference) * multiplier
         gain = (output - reference_output).gather(1, chosen[:, None])[:, 0]
-        delta = gain - per_sample_sum(attribution)
-        if self.rule != "ablation" and self.maxpool == "rescale":
-            self._check_summation(attribution, gain, delta)
         return MethodResult(
             attribution,
             output,
             chosen,
-            delta,
+            gain - per_sample_sum(attribution),
             {"baselines": reference, "multipliers": multiplier},
         )
-
-    def _check_summation(
-        self, attribution: torch.Tensor, gain: torch.Tensor, delta: torch.Tensor
-    ) -> None:
-        """Refuse contributions that do not add up to ``f(x) − f(x⁰)``, as the rules guarantee.
-
-        Every operation the pass allows keeps the sum (Rescale and RevealCancel, max pooling
-        by its rule); a sum off by more than rounding means the pass paired values that are not
-        an input's and its reference's, through operations it could not follow.
-        """
-        # float32 rounds at each layer relative to its activations, which an output much
-        # smaller than them (a random net's logit) does not show: only gross errors are caught
-        rounding = {torch.float64: 1e-7, torch.float32: 0.1}.get(attribution.dtype)
-        if rounding is None:  # half precision: its rounding is as large as such an error
-            return
-        scale = gain.abs() + attribution.flatten(1).abs().sum(1)
-        bad = torch.nonzero(delta.abs() > rounding * scale).flatten().tolist()
-        if bad:
-            raise UnsupportedModelError(
-                f"deeplift.{self.rule}'s contributions do not add up to f(x) − f(x⁰) for "
-                f"samples {bad[:5]} (off by {float(delta[bad[0]]):.3g} of "
-                f"{float(gain[bad[0]]):.3g}): a nonlinearity read values that are not an "
-                "input's and its reference's in the same row, through operations the pass "
-                "cannot follow (a time-major tensor built with unsqueeze(0) and cat or expand, "
-                "say). Apply nonlinearities where the batch is the first axis, or explain with "
-                "a method that needs no reference (lrp.epsilon, gradient); if the output is "
-                "tiny beside the network's activations, float32 rounding may be the cause: "
-                "explain in float64"
-            )
 
 
 @dataclass
