@@ -109,11 +109,7 @@ def explain(
             f"method must be a registered name such as 'gradient'; got {type(method).__name__}. "
             "Call explain(model, inputs, method, target)."
         )
-    if not isinstance(model, nn.Module):
-        raise InvalidInputError(
-            f"model must be a torch.nn.Module; got {type(model).__name__}, so wrap it in an "
-            "nn.Module whose forward calls it"
-        )
+    _require_module(model)
     refuse_inference_mode("explain()", model)
     spec = get_registry()[method]
     engine = spec.create(**options)
@@ -309,11 +305,7 @@ class Explainer:
                 Captum keyword maps to no option of the method, or the target or forward
                 arguments do not fit the inputs; and as :func:`explain` does.
         """
-        if not isinstance(self.model, nn.Module):
-            raise InvalidInputError(
-                f"model must be a torch.nn.Module; got {type(self.model).__name__}, so wrap it "
-                "in an nn.Module whose forward calls it"
-            )
+        _require_module(self.model)
         captum_order = (
             "Captum's IntegratedGradients and DeepLift take baselines second: here write "
             "attribute(x, target=..., baselines=...)"
@@ -475,12 +467,7 @@ class Explainer:
 
     def _output_shape(self, inputs: torch.Tensor, group: SampleGroup) -> torch.Size:
         """The model's output shape after the batch axis, from one sample (for tuple targets)."""
-        model = uncompiled(self.model)
-        if not isinstance(model, nn.Module):
-            raise InvalidInputError(
-                f"model must be a torch.nn.Module; got {type(model).__name__}, so wrap it in an "
-                "nn.Module whose forward calls it"
-            )
+        model = uncompiled(self.model)  # a module: attribute() checked
         refuse_inference_mode("Explainer.attribute()", model)
         require_eval_mode(model)  # before the probe: a BatchNorm in training mode would update
         forward = ForwardWithArgs(model, group.args, flatten=False)
@@ -542,6 +529,14 @@ def _single_tensor(value: Any, what: str) -> torch.Tensor:
             )
         value = value[0]
     return value
+
+
+def _require_module(model: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise InvalidInputError(
+            f"model must be a torch.nn.Module; got {type(model).__name__}, so wrap it in an "
+            "nn.Module whose forward calls it"
+        )
 
 
 def _as_tensor(value: Any, what: str) -> torch.Tensor:

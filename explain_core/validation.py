@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import re
 import textwrap
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -44,14 +44,21 @@ __all__ = [
 ]
 
 
+def _named_tensors(model: nn.Module, test: Callable[[torch.Tensor], bool]) -> str | None:
+    """``'0.weight' and 3 more``: the model's parameters and buffers that pass ``test``."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    names = [name for name, tensor in tensors if test(tensor)]
+    if not names:
+        return None
+    return f"{names[0]!r}" + (f" and {len(names) - 1} more" if len(names) > 1 else "")
+
+
 def _refuse_uninitialised(model: nn.Module, caller: str) -> None:
     """Refuse a model with lazy parameters that no forward has given a shape yet."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    lazy = [name for name, tensor in tensors if is_lazy(tensor)]
+    lazy = _named_tensors(model, is_lazy)
     if lazy:
-        more = f" and {len(lazy) - 1} more" if len(lazy) > 1 else ""
         raise ModelStateError(
-            f"the model has uninitialised parameters ({lazy[0]!r}{more}): a lazy module "
+            f"the model has uninitialised parameters ({lazy}): a lazy module "
             "(nn.LazyLinear, nn.LazyConv2d, …) gets their shapes from its first forward pass; "
             f"run the model once on an input (model(x)) before {caller}"
         )
@@ -318,12 +325,10 @@ def refuse_inference_mode(caller: str, model: nn.Module | None = None) -> None:
     if not isinstance(model, nn.Module):  # none given, or not a model: refused elsewhere
         return
     _refuse_uninitialised(model, caller)
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    made_there = [name for name, tensor in tensors if tensor.is_inference()]
+    made_there = _named_tensors(model, torch.Tensor.is_inference)
     if made_there:
-        more = f" and {len(made_there) - 1} more" if len(made_there) > 1 else ""
         raise ModelStateError(
-            f"the model holds inference tensors ({made_there[0]!r}{more}): it was created or "
+            f"the model holds inference tensors ({made_there}): it was created or "
             "loaded inside torch.inference_mode(), and autograd cannot save such tensors "
             f"for the backward pass {caller} needs; explain a copy made outside it "
             "(copy.deepcopy(model)), or create or load the model outside "

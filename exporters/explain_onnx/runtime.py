@@ -228,7 +228,8 @@ class OnnxSession:
             str(path), sess_options=session_options(threads=threads), providers=requested
         )
         self.providers: list[str] = list(self.session.get_providers())
-        self.input_names = [i.name for i in self.session.get_inputs()]
+        self._declared = self.session.get_inputs()  # names, element types and shapes
+        self.input_names = [i.name for i in self._declared]
         self.output_names = [o.name for o in self.session.get_outputs()]
         logits = self.session.get_outputs()[0].shape
         # An explained graph with a target input: its first output's classes bound the targets.
@@ -254,7 +255,7 @@ class OnnxSession:
         feeds = self._feeds(inputs, named)
         if self._classes is not None:
             _check_targets(feeds[TARGET], self._classes)
-        for declared in self.session.get_inputs():
+        for declared in self._declared:
             feeds[declared.name] = _fitted(declared, feeds[declared.name])
         if TARGET in feeds and len(feeds) == 2:  # an explained graph: one class per sample
             rows = {name: len(array) for name, array in feeds.items() if array.ndim}
@@ -316,9 +317,9 @@ _ELEMENT_TYPES = {
 def _fitted(declared: Any, array: np.ndarray) -> np.ndarray:
     """``array`` checked against the graph's input ``declared`` (integers widened to it).
 
-    Only the batch axis of an exported graph is dynamic: every other size, and the rank, is the
-    export's. Raises InvalidInputError naming the input otherwise (onnxruntime's own error
-    names a node).
+    Only an exported graph's named axes (its batch) are dynamic: every other size, and the
+    rank, is the export's. Raises InvalidInputError naming the input otherwise (onnxruntime's
+    own error names a node).
     """
     dtype = _ELEMENT_TYPES.get(declared.type)
     if dtype is not None and array.dtype != dtype:

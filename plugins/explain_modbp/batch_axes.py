@@ -140,8 +140,9 @@ def axis_after(
     if name == "mT":
         return {rank - 1: rank - 2, rank - 2: rank - 1}.get(axis, axis)
     if name == "permute":
-        dims = args[1:] if len(args) > 2 or (len(args) == 2 and isinstance(args[1], int)) else None
-        dims = dims if dims is not None else _argument(args, kwargs, 1, "dims", ())
+        # x.permute(2, 0, 1), or one sequence: torch.permute(x, (2, 0, 1)), dims=(2, 0, 1)
+        spread = len(args) > 1 and isinstance(args[1], int)
+        dims = args[1:] if spread else _argument(args, kwargs, 1, "dims", ())
         return _dims(dims, rank).index(axis)
     if name in ("movedim", "moveaxis"):
         source = _dims(_argument(args, kwargs, 1, "source", ()), rank)

@@ -337,13 +337,12 @@ class DeepLiftHandler(OpHandler):
         if name in PACKING_OPS:
             self.packed = self.packed or name == "_pack_padded_sequence"
             return func(*args, **kwargs)
-        if name in MOVING_OPS:
-            arranged = name in RESHAPE_COPIES and self.rule != "rescale"
+        if name in MOVING_OPS or name in RESHAPE_COPIES:
+            arranged = name in RESHAPE_COPIES and self.rule != "rescale"  # parts arranged alike
             result = self._arrange(func, args, kwargs) if arranged else func(*args, **kwargs)
-            self.axes.note(name, args, kwargs, result, self._is_activation)
+            if name in MOVING_OPS:
+                self.axes.note(name, args, kwargs, result, self._is_activation)
             return result
-        if name in RESHAPE_COPIES and self.rule != "rescale":  # parts are arranged alike
-            return self._arrange(func, args, kwargs)
         if name in _FUNCTIONAL_LAYERS:
             return self._functional_layer(name, func, args, kwargs)
         return self._add(name, func, args, kwargs)
