@@ -64,6 +64,26 @@ def _refuse_uninitialised(model: nn.Module, caller: str) -> None:
         )
 
 
+# Converted int8 modules (torch.ao.quantization.convert, quantize_dynamic) run kernels without a
+# backward: autograd sees a constant. Reference modules are float and differentiable.
+_QUANTIZED_MODULES = ("torch.ao.nn.quantized.", "torch.ao.nn.intrinsic.quantized.")
+_REFERENCE_MODULES = "torch.ao.nn.quantized.reference."
+
+
+def _refuse_quantized(model: nn.Module, caller: str) -> None:
+    """Refuse a model converted to quantized (int8) kernels, which have no gradient."""
+    for name, module in model.named_modules():
+        where = type(module).__module__ + "."
+        if where.startswith(_QUANTIZED_MODULES) and not where.startswith(_REFERENCE_MODULES):
+            raise ModelStateError(
+                f"{type(module).__name__} {name or '<root>'!r} is a quantized module (from "
+                "torch.ao.quantization.convert or quantize_dynamic): its int8 kernels have no "
+                f"backward pass, so no attribution can pass through it. Run {caller} on the "
+                "float model, a copy kept before quantizing (copy.deepcopy(model)); the "
+                "explanation describes the float network the quantized one approximates"
+            )
+
+
 def check_inputs(
     inputs: Any, model: object = None, *, name: str = "inputs", allow_empty: bool = False
 ) -> torch.Tensor:
@@ -315,7 +335,8 @@ def refuse_inference_mode(caller: str, model: nn.Module | None = None) -> None:
 
     Raises:
         InvalidInputError: If inference mode is enabled.
-        ModelStateError: If ``model`` holds inference tensors or uninitialised parameters.
+        ModelStateError: If ``model`` holds inference tensors, uninitialised parameters or
+            quantized (int8) modules.
     """
     if torch.is_inference_mode_enabled():
         raise InvalidInputError(
@@ -325,6 +346,7 @@ def refuse_inference_mode(caller: str, model: nn.Module | None = None) -> None:
     if not isinstance(model, nn.Module):  # none given, or not a model: refused elsewhere
         return
     _refuse_uninitialised(model, caller)
+    _refuse_quantized(model, caller)
     made_there = _named_tensors(model, torch.Tensor.is_inference)
     if made_there:
         raise ModelStateError(

@@ -657,6 +657,21 @@ def test_a_model_prepared_for_quantization_is_refused_not_calibrated(method, for
         assert_same_state(before, state_fingerprint(model))
 
 
+@pytest.mark.parametrize("method", [*METHODS, "deeplift.rescale"])
+@pytest.mark.parametrize("conversion", ["convert", "quantize_dynamic"])
+def test_a_model_converted_to_int8_is_refused_by_name(method, conversion):
+    # its kernels have no backward: it was refused as a no_grad block in forward
+    model = _prepared("post-training")
+    if conversion == "convert":
+        torch.ao.quantization.convert(model, inplace=True)
+        refused = r"Quantize '0' is a quantized module"
+    else:
+        model = torch.ao.quantization.quantize_dynamic(cnn().eval(), {nn.Linear})
+        refused = r"Linear '.*' is a quantized module"
+    with pytest.raises(ModelStateError, match=refused + r".* on the float model"):
+        explain(model, images(), method, 1)
+
+
 def test_a_model_whose_observers_keep_no_statistics_is_explained():
     # float16_static_qconfig's PlaceholderObserver records nothing: refused as an observer
     torch.manual_seed(0)
