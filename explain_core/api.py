@@ -15,6 +15,7 @@ from explain_core.attribution import Attribution
 from explain_core.captum_calls import (
     ForwardWithArgs,
     SampleGroup,
+    batch_axis_advice,
     check_signature,
     flat_targets,
     forward_args,
@@ -22,7 +23,7 @@ from explain_core.captum_calls import (
     has_tuple_targets,
 )
 from explain_core.eager import eager_mode, uncompiled
-from explain_core.errors import InvalidInputError, ModelStateError, NumericalError
+from explain_core.errors import InvalidInputError, ModelRunError, ModelStateError, NumericalError
 from explain_core.model_guard import ModelGuard, RefuseTrainingCalls, require_eval_mode
 from explain_core.plugin_manager import get_registry
 from explain_core.registry import (
@@ -359,9 +360,20 @@ class Explainer:
         if not args and not flatten:
             attribution, delta = self._explain(self.model, tensor, target, baselines, options)
         else:
-            attribution, delta = self._explain_groups(
-                tensor, groups, target, baselines, options, flatten
-            )
+            try:
+                attribution, delta = self._explain_groups(
+                    tensor, groups, target, baselines, options, flatten
+                )
+            except ModelRunError as error:
+                advice = "".join(
+                    f" additional_forward_args[{position}] of shape {tuple(arg.shape)} was cut "
+                    f"to one row per sample on axis 0{batch_axis_advice(arg, batch)}."
+                    for position, arg in enumerate(args)
+                    if batch_axis_advice(arg, batch)
+                )
+                if not advice:
+                    raise
+                raise ModelRunError(f"{error}.{advice}") from error
         attribution_out = (attribution,) if as_tuple else attribution
         if not return_convergence_delta:
             return attribution_out

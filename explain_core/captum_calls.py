@@ -54,9 +54,25 @@ def forward_args(additional_forward_args: Any, batch: int) -> tuple[Any, ...]:
                 f"additional_forward_args[{position}] has shape {tuple(arg.shape)}; a tensor "
                 f"there holds one row per sample ({batch}), as in Captum: repeat a shared "
                 f"tensor over the batch (arg.expand({batch}, ...)) or pass a 0-d tensor or a "
-                "number"
+                f"number{batch_axis_advice(arg, batch)}"
             )
     return args
+
+
+def batch_axis_advice(arg: Any, batch: int) -> str:
+    """Advice for a forward argument whose batch may be on a later axis (a recurrent state).
+
+    Returns:
+        ``""`` unless ``arg`` is a tensor with an axis after the first as long as the batch.
+    """
+    if not isinstance(arg, torch.Tensor) or batch not in arg.shape[1:]:
+        return ""
+    axis = 1 + list(arg.shape[1:]).index(batch)
+    return (
+        f"; if its batch is axis {axis}, as in a recurrent layer's initial state (layers, "
+        f"batch, hidden), pass it batch first, arg.movedim({axis}, 0) (h0.transpose(0, 1)), "
+        f"and move it back inside forward (h0.movedim(0, {axis}).contiguous())"
+    )
 
 
 def check_signature(model: nn.Module, args: tuple[Any, ...]) -> None:

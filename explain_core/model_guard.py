@@ -459,6 +459,13 @@ def _training_arguments() -> dict[Any, dict[str, tuple[int, Any]]]:
 _TRAINING_ARGUMENTS = _training_arguments()
 
 
+def _without_statistics(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an ``F.batch_norm`` call has no running statistics (``running_mean``, second)."""
+    mean = kwargs.get("running_mean", args[1] if len(args) > 1 else None)
+    var = kwargs.get("running_var", args[2] if len(args) > 2 else None)
+    return mean is None and var is None
+
+
 def _random_windows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a fractional max pooling draws its windows (no ``_random_samples``, sixth)."""
     return kwargs.get("_random_samples", args[5] if len(args) > 5 else None) is None
@@ -489,6 +496,21 @@ class RefuseTrainingCalls(TorchFunctionMode):
                 "allow_training=True to explain() to explain the random model anyway"
             )
         use = _training_use(func, args, kwargs)
+        if (
+            use is not None
+            and func is torch.nn.functional.batch_norm
+            and _without_statistics(args, kwargs)
+        ):
+            # eval mode does not help here: nn.BatchNorm* passes training=True whenever it has
+            # no running statistics, so "call model.eval()" would send the user in a circle
+            raise ModelStateError(
+                "the model's forward calls batch_norm without running statistics (a BatchNorm "
+                "with track_running_stats=False normalises with the batch's statistics in eval "
+                "mode too), so each sample's explanation would depend on the others in its "
+                "batch; give it running statistics (track_running_stats=True, estimated on "
+                "training data), use nn.GroupNorm or nn.InstanceNorm2d instead, or pass "
+                "allow_training=True to explain() to explain the batch-dependent model anyway"
+            )
         if use is not None:
             raise ModelStateError(
                 f"the model's forward calls {getattr(func, '__name__', func)} in training mode "

@@ -12,6 +12,7 @@ position (a language model's next token), ``position`` picks the one explained.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -256,6 +257,7 @@ def explain_tokens(
                 "cannot find the model's embedding module: pass embedding=the module that maps "
                 "token ids to vectors (e.g. model.embed_tokens)"
             )
+    _require_keyword(model, embeddings_key)
     with torch.no_grad():
         vectors = embedding(token_ids).detach()
     others = {
@@ -291,6 +293,27 @@ def explain_tokens(
     if tokenizer is not None:
         tokens = [tokenizer.convert_ids_to_tokens(row.tolist()) for row in token_ids]
     return TokenAttribution(result, per_token, tokens, absorbed_relevance)
+
+
+def _require_keyword(model: nn.Module, key: str) -> None:
+    """Refuse a model whose ``forward`` cannot take the vectors as ``key``.
+
+    Raises:
+        InvalidInputError: Naming the forward's parameters and the two ways out.
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):  # a builtin forward: let the call itself decide
+        return
+    if any(p.kind is p.VAR_KEYWORD or p.name == key for p in parameters):
+        return
+    names = ", ".join(p.name for p in parameters)
+    raise InvalidInputError(
+        f"explain_tokens calls model({key}=vectors, ...), but {type(model).__name__}.forward "
+        f"takes ({names}): pass embeddings_key= the name of its parameter for the vectors, or "
+        "explain the part after the embedding with explain() on the embedding's output "
+        "(docs/recurrent.md, a text-like classifier)"
+    )
 
 
 def _other_lookups(

@@ -323,6 +323,21 @@ def test_calls_that_follow_training_mode_are_refused(call):
     torch.testing.assert_close(explain(model, x, "gradient", 0).attribution, first)
 
 
+def test_batchnorm_without_running_statistics_is_not_told_to_call_eval():
+    # nn.BatchNorm2d(track_running_stats=False) uses the batch's statistics in eval mode too:
+    # the refusal said "call model.eval()" to a model already in eval mode
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(5, 8), nn.BatchNorm1d(8, track_running_stats=False), nn.Linear(8, 3)
+    ).eval()
+    x = torch.randn(4, 5)
+    with pytest.raises(ModelStateError) as error:
+        explain(model, x, "gradient", 0)
+    assert "track_running_stats=False" in str(error.value)
+    assert "model.eval()" not in str(error.value)
+    explain(model, x, "gradient", 0, allow_training=True)  # the user asked for it
+
+
 class FractionalPooling(nn.Module):
     def __init__(self, windows: torch.Tensor | None = None) -> None:
         super().__init__()

@@ -487,6 +487,48 @@ def test_structural_layers_conserve_on_a_bias_free_net():
     )
 
 
+class Rearranged(nn.Module):
+    """A conv net whose channels and pixels are rearranged by modules or by hand (the reference)."""
+
+    def __init__(self, by_hand: bool) -> None:
+        super().__init__()
+        self.by_hand = by_hand
+        self.stem = nn.Conv2d(2, 8, 3, padding=1, bias=False)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.head = nn.Linear(16, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.stem(x))  # (b, 8, 6, 6)
+        b = h.shape[0]
+        if self.by_hand:  # ShuffleNet's channel shuffle and sub-pixel up-sampling, written out
+            h = h.view(b, 2, 4, 6, 6).transpose(1, 2).reshape(b, 8, 6, 6)
+            h = h.view(b, 2, 2, 2, 6, 6).permute(0, 1, 4, 2, 5, 3).reshape(b, 2, 12, 12)
+            h = h.view(b, 2, 6, 2, 6, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, 8, 6, 6)
+            h = h.repeat(1, 2, 1, 1)[:, 4:12]
+        else:
+            h = nn.PixelUnshuffle(2)(nn.PixelShuffle(2)(nn.ChannelShuffle(2)(h)))
+            h = h.tile(1, 2, 1, 1)[:, 4:12]
+        h = F.relu(self.conv(h))
+        return self.head(F.adaptive_avg_pool2d(h, 2).flatten(1)[:, :16])
+
+
+@pytest.mark.parametrize(
+    "method", [*PRESETS, "deeplift.rescale", "guided_bp", "excitation_bp", "rectgrad"]
+)
+def test_channel_and_pixel_shuffles_are_the_rearrangements_they_are(method):
+    # nn.ChannelShuffle, nn.PixelShuffle/PixelUnshuffle and x.repeat/tile were refused by every
+    # rule-based method, although each only moves or copies values, as a view and permute does
+    torch.manual_seed(0)
+    modules, by_hand = Rearranged(False).double().eval(), Rearranged(True).double().eval()
+    by_hand.load_state_dict(modules.state_dict())
+    x = images()
+    torch.testing.assert_close(modules(x), by_hand(x), rtol=0, atol=0)
+    got = explain(modules, x, method, 1).attribution
+    torch.testing.assert_close(got, explain(by_hand, x, method, 1).attribution)
+    if method == "lrp.z":  # and LRP-0 conserves on this bias-free net
+        assert explain(modules, x, method, 1).delta.abs().max() < 1e-10
+
+
 class BiasAdded(nn.Module):
     """A CNN whose convolution and head take their biases as separate additions, or not."""
 

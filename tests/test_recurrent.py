@@ -26,6 +26,7 @@ from explain_core import (
     UnsupportedModelError,
     explain,
     explain_inputs,
+    explain_tokens,
 )
 from explain_core.engine.recurrent import CELLS, gru, lstm, rnn_relu, rnn_tanh
 from explain_core.plugin_manager import get_registry
@@ -1062,3 +1063,86 @@ def test_deeplift_on_packed_sequences_of_several_lengths_is_told_to_group_them()
     with torch.no_grad():
         difference = model(x, lengths)[:, 1] - model(torch.zeros_like(x), lengths)[:, 1]
     torch.testing.assert_close(grouped.sum((1, 2)), difference)  # what the message advises
+
+
+@pytest.mark.parametrize("kind", ["lstm", "gru", "rnn_tanh"])
+@pytest.mark.parametrize("cell", [False, True], ids=["layer", "cell"])
+def test_dynamic_contributions_refuse_gates_and_tanh_and_take_a_relu_rnn(kind, cell):
+    # Sigmoid gates and tanh are not dynamic-linear: the "exact contributions" were
+    # Input×Gradient under another name, and did not sum to a bias-free model's logit.
+    torch.manual_seed(14)
+    x = sequences()
+    model = (
+        CellLoop(recurrent(kind, 4, 5, bias=False, cell=True))
+        if cell
+        else Classifier(recurrent(kind, 4, 5, bias=False, batch_first=True), bias=False)
+    ).double()
+    match = r"'(rnn|cell)' \(\w+\) .*not dynamic-linear.*input_x_gradient"
+    for method, options in [
+        ("dynamic.contributions", {}),
+        ("gradient", {"composite": "explanation_mode"}),
+    ]:
+        with pytest.raises(UnsupportedModelError, match=match):
+            explain(model.eval(), x, method, 1, **options)
+    relu = Classifier(recurrent("rnn_relu", 4, 5, bias=False, batch_first=True), bias=False)
+    result = explain(relu.double().eval(), x, "dynamic.contributions", 1)
+    torch.testing.assert_close(
+        result.delta, torch.zeros(3, dtype=torch.float64), atol=1e-12, rtol=0
+    )
+
+
+class GivenState(nn.Module):
+    """A two-layer GRU started from a state given to forward as torch takes it: (2, batch, 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rnn, self.head = nn.GRU(4, 5, num_layers=2, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(x, h0)[0][:, -1])
+
+
+class GivenStateBatchFirst(GivenState):
+    """The wrapper the error advises: it takes the state batch first and moves it back."""
+
+    def forward(self, x: torch.Tensor, h0: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, h0.transpose(0, 1).contiguous())
+
+
+@pytest.mark.parametrize("batch", [3, 2])  # 2: as many samples as layers
+def test_a_time_major_state_as_a_forward_argument_is_told_to_go_batch_first(batch):
+    # The advice was arg.expand(batch, ...), which fails again; with as many samples as layers
+    # the state was cut on its layer axis and torch's hidden-size error blamed the inputs.
+    torch.manual_seed(15)
+    model = GivenState().double().eval()
+    x, h0 = sequences(batch=batch), torch.randn(2, batch, 5, dtype=torch.float64)
+    with pytest.raises(InvalidInputError, match=r"batch is axis 1.*h0\.transpose\(0, 1\)"):
+        Explainer(model, "lrp.epsilon").attribute(x, 1, additional_forward_args=h0)
+    moved = GivenStateBatchFirst().double().eval()
+    moved.load_state_dict(model.state_dict())
+    got = Explainer(moved, "gradient").attribute(x, 1, additional_forward_args=h0.transpose(0, 1))
+    leaf = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(model(leaf, h0)[:, 1].sum(), leaf)
+    torch.testing.assert_close(got, expected)
+
+
+class TokenGRU(nn.Module):
+    """A text classifier whose forward takes token ids only (no ``inputs_embeds``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 4)
+        self.rnn, self.head = nn.GRU(4, 5, batch_first=True), nn.Linear(5, 3)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.rnn(self.embedding(tokens))[0][:, -1])
+
+
+def test_explain_tokens_on_a_forward_without_inputs_embeds_says_what_it_calls():
+    # It blamed the model: "the model's forward raised TypeError(... 'inputs_embeds') ...
+    # this is the model's own error".
+    torch.manual_seed(16)
+    model = TokenGRU().double().eval()
+    tokens = torch.randint(0, 20, (2, 6))
+    with pytest.raises(InvalidInputError, match=r"inputs_embeds=vectors.*\(tokens\).*explain\(\)"):
+        explain_tokens(model, {"input_ids": tokens}, "lrp.epsilon", 1, embedding=model.embedding)

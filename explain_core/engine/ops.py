@@ -113,7 +113,9 @@ _GATHER_OPS = frozenset(
         "unbind",
         "expand",
         "expand_as",
+        "repeat",
         "repeat_interleave",
+        "tile",
         "roll",
         "flip",
         "sum",
@@ -124,13 +126,21 @@ _GATHER_OPS = frozenset(
         "index_select",
         "gather",
         "take_along_dim",
+        # rearrangements of channels and pixels (ShuffleNet, sub-pixel up-sampling)
+        "pixel_shuffle",
+        "pixel_unshuffle",
+        "channel_shuffle",
+        "native_channel_shuffle",
     ]
 )
 # Reshapes and permutes that return a new tensor (not in place).
 RESHAPE_COPIES = frozenset(name for name in RESHAPE_OPS if not name.endswith("_"))
 # The values of their first argument, rearranged, selected or repeated.
 ARRANGING_OPS = RESHAPE_OPS | frozenset(
-    ["expand", "expand_as", "broadcast_to", "getitem", "narrow", "select", "repeat", "tile"]
+    [
+        *("expand", "expand_as", "broadcast_to", "getitem", "narrow", "select", "repeat", "tile"),
+        *("pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "native_channel_shuffle"),
+    ]
 )
 # Parts of their first argument, as a tuple.
 SPLITTING_OPS = frozenset(["chunk", "split", "split_with_sizes", "tensor_split", "unbind"])

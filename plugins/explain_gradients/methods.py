@@ -9,7 +9,12 @@ import torch
 from torch import nn
 
 from explain_core.composites import resolve_composite
-from explain_core.interfaces.dynamic_linear import dynamic_linear_contributions, explanation_mode
+from explain_core.errors import UnsupportedModelError
+from explain_core.interfaces.dynamic_linear import (
+    DynamicLinear,
+    dynamic_linear_contributions,
+    explanation_mode,
+)
 from explain_core.interfaces.relevance import ModifiedGradient
 from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
@@ -57,6 +62,31 @@ def _check_composite(composite: Composite) -> None:
         resolve_composite(composite)  # an unknown name fails when the method is created
 
 
+def _refuse_smooth_recurrent(model: nn.Module) -> None:
+    """Refuse recurrent layers with sigmoid gates or tanh, which are not dynamic-linear.
+
+    Their map would be Input×Gradient, not contributions that sum to a bias-free output.
+    Layers inside a dynamic-linear layer (its weight generator) are held by its mode.
+
+    Raises:
+        UnsupportedModelError: Naming the first such layer.
+    """
+    generators = [m for m in model.modules() if isinstance(m, DynamicLinear)]
+    held = {id(inner) for m in generators for inner in m.modules() if inner is not m}
+    for name, module in model.named_modules():
+        gated = isinstance(module, (nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell))
+        tanh = isinstance(module, (nn.RNN, nn.RNNCell)) and module.nonlinearity == "tanh"
+        if (gated or tanh) and id(module) not in held:
+            raise UnsupportedModelError(
+                f"the recurrent layer {name or '<root>'!r} ({type(module).__name__}) has "
+                f"{'sigmoid gates and tanh' if gated else 'tanh'}: it is not dynamic-linear, so "
+                "its exact contributions W(x)⊙x are not defined and the map would be "
+                "Input×Gradient. Use input_x_gradient for that, an LRP preset (lrp.epsilon) "
+                "for LRP's rules on the cells, or nn.RNN(nonlinearity='relu'), which is "
+                "dynamic-linear"
+            )
+
+
 class ExplanationMode(ModifiedGradient):
     """The gradient with every dynamic-linear layer's weights detached (``dynamic.contributions``).
 
@@ -71,6 +101,8 @@ class ExplanationMode(ModifiedGradient):
         inputs: torch.Tensor,
         select: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if isinstance(model, nn.Module):
+            _refuse_smooth_recurrent(model)
         x = inputs.detach().requires_grad_(True)
         with explanation_mode(model), torch.enable_grad():
             output = model(x)
@@ -307,6 +339,7 @@ class DynamicLinearContributions(Method):
     multiplies_by_inputs = True
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
+        _refuse_smooth_recurrent(model)
         if target is None:
             with torch.no_grad():
                 target = select_target(model(inputs), None)
