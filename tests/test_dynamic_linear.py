@@ -3,7 +3,7 @@ import torch
 from torch import nn
 
 from explain_core import DynamicLinear, dynamic_linear_contributions, explain, explanation_mode
-from explain_core.errors import InvalidInputError
+from explain_core.errors import InvalidInputError, UnsupportedModelError
 
 
 class ToyDynamicDense(DynamicLinear):
@@ -122,3 +122,79 @@ def test_bad_targets_and_outputs_are_rejected():
         dynamic_linear_contributions(model, x.long(), torch.tensor([0, 1]))
     with pytest.raises(InvalidInputError, match="shape"):
         dynamic_linear_contributions(lambda t: t.sum(), x, torch.tensor([0, 1]))
+
+
+class PiecewiseLinear(nn.Module):
+    """The piecewise-linear kinds the check lets through, bias-free: exact contributions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(2, 4, 3, padding=1, bias=False)
+        self.norm = nn.BatchNorm2d(4, affine=False)
+        self.head = nn.Linear(8, 3, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.conv(x))  # a BatchNorm in eval, without a shift: linear
+        h = torch.nn.functional.max_pool2d(h * (h > 0), 2)  # a ReLU written out, max pooling
+        h = torch.nn.functional.leaky_relu(h + x.mean(1, keepdim=True)[:, :, ::2, ::2], 0.1)
+        rows = torch.stack([row.amax((-1, -2)) for row in h])  # iterating the batch
+        return self.head(torch.cat([rows, h.mean((-1, -2))], 1))
+
+
+def test_a_piecewise_linear_model_passes_the_check_and_its_contributions_sum_to_the_output():
+    torch.manual_seed(0)
+    model = PiecewiseLinear().double()
+    with torch.no_grad():
+        model.norm.running_var.uniform_(0.5, 2.0)
+    model.eval()
+    x = torch.randn(3, 2, 6, 6, dtype=torch.float64)
+    result = explain(model, x, "dynamic.contributions", target=2)
+    torch.testing.assert_close(result.attribution.sum((1, 2, 3)), model(x)[:, 2])
+    leaf = x.clone().requires_grad_(True)
+    (gradient,) = torch.autograd.grad(model(leaf)[:, 2].sum(), leaf)
+    torch.testing.assert_close(result.attribution, gradient * x)  # Input×Gradient, rightly
+
+
+class Gated(nn.Module):
+    """x times a function of itself (a squeeze-excitation gate without the sigmoid)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * x.mean(1, keepdim=True)
+
+
+class Reciprocal(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :1] / (1 + x.abs())
+
+
+class RowsThroughTanh(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([torch.tanh(row) for row in x])
+
+
+@pytest.mark.parametrize(
+    ("layer", "refused"),
+    [
+        (nn.Tanh(), "operation 'tanh' in module '1' \\(Tanh\\) is not piecewise linear"),
+        (nn.GELU(), "operation 'gelu' in module '1' \\(GELU\\)"),
+        (nn.SiLU(), "operation 'silu' in module '1' \\(SiLU\\)"),
+        (nn.Hardswish(), "operation 'hardswish' in module '1' \\(Hardswish\\)"),
+        (nn.Softmax(1), "operation 'softmax' in module '1' \\(Softmax\\)"),
+        (nn.LayerNorm(4), "operation 'layer_norm' in module '1' \\(LayerNorm\\)"),
+        (Gated(), "operation 'mul' in module '1' \\(Gated\\) multiplies or divides tensors"),
+        (Reciprocal(), "operation 'div' in module '1' \\(Reciprocal\\) multiplies or divides"),
+        (RowsThroughTanh(), "operation 'tanh' in module '1' \\(RowsThroughTanh\\)"),
+    ],
+)
+def test_an_operation_that_is_not_dynamic_linear_is_refused_not_taken_as_input_x_gradient(
+    layer, refused
+):
+    # each map was Input×Gradient under the name of exact contributions: not summing to the output
+    model = nn.Sequential(nn.Linear(3, 4, bias=False), layer, nn.Linear(4, 2, bias=False))
+    model = model.double().eval()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    for options in ({"method": "dynamic.contributions"}, {"composite": "explanation_mode"}):
+        method = options.pop("method", "gradient")
+        with pytest.raises(UnsupportedModelError, match=refused + ".*input_x_gradient"):
+            explain(model, x, method, 0, **options)
+    explain(model, x, "input_x_gradient", 0)  # the map the advice names

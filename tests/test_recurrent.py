@@ -1077,7 +1077,7 @@ def test_dynamic_contributions_refuse_gates_and_tanh_and_take_a_relu_rnn(kind, c
         if cell
         else Classifier(recurrent(kind, 4, 5, bias=False, batch_first=True), bias=False)
     ).double()
-    match = r"'(rnn|cell)' \(\w+\) .*not dynamic-linear.*input_x_gradient"
+    match = r"operation '\w+' in module '(rnn|cell)' \(\w+\) is not piecewise .*input_x_gradient"
     for method, options in [
         ("dynamic.contributions", {}),
         ("gradient", {"composite": "explanation_mode"}),

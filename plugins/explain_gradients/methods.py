@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,12 +10,7 @@ import torch
 from torch import nn
 
 from explain_core.composites import resolve_composite
-from explain_core.errors import UnsupportedModelError
-from explain_core.interfaces.dynamic_linear import (
-    DynamicLinear,
-    dynamic_linear_contributions,
-    explanation_mode,
-)
+from explain_core.interfaces.dynamic_linear import dynamic_linear_contributions, explanation_mode
 from explain_core.interfaces.relevance import ModifiedGradient
 from explain_core.metrics.csc import AutogradPropagator
 from explain_core.registry import Method, MethodResult
@@ -25,6 +21,7 @@ from explain_core.validation import (
     check_scores,
     input_gradient,
 )
+from explain_gradients.dynamic_paths import checking_dynamic_linear
 
 Composite = str | ModifiedGradient | None
 
@@ -62,31 +59,6 @@ def _check_composite(composite: Composite) -> None:
         resolve_composite(composite)  # an unknown name fails when the method is created
 
 
-def _refuse_smooth_recurrent(model: nn.Module) -> None:
-    """Refuse recurrent layers with sigmoid gates or tanh, which are not dynamic-linear.
-
-    Their map would be Input×Gradient, not contributions that sum to a bias-free output.
-    Layers inside a dynamic-linear layer (its weight generator) are held by its mode.
-
-    Raises:
-        UnsupportedModelError: Naming the first such layer.
-    """
-    generators = [m for m in model.modules() if isinstance(m, DynamicLinear)]
-    held = {id(inner) for m in generators for inner in m.modules() if inner is not m}
-    for name, module in model.named_modules():
-        gated = isinstance(module, (nn.LSTM, nn.GRU, nn.LSTMCell, nn.GRUCell))
-        tanh = isinstance(module, (nn.RNN, nn.RNNCell)) and module.nonlinearity == "tanh"
-        if (gated or tanh) and id(module) not in held:
-            raise UnsupportedModelError(
-                f"the recurrent layer {name or '<root>'!r} ({type(module).__name__}) has "
-                f"{'sigmoid gates and tanh' if gated else 'tanh'}: it is not dynamic-linear, so "
-                "its exact contributions W(x)⊙x are not defined and the map would be "
-                "Input×Gradient. Use input_x_gradient for that, an LRP preset (lrp.epsilon) "
-                "for LRP's rules on the cells, or nn.RNN(nonlinearity='relu'), which is "
-                "dynamic-linear"
-            )
-
-
 class ExplanationMode(ModifiedGradient):
     """The gradient with every dynamic-linear layer's weights detached (``dynamic.contributions``).
 
@@ -101,11 +73,9 @@ class ExplanationMode(ModifiedGradient):
         inputs: torch.Tensor,
         select: Callable[[torch.Tensor], torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if isinstance(model, nn.Module):
-            _refuse_smooth_recurrent(model)
         x = inputs.detach().requires_grad_(True)
         with explanation_mode(model), torch.enable_grad():
-            output = model(x)
+            output = checking_dynamic_linear(model)(x)
             signal = input_gradient((output * select(output.detach())).sum(), x)
         return output.detach(), signal
 
@@ -339,11 +309,12 @@ class DynamicLinearContributions(Method):
     multiplies_by_inputs = True
 
     def attribute(self, model, inputs, target, baselines) -> MethodResult:  # noqa: D102
-        _refuse_smooth_recurrent(model)
         if target is None:
             with torch.no_grad():
                 target = select_target(model(inputs), None)
-        result = dynamic_linear_contributions(model, inputs, target)
+        held = explanation_mode(model) if isinstance(model, nn.Module) else contextlib.nullcontext()
+        with held:  # the check runs the model as a function, which the core takes as it is
+            result = dynamic_linear_contributions(checking_dynamic_linear(model), inputs, target)
         explained = result.output.gather(1, target[:, None])[:, 0]
         delta = explained - _per_sample_sum(result.contributions)
         return MethodResult(result.contributions, result.output, target, delta)
