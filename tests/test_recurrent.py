@@ -1146,3 +1146,16 @@ def test_explain_tokens_on_a_forward_without_inputs_embeds_says_what_it_calls():
     tokens = torch.randint(0, 20, (2, 6))
     with pytest.raises(InvalidInputError, match=r"inputs_embeds=vectors.*\(tokens\).*explain\(\)"):
         explain_tokens(model, {"input_ids": tokens}, "lrp.epsilon", 1, embedding=model.embedding)
+
+
+@pytest.mark.parametrize("kind", ["lstm", "rnn_relu"])
+def test_dynamic_contributions_follow_packed_sequences_to_the_layer(kind):
+    # the lengths packing returns beside the data are no path of the input: an LSTM is refused
+    # at its own operation (not at the zeros of its initial state), a ReLU RNN is exact
+    model, x = packed_classifier(kind, "final", bias=False).eval(), padded_sequences()
+    if kind == "lstm":
+        with pytest.raises(UnsupportedModelError, match=r"operation 'lstm' in module 'rnn'"):
+            explain(model, x, "dynamic.contributions", 1)
+        return
+    result = explain(model, x, "dynamic.contributions", 1)
+    torch.testing.assert_close(result.attribution.sum((1, 2)), model(x)[:, 1], rtol=0, atol=1e-12)

@@ -74,7 +74,7 @@ _CONSTANT = EQUALITY_TESTS | frozenset(
     [
         *("gt", "ge", "lt", "le", "greater", "less", "logical_and", "logical_or", "logical_not"),
         *("argmax", "argmin", "argsort", "sign", "floor", "ceil", "round", "trunc", "detach"),
-        "data",
+        *("data", "zeros", "ones", "full", "empty", "arange"),
     ]
 )
 # Where a second input-dependent operand makes the operation a product of the input with itself.
@@ -159,7 +159,8 @@ class _Path(TorchFunctionMode, ModuleListener):
 
     def _mark(self, tree: Any) -> None:
         for tensor in _tensors(tree):
-            self.dependent[id(tensor)] = tensor
+            if tensor.is_floating_point():  # not indices, lengths or masks: no gradient there
+                self.dependent[id(tensor)] = tensor
 
 
 def _divides_by_it(name: str, args: tuple[Any, ...], depends: Any) -> bool:
