@@ -1159,3 +1159,29 @@ def test_dynamic_contributions_follow_packed_sequences_to_the_layer(kind):
         return
     result = explain(model, x, "dynamic.contributions", 1)
     torch.testing.assert_close(result.attribution.sum((1, 2)), model(x)[:, 1], rtol=0, atol=1e-12)
+
+
+class CountedBatches:
+    """Data that counts the batches read from it."""
+
+    def __init__(self, batches: list[torch.Tensor]) -> None:
+        self.batches, self.read = batches, 0
+
+    def __iter__(self):
+        for batch in self.batches:
+            self.read += 1
+            yield batch
+
+
+@pytest.mark.parametrize("cell", [False, True], ids=["layer", "cell"])
+def test_fit_patterns_refuses_a_recurrent_net_before_reading_data(cell):
+    # a ReLU RNN was read through the whole data, and PatternNet then refused its layer
+    from explain_modbp.pattern import fit_patterns
+
+    torch.manual_seed(17)
+    layer = recurrent("rnn_relu", 4, 5, cell=cell, **({} if cell else {"batch_first": True}))
+    model = (CellLoop(layer) if cell else Classifier(layer)).double().eval()
+    data = CountedBatches([sequences(), sequences()])
+    with pytest.raises(UnsupportedModelError, match=r"'(rnn|cell)' \(RNN(Cell)?\) is a recurrent"):
+        fit_patterns(model, data)
+    assert data.read == 0

@@ -207,6 +207,7 @@ def fit_patterns(
         raise InvalidInputError(f"estimator must be 'linear' or 'two_component'; got {estimator!r}")
     model = uncompiled(model)  # a torch.compile wrapper: the module it runs, as explain() does
     require_eval_mode(model)
+    _refuse_recurrent(model)
     engine = ModifiedBackprop(gradient_composite("fit_patterns"), record=True)
     moments: dict[str, _Moments] = {}
     dtypes: dict[str, torch.dtype] = {}
@@ -244,6 +245,18 @@ def fit_patterns(
         patterns[_plain(name)] = moments[name].pattern(positive).to(dtypes[name])
         layers[_plain(name)] = [plan.types[name], list(moments[name].weight.shape)]
     return Patterns(patterns, estimator, layers, samples)
+
+
+def _refuse_recurrent(model: nn.Module) -> None:
+    """Refuse a recurrent layer before reading data: its cells' linear maps get no patterns."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.RNNBase, nn.RNNCellBase)):
+            raise UnsupportedModelError(
+                f"module {name!r} ({type(module).__name__}) is a recurrent layer, for which "
+                "PatternNet's patterns are not defined (Kindermans et al. estimate them for dense "
+                "and convolutional layers fed by the data); explain recurrent nets with the LRP "
+                "presets (lrp.epsilon, lrp.epsilon_plus, lrp.attn) or the gradient methods"
+            )
 
 
 def _plain(name: str) -> str:
