@@ -466,6 +466,19 @@ def _without_statistics(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return mean is None and var is None
 
 
+def _normalises_a_weight(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether an ``F.batch_norm`` call normalises a parameter (or a view of one), not data.
+
+    Weight standardisation (timm's ``StdConv2d`` and ``ScaledStdConv2d``, in ResNetV2-BiT and
+    NFNets) standardises a convolution's weight with ``F.batch_norm(w.reshape(1, out, -1),
+    None, None, training=True)``: statistics of the weight, the same for every sample.
+    """
+    tensor = kwargs.get("input", args[0] if args else None)
+    return isinstance(tensor, torch.nn.Parameter) or isinstance(
+        getattr(tensor, "_base", None), torch.nn.Parameter
+    )
+
+
 def _random_windows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether a fractional max pooling draws its windows (no ``_random_samples``, sixth)."""
     return kwargs.get("_random_samples", args[5] if len(args) > 5 else None) is None
@@ -501,6 +514,8 @@ class RefuseTrainingCalls(TorchFunctionMode):
             and func is torch.nn.functional.batch_norm
             and _without_statistics(args, kwargs)
         ):
+            if _normalises_a_weight(args, kwargs):  # no batch in it, no statistics to update
+                return func(*args, **kwargs)
             # eval mode does not help here: nn.BatchNorm* passes training=True whenever it has
             # no running statistics, so "call model.eval()" would send the user in a circle
             raise ModelStateError(

@@ -3,6 +3,7 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import assert_same_state, state_fingerprint
 from torch import nn
 
@@ -13,6 +14,7 @@ from explain_core import (
     ModelGuard,
     ModelStateError,
     UnknownMethodError,
+    UnsupportedModelError,
     explain,
     quantus_explain,
 )
@@ -336,6 +338,34 @@ def test_batchnorm_without_running_statistics_is_not_told_to_call_eval():
     assert "track_running_stats=False" in str(error.value)
     assert "model.eval()" not in str(error.value)
     explain(model, x, "gradient", 0, allow_training=True)  # the user asked for it
+
+
+class StdConv2d(nn.Conv2d):
+    """timm's weight-standardised convolution (ResNetV2-BiT, NFNets), as timm writes it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = F.batch_norm(
+            self.weight.reshape(1, self.out_channels, -1), None, None,
+            training=True, momentum=0.0, eps=1e-6,
+        ).reshape_as(self.weight)  # fmt: skip
+        return F.conv2d(x, weight, self.bias, self.stride, self.padding)
+
+
+def test_batch_norm_of_a_weight_is_not_taken_for_batch_statistics():
+    # F.batch_norm(weight, None, None, training=True) standardises a weight, the same for every
+    # sample: every method, the gradient too, refused timm's ResNetV2 and NFNets as batch-dependent
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        StdConv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(4, 3),
+    ).eval()  # fmt: skip
+    x = torch.rand(2, 3, 8, 8)
+    inputs = x.clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(model(inputs)[:, 1].sum(), inputs)
+    torch.testing.assert_close(explain(model, x, "gradient", 1).attribution, expected)
+    # the affine rules cannot recompute it from its parameters: one clear refusal, by name
+    with pytest.raises(UnsupportedModelError, match=r"module '0' \(StdConv2d\) does not compute"):
+        explain(model, x, "lrp.epsilon", 1)
 
 
 class FractionalPooling(nn.Module):

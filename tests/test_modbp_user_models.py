@@ -1041,3 +1041,32 @@ def test_a_softmax_module_inside_the_model_is_not_called_its_last_layer():
     message = str(refused.value)
     assert "If it is the model's last layer" in message
     assert "composite.with_rules((Softmax2d, MyRule()))" in message
+
+
+class BatchNormAct2d(nn.BatchNorm2d):
+    """timm's BatchNorm fused with its activation (EfficientNet, MobileNetV3, RegNet, CSPNet)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__(channels)
+        self.drop, self.act = nn.Identity(), nn.Hardswish()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.batch_norm(
+            x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps
+        )
+        return self.act(self.drop(x))
+
+
+def test_a_batchnorm_fused_with_its_activation_is_refused_by_what_it_runs():
+    # The refusal guessed "weight standardisation?" for timm's BatchNormAct2d, and its only
+    # advice was a rule of one's own for it: it names the fused submodules and how to split them
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), BatchNormAct2d(4), nn.Flatten(), nn.Linear(4 * 36, 3)
+    ).eval()
+    with pytest.raises(UnsupportedModelError) as error:
+        explain(model, torch.rand(2, 3, 8, 8), "lrp.epsilon", target=0)
+    message = str(error.value)
+    assert "module '1' (BatchNormAct2d)" in message
+    assert "'drop' (Identity), 'act' (Hardswish)" in message and "nn.Sequential" in message
+    assert "weight standardisation" not in message

@@ -754,8 +754,21 @@ class _Tracer(ModuleListener):
                     "does a forward pre-hook of its own change its input? Change the input "
                     "before the call instead, in forward"
                 )
+            elif children := list(module.named_children()):
+                # timm's BatchNormAct2d: a BatchNorm subclass that also runs its dropout and
+                # activation, which the trace of an affine layer does not enter
+                parts = ", ".join(f"{part!r} ({type(child).__name__})" for part, child in children)
+                cause = (
+                    f"its forward also runs its submodules {parts}: a layer fused with what "
+                    "follows it, as timm's BatchNormAct2d is; explain a copy of the model in "
+                    "which it is split into the plain layer and those submodules, e.g. "
+                    "nn.Sequential(nn.BatchNorm2d with its state, module.drop, module.act)"
+                )
             else:
-                cause = "a subclass with its own forward, e.g. weight standardisation?"
+                cause = (
+                    "a subclass with its own forward, e.g. weight standardisation or padding "
+                    "computed in forward?"
+                )
             raise UnsupportedModelError(
                 f"module {name!r} ({type(module).__name__}) does not compute the affine map of "
                 f"its parameters on its input ({cause}), so the affine rules would explain a "
