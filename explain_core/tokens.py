@@ -89,6 +89,12 @@ class _KeywordModel(nn.Module):
         tables: Sequence[nn.Embedding] = (),
     ) -> None:
         super().__init__()
+        if "labels" in others:  # a Hugging Face model returns the loss first then
+            raise InvalidInputError(
+                "the inputs hold 'labels': with them the model computes a loss and returns it "
+                "first (with return_dict=False, before the logits), which would be explained "
+                "instead of a class score; leave 'labels' out, target= picks the explained class"
+            )
         self.model = model
         self.others = dict(others)
         self.key = key

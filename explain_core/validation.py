@@ -210,9 +210,19 @@ def check_one_tensor(output: Any) -> torch.Tensor:
         InvalidInputError: If it returned a tuple, a dict or anything else, with the way out.
     """
     if not isinstance(output, torch.Tensor):
+        name = type(output).__name__
+        if isinstance(getattr(output, "logits", None), torch.Tensor):
+            # A Hugging Face output object: its first field is the loss when labels are given,
+            # so model(x)[0] is not the way out; explain_inputs reads .logits by name.
+            raise InvalidInputError(
+                f"the model returned a {name} (an output object with .logits), not one tensor of "
+                "scores; explain it with explain_inputs(model, {'pixel_values': x}, method, "
+                "target, explained='pixel_values') (explain_tokens for token ids), which reads "
+                ".logits, or wrap it in an nn.Module whose forward returns model(x).logits"
+            )
         raise InvalidInputError(
             "the model must return one tensor of scores of shape (batch, n_outputs); it returned "
-            f"a {type(output).__name__}; wrap it in an nn.Module whose forward returns one tensor, "
+            f"a {name}; wrap it in an nn.Module whose forward returns one tensor, "
             "e.g. model(x)[0] or model(x)['logits']"
         )
     return output

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from explain_core import explain
+from explain_core import explain, explain_inputs
 from explain_core.errors import InvalidInputError
 
 transformers = pytest.importorskip("transformers", reason="the transformers extra is missing")
@@ -155,6 +155,20 @@ def test_albert_calls_its_one_shared_layer_at_every_depth_and_is_explained(metho
     torch.testing.assert_close(result.attribution, expected.attribution)
     if method == "lrp.cp":  # and CP-LRP conserves on it (bias-free)
         torch.testing.assert_close(result.delta, torch.zeros(2, dtype=torch.float64))
+
+
+def test_an_output_object_passed_to_explain_is_refused_with_the_way_to_its_logits():
+    # explain(hf_model, pixels) gets an ImageClassifierOutput: the advice must name .logits and
+    # explain_inputs, not model(x)[0] (the loss, when labels are given).
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3
+    )
+    model = transformers.ResNetForImageClassification(config).eval()
+    with pytest.raises(InvalidInputError, match=r"explain_inputs\(.*\.logits") as caught:
+        explain(model, torch.rand(2, 3, 32, 32), "gradient", 1)
+    assert "ImageClassifierOutput" in str(caught.value)
+    assert "model(x)[0]" not in str(caught.value)
 
 
 def test_other_relevance_methods_refuse_with_advice():
@@ -438,3 +452,19 @@ def test_an_attribution_leaves_nothing_of_its_pass_alive():
         explain(Logits(model, key), x, method, 1)
     gc.collect()
     assert not [o for o in gc.get_objects() if isinstance(o, RulePass)]
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_labels_among_the_inputs_are_refused_not_explained_as_the_loss(return_dict):
+    # with return_dict=False the output's first field is the loss: it was explained, and the
+    # error said only "got ()"
+    torch.manual_seed(0)
+    config = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3
+    )
+    model = transformers.ResNetForImageClassification(config).eval()
+    inputs = {"pixel_values": torch.rand(2, 3, 32, 32), "labels": torch.tensor([0, 1])}
+    with pytest.raises(InvalidInputError, match=r"'labels'.*leave 'labels' out, target="):
+        explain_inputs(
+            model, {**inputs, "return_dict": return_dict}, "gradient", 1, explained="pixel_values"
+        )
