@@ -60,6 +60,9 @@ def eager_mode() -> Iterator[None]:
     Dynamo's stance is process-wide: it is switched on by the first block to enter (in any
     thread) and back by the last one to leave, so overlapping blocks in several threads never
     leave it switched on. Compiled code in other threads runs eagerly meanwhile (same values).
+    A stance set meanwhile by someone else (another thread's ``set_stance`` call, or the end of
+    its ``with set_stance(...)`` block) is theirs: the last block to leave puts the earlier
+    stance back only where its own is still in effect, and never overwrites theirs.
     """
     global _eager_users, _stance
     set_stance = getattr(torch.compiler, "set_stance", None)
@@ -79,5 +82,14 @@ def eager_mode() -> Iterator[None]:
         with _STANCE_LOCK:
             _eager_users -= 1
             if _eager_users == 0 and _stance is not None:
-                _stance.__exit__(None, None, None)
+                if _still_in_effect(_stance):
+                    _stance.__exit__(None, None, None)
                 _stance = None
+
+
+def _still_in_effect(stance: Any) -> bool:
+    """Whether the stance ``stance`` set is the one in effect (unknown on other torch: yes)."""
+    frames = sys.modules.get("torch._dynamo.eval_frame")
+    current = getattr(frames, "_stance", None)
+    ours = getattr(stance, "stance", None)
+    return current is None or ours is None or current is ours

@@ -186,6 +186,9 @@ class DeepLiftHandler(OpHandler):
         self.parts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.layers: Mapping[str, LayerRecord] = {}
         self.consumed: dict[int, torch.Tensor] = {}  # tensors whose parts an activation used
+        # id of x.view_as(x) made without gradients → (it, x): a user's full backward hook
+        # wraps a module's output so; its parts are x's, made with gradients when needed
+        self.aliases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.axes = BatchAxes()  # where the model moved the batch
         self.packed = False  # the model packed sequences (a step's rows: those still running)
         if rule != "rescale":
@@ -200,6 +203,7 @@ class DeepLiftHandler(OpHandler):
         self.batch = inputs.shape[0]
         self.parts.clear()
         self.consumed.clear()
+        self.aliases.clear()
         self.axes.clear()
         self.packed = False
         self.layers = layers
@@ -269,6 +273,8 @@ class DeepLiftHandler(OpHandler):
 
         Affine layers' outputs and sums of them have parts (until an activation used them).
         """
+        while (alias := self.aliases.get(id(tensor))) is not None and alias[0] is tensor:
+            tensor = alias[1]  # wrapped by several hooks (the output layer's, the model's)
         if self.consumed.get(id(tensor)) is tensor:
             return None
         entry = self.parts.get(id(tensor))
@@ -372,6 +378,10 @@ class DeepLiftHandler(OpHandler):
         tensor, so that arguments naming its batch size (``h.view(h.shape)``) fit them too.
         """
         result = func(*args, **kwargs)
+        if not torch.is_grad_enabled():  # parts made here would have no graph to differentiate
+            if func is torch.Tensor.view_as and args[0] is args[1]:
+                self.aliases[id(result)] = (result, args[0])
+            return result
         parts = self.parts_of(args[0]) if isinstance(args[0], torch.Tensor) else None
         if parts is None or not isinstance(result, torch.Tensor) or len(result) != 2 * self.batch:
             return result
