@@ -27,6 +27,7 @@ from explain_core.errors import InvalidInputError, ModelRunError, ModelStateErro
 from explain_core.model_guard import ModelGuard, RefuseTrainingCalls, require_eval_mode
 from explain_core.plugin_manager import get_registry
 from explain_core.registry import (
+    Method,
     MethodError,
     MethodSpec,
     check_method_result,
@@ -131,7 +132,7 @@ def explain(
             "the error comes from the method or from the model's forward it called (the "
             "chained traceback says where, --debug on the command line)",
         ),
-        clear_model_errors(model, inputs),
+        clear_model_errors(model, inputs, _references(reference, inputs, engine)),
         # Third-party methods may run the model in training mode on purpose (Monte-Carlo
         # dropout); their guard restores the model afterwards.
         RefuseTrainingCalls() if spec.builtin and not allow_training else contextlib.nullcontext(),
@@ -573,6 +574,15 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
             if parameter.is_floating_point():
                 return parameter.dtype
     return torch.float32
+
+
+def _references(
+    reference: torch.Tensor | None, inputs: torch.Tensor, engine: Method
+) -> torch.Tensor | None:
+    """The reference inputs the method runs the model on: the baselines, zeros by default."""
+    if not engine.uses_baselines:
+        return None
+    return reference if reference is not None else torch.zeros_like(inputs[:1])
 
 
 def _check_baselines(

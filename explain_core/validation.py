@@ -437,7 +437,10 @@ _MISSING_ARGUMENT = re.compile(r"missing \d+ required (positional|keyword-only) 
 
 
 def diagnose_failure(
-    model: nn.Module, inputs: torch.Tensor, error: Exception
+    model: nn.Module,
+    inputs: torch.Tensor,
+    error: Exception,
+    references: torch.Tensor | None = None,
 ) -> ModelRunError | None:
     """A clear error for a method that failed with a raw torch error, or ``None`` to re-raise.
 
@@ -447,8 +450,10 @@ def diagnose_failure(
     sample, it works in place on its input, which autograd refuses; if it runs on the batch but
     not on one sample, or not on one row more than the batch, its forward depends on the batch
     size, which the methods' own batches (a one-sample trace, path points, references) meet;
-    otherwise the error is the method's or the model's own. Run it inside the model guard, so
-    that the probes leave no trace on the model.
+    otherwise the error is the method's or the model's own. With ``references`` (the reference
+    inputs a method runs the model on, broadcastable to ``inputs``), a model that raises on
+    them is named too. Run it inside the model guard, so that the probes leave no trace on the
+    model.
     """
     if is_out_of_memory(error):  # a batch too large, not a mismatch
         return None
@@ -465,6 +470,17 @@ def diagnose_failure(
             happened = f"it raised {_first_line(failure)}"
             return _batch_size_dependent(inputs.shape[0], 1, happened, model)
         return model_error(model, inputs, error)
+    if references is not None:
+        try:
+            with torch.no_grad():
+                model(references.expand_as(inputs)[:1].clone())
+        except _FORWARD_ERRORS as failure:
+            return ModelRunError(
+                f"the model runs on the inputs but raised {_first_line(failure)} on the "
+                "reference input (baselines; all zeros unless given), where the method runs it "
+                "too; pass baselines= an input the model runs on (a forward that takes the "
+                "non-zero steps of a sequence as its length finds none in an all-zero one)"
+            )
     if inputs.shape[0] > 1:  # one row per sample, else axis 0 is no batch axis
         try:
             with torch.no_grad():
@@ -584,19 +600,22 @@ def check_output_rows(output: Any, inputs: torch.Tensor, given: torch.Tensor | N
 
 
 @contextmanager
-def clear_model_errors(model: nn.Module, inputs: torch.Tensor) -> Iterator[None]:
+def clear_model_errors(
+    model: nn.Module, inputs: torch.Tensor, references: torch.Tensor | None = None
+) -> Iterator[None]:
     """Turn a raw torch error raised inside the block into :func:`diagnose_failure`'s message.
 
     For entry points that, like :func:`~explain_core.explain`, run a method on the model: a
     valid call costs nothing extra. Use it inside the model guard. Errors that already explain
-    themselves (:class:`~explain_core.errors.ExplainError`) pass unchanged.
+    themselves (:class:`~explain_core.errors.ExplainError`) pass unchanged. ``references``: the
+    reference inputs the method runs the model on, if any.
     """
     try:
         yield
     except ExplainError:
         raise
     except _FORWARD_ERRORS as error:
-        clear = diagnose_failure(model, inputs, error)
+        clear = diagnose_failure(model, inputs, error, references)
         if clear is None:
             raise
         raise clear from error

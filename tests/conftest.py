@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import uuid
 import warnings
 from pathlib import Path
@@ -15,6 +17,27 @@ import torch
 def _deterministic_torch():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session")
+def quick_demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """One ``explain demo --quick`` run of the console script (with its own model cache).
+
+    Shared by every test that reads a demo's output (tests/test_demo.py, tests/test_cli.py):
+    the report folder and the script's stdout. Tests read the folder; they copy it to change it.
+    """
+    root = tmp_path_factory.mktemp("demo")
+    out = root / "report"
+    explain = Path(sys.executable).parent / "explain"
+    result = subprocess.run(
+        [str(explain), "demo", "--quick", "--out", str(out), "--cache", str(root / "cache")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=root,
+    )
+    assert result.returncode == 0, result.stderr
+    return out, result.stdout
 
 
 @pytest.fixture

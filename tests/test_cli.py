@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 import uuid
@@ -523,18 +524,20 @@ def _check_demo_folder(out_dir: Path) -> None:
 
 
 def test_demo_quick_writes_report_and_replaces(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    quick_demo_run: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # The console script's run (conftest.py, shared with tests/test_demo.py) wrote the folder.
+    earlier, stdout = quick_demo_run
+    assert f"wrote {earlier / 'report.md'}" in stdout
+    _check_demo_folder(earlier)
+    assert _hidden_staging(earlier.parent) == []
+    # A run in this process replaces an earlier output (stale files disappear).
     out_dir = tmp_path / "demo"
+    shutil.copytree(earlier, out_dir)
+    (out_dir / "stale.txt").write_text("from an earlier run")
     code, out, err = run_cli(["demo", "--quick", "--out", str(out_dir)], capsys)
     assert code == 0, err
     assert f"wrote {out_dir / 'report.md'}" in out
-    _check_demo_folder(out_dir)
-    assert _hidden_staging(tmp_path) == []
-    # A second run replaces the earlier output (stale files disappear).
-    (out_dir / "stale.txt").write_text("from an earlier run")
-    code, _, err = run_cli(["demo", "--quick", "--out", str(out_dir)], capsys)
-    assert code == 0, err
     _check_demo_folder(out_dir)
     assert not (out_dir / "stale.txt").exists()
     assert _hidden_staging(tmp_path) == []

@@ -5,8 +5,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import subprocess
-import sys
 import warnings
 from html.parser import HTMLParser
 from pathlib import Path
@@ -17,8 +15,6 @@ from torch import nn
 
 from explain_core.cli import main
 from explain_core.demo import PLANNED_SECTIONS, DemoContext, markdown_to_html
-
-EXPLAIN = Path(sys.executable).parent / "explain"
 
 
 class _Links(HTMLParser):
@@ -46,20 +42,11 @@ class _Links(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def quick_demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
-    """One ``explain demo --quick`` run (with its own model cache) for the whole module."""
-    root = tmp_path_factory.mktemp("demo")
-    out = root / "report"
-    result = subprocess.run(
-        [str(EXPLAIN), "demo", "--quick", "--out", str(out), "--cache", str(root / "cache")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=root,
-    )
-    assert result.returncode == 0, result.stderr
+def quick_demo(quick_demo_run: tuple[Path, str]) -> tuple[Path, str, dict]:
+    """The shared ``explain demo --quick`` run (conftest.py): folder, stdout and summary."""
+    out, stdout = quick_demo_run
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
-    return out, result.stdout, summary
+    return out, stdout, summary
 
 
 ABSOLUTE = re.compile(r"^https?://[^\s/]+\.[^\s/]+")

@@ -246,11 +246,11 @@ def test_a_recurrent_classifier_exports_its_lrp_and_runs_in_a_plain_session(tmp_
     import onnxruntime
 
     model = _RecurrentClassifier(layer).eval()
-    x = torch.rand(4, 6, 4, generator=torch.Generator().manual_seed(1))
+    x = torch.rand(4, 3, 4, generator=torch.Generator().manual_seed(1))
     result = export_onnx(model, x, tmp_path / "recurrent.onnx", explain="lrp.epsilon_plus")
     assert result.parity.passed
     session = onnxruntime.InferenceSession(str(result.path), providers=["CPUExecutionProvider"])
-    held_back = torch.rand(3, 6, 4, generator=torch.Generator().manual_seed(2))
+    held_back = torch.rand(3, 3, 4, generator=torch.Generator().manual_seed(2))
     logits, maps = session.run(None, {"input": held_back.numpy()})
     expected = explain(model, held_back, "lrp.epsilon_plus")
     np.testing.assert_allclose(logits, expected.output.numpy(), atol=1e-5)

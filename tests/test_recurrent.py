@@ -1185,3 +1185,22 @@ def test_fit_patterns_refuses_a_recurrent_net_before_reading_data(cell):
     with pytest.raises(UnsupportedModelError, match=r"'(rnn|cell)' \(RNN(Cell)?\) is a recurrent"):
         fit_patterns(model, data)
     assert data.read == 0
+
+
+class UnclampedLengths(LengthsFromPadding):
+    """Its lengths not clamped to 1: an all-zero sequence has no steps to pack."""
+
+    def forward(self, x: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x, (x != 0).any(-1).sum(1))
+
+
+def test_a_model_that_cannot_run_on_the_reference_is_told_so():
+    # integrated gradients let torch's "Length of all samples has to be greater than 0" through
+    torch.manual_seed(18)
+    model = UnclampedLengths().double().eval()
+    x = torch.randn(3, 7, 3, dtype=torch.float64)
+    x[1, 5:], x[2, 3:] = 0, 0
+    with pytest.raises(ModelRunError, match=r"raised .*Length.* on the reference input"):
+        explain(model, x, "integrated_gradients", 1)
+    result = explain(model, x, "integrated_gradients", 1, baselines=x * 1e-3)  # one it runs on
+    assert torch.isfinite(result.attribution).all()

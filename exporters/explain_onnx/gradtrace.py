@@ -466,7 +466,43 @@ def trace_explanation(
     inputs = [_batch_of_its_own(example, tensors.values())]
     if target_input:
         inputs.append(torch.zeros(len(inputs[0]), dtype=torch.long, device=example.device))
+    try:
+        traced_tensors, traced_inputs = _batch_symbolic(tensors, inputs)
+    except ImportError:  # a torch that moved these internals: every size symbolic, slower
+        traced_tensors, traced_inputs = tensors, inputs
     graph = make_fx(explained, tracing_mode="symbolic", decomposition_table=_decompositions())(
-        tensors, *inputs
+        traced_tensors, *traced_inputs
     )
     return TracedGradientGraph(graph, tensors)
+
+
+def _batch_symbolic(
+    tensors: dict[str, torch.Tensor], inputs: list[torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """Fake copies for symbolic tracing with only the inputs' batch axis symbolic.
+
+    ``make_fx`` alone gives every size of every input a symbol (the model's tensors' too), and
+    reasons about all of them with sympy, most of the tracing time; torch.export keeps only the
+    batch axis dynamic anyway. The inputs' batch axes are duck-sized: one symbol for all.
+    """
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    mode = FakeTensorMode(allow_fallback_kernels=False, shape_env=ShapeEnv())
+    fake_tensors = {name: mode.from_tensor(t, static_shapes=True) for name, t in tensors.items()}
+    fake_inputs = [
+        mode.from_tensor(
+            x,
+            source=ConstantSource(f"input_{index}"),
+            symbolic_context=StatelessSymbolicContext(
+                dynamic_sizes=[DimDynamic.DUCK] + [DimDynamic.STATIC] * (x.dim() - 1)
+            ),
+        )
+        for index, x in enumerate(inputs)
+    ]
+    return fake_tensors, fake_inputs
