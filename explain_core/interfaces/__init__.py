@@ -27,6 +27,7 @@ from explain_core.interfaces.routing import (
     RoutingRecording,
     record_routing,
     record_routing_batches,
+    routing_in_eval_mode,
 )
 
 __all__ = [
@@ -51,5 +52,6 @@ __all__ = [
     "explanation_mode",
     "record_routing",
     "record_routing_batches",
+    "routing_in_eval_mode",
     "safe_divide",
 ]

@@ -20,7 +20,7 @@ from torch import nn
 
 from explain_core.eager import eager_mode, uncompiled
 from explain_core.errors import InvalidInputError
-from explain_core.model_guard import ModelGuard
+from explain_core.model_guard import ModelGuard, require_eval_mode
 from explain_core.scoped import scoped_setting, scoped_settings
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "RoutingRecording",
     "record_routing",
     "record_routing_batches",
+    "routing_in_eval_mode",
 ]
 
 CouplingTransform = Callable[[torch.Tensor], torch.Tensor]
@@ -65,6 +66,14 @@ class RoutingLayer(nn.Module):
     def is_recording(self) -> bool:
         """Whether a recording listens in this context (lets layers skip work done only for it)."""
         return bool(self._recordings())
+
+    @property
+    def routes_in_training_mode(self) -> bool:
+        """Whether this layer routes as in training mode here (see :func:`routing_in_eval_mode`).
+
+        Its training flag, unless :func:`routing_in_eval_mode` holds in this context.
+        """
+        return self.training and not scoped_setting(self, _EVAL_ROUTING, False)
 
     def _recordings(self) -> tuple[RoutingRecording, ...]:
         return scoped_setting(self, _RECORDINGS, ())
@@ -230,6 +239,22 @@ def record_routing(
 
 
 _RECORDINGS = "routing_recordings"
+_EVAL_ROUTING = "routing_in_eval_mode"
+
+
+@contextmanager
+def routing_in_eval_mode(model: nn.Module) -> Iterator[None]:
+    """Route every :class:`RoutingLayer` of ``model`` as in eval mode, in this context only.
+
+    Writing ``model.eval()`` would switch the layers for every thread using the model (a
+    training thread would route with eval-only coupling transforms) and, put back afterwards,
+    undo a switch another thread made meanwhile; the layers read this setting instead
+    (:attr:`RoutingLayer.routes_in_training_mode`). Other mode-dependent layers are not
+    covered: check them with :func:`~explain_core.model_guard.require_eval_mode`.
+    """
+    layers = [m for m in uncompiled(model).modules() if isinstance(m, RoutingLayer)]
+    with scoped_settings(_EVAL_ROUTING, dict.fromkeys(layers, True)):
+        yield
 
 
 @dataclass(frozen=True)
@@ -256,10 +281,11 @@ def record_routing_batches(
     """Run ``model`` over ``inputs`` in batches and record every routing layer's couplings.
 
     The one capsule recorder: parse-tree data and REM's dictionaries are built from it. The model
-    runs under ``torch.no_grad`` in eval mode (so eval-only coupling transforms such as REM's
-    quantiser apply) on the device of its parameters; its training flags and what a forward pass
-    sets on it (e.g. a capsule grid's shape) are put back, also on error. Every forward pass must
-    call each routing layer exactly once, in the same order.
+    runs under ``torch.no_grad`` on the device of its parameters, its routing layers as in eval
+    mode (so eval-only coupling transforms such as REM's quantiser apply; their training flags
+    are not touched). The model is only read, so other threads may use it meanwhile; what a
+    forward pass sets on it (e.g. a capsule grid's shape) stays, as after a plain forward. Every
+    forward pass must call each routing layer exactly once, in the same order.
 
     Args:
         model: A model with :class:`RoutingLayer` submodules returning ``(batch, n_outputs)``.
@@ -272,18 +298,21 @@ def record_routing_batches(
         InvalidInputError: For a bad ``batch_size``, a model without routing layers, an output
             that is not ``(batch, n_outputs)``, or routing layers called twice in one pass or
             differently from batch to batch.
+        ModelStateError: If another mode-dependent layer (BatchNorm, Dropout) is in training
+            mode: call ``model.eval()`` first.
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidInputError(f"batch_size must be a positive int; got {batch_size!r}")
     device = next((p.device for p in model.parameters()), inputs.device)
     per_batch: list[dict[str, RoutingEvent]] = []
     outputs = []
+    require_eval_mode(model)
     with (
-        ModelGuard(model, restore=True),  # also puts the training flags back
+        ModelGuard(model),  # reads only: other threads may use the model meanwhile
         torch.no_grad(),
+        routing_in_eval_mode(model),
         record_routing(model, transform=transform) as recording,
     ):
-        model.eval()
         for start in range(0, inputs.shape[0], batch_size):
             output = model(inputs[start : start + batch_size].to(device))
             if not isinstance(output, torch.Tensor) or output.dim() != 2:

@@ -82,7 +82,8 @@ def pixel_removal_curve(
     Args:
         model_fn: Maps a batch (B, C, H, W) to scores (B, classes), e.g. a model's logits; the
             curve reports these raw scores (no softmax or sigmoid is applied). An ``nn.Module``
-            must be in eval mode and is left unchanged.
+            must be in eval mode; it is only read (other threads may use it meanwhile), and
+            what its forward stores on itself stays, as after a plain forward.
         inputs: Inputs the model takes, finite floating point of shape (B, C, H, W).
         attribution_maps: Spatial importance per pixel, shape (B, H, W) (sum channels first).
         target: Class whose score is tracked: one int, one per sample (B,), or ``None`` for the
@@ -141,7 +142,9 @@ def pixel_removal_curve(
         require_eval_mode(model_fn)
     rows = torch.arange(batch, device=inputs.device)
     scores = []
-    with ModelGuard(model_fn, restore=True) if is_module else contextlib.nullcontext():
+    # Plain forwards under no_grad: the guard only reads the model (a restoring one would set
+    # gradients aside and write the model's state back, under other threads using it).
+    with ModelGuard(model_fn) if is_module else contextlib.nullcontext():
         for step, count in enumerate(counts):
             removed = (rank < count).view(batch, 1, height, width)
             perturbed = inputs.masked_fill(removed, removed_value)

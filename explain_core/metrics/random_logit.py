@@ -121,7 +121,7 @@ def _n_outputs(model: nn.Module, inputs: torch.Tensor) -> int:
     """The model's number of outputs, from one sample; a clear error if it cannot run on it."""
     from explain_core.model_guard import ModelGuard
 
-    with ModelGuard(model, restore=True), torch.no_grad():
+    with ModelGuard(model), torch.no_grad():  # reads only: other threads may use the model
         try:
             output = model(inputs[:1])
         except ExplainError:

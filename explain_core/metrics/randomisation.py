@@ -8,6 +8,7 @@ that stay similar while the network is destroyed cannot reflect what the network
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from explain_core.errors import InvalidInputError
 from explain_core.extras import require
@@ -245,20 +247,90 @@ def cascading_randomisation(
     require_eval_mode(model)
     original = check_maps_result(maps(model, inputs, targets), len(targets), layout)
     randomised = copy.deepcopy(model)
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
+    # The draws come from generators of this call, never from torch's global one: seeding that
+    # would hand the seeded stream to other threads drawing meanwhile (and theirs to this one).
+    seeded = _SeededDraws(seed)
     steps, done = [], []
-    try:
-        for name in layers:
+    for name in layers:
+        with seeded:
             for sub in _check_resettable(randomised, name):
                 sub.reset_parameters()
-            done.append(name)
-            current = check_maps_result(maps(randomised, inputs, targets), len(targets), layout)
-            similarity = compare_maps(original, current, layout, absolute_sign=absolute_sign)
-            steps.append(RandomisationStep(tuple(done), similarity))
-    finally:
-        torch.random.set_rng_state(generator_state)
+        done.append(name)
+        current = check_maps_result(maps(randomised, inputs, targets), len(targets), layout)
+        similarity = compare_maps(original, current, layout, absolute_sign=absolute_sign)
+        steps.append(RandomisationStep(tuple(done), similarity))
     return steps
+
+
+# Random calls that take a ``generator`` (``nn.init``'s functions are found by their signature).
+_RANDOM_CALLS = frozenset(
+    [
+        *(
+            getattr(torch.Tensor, name)
+            for name in (
+                "uniform_",
+                "normal_",
+                "random_",
+                "bernoulli_",
+                "bernoulli",
+                "exponential_",
+                "geometric_",
+                "cauchy_",
+                "log_normal_",
+                "multinomial",
+            )
+        ),
+        *(
+            getattr(torch, name)
+            for name in (
+                "rand",
+                "randn",
+                "randint",
+                "randperm",
+                "normal",
+                "bernoulli",
+                "multinomial",
+                "poisson",
+            )
+        ),
+    ]
+)
+
+
+def _takes_generator(func: Any) -> bool:
+    if func in _RANDOM_CALLS:
+        return True
+    if getattr(func, "__module__", None) != "torch.nn.init":
+        return False
+    try:
+        return "generator" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class _SeededDraws(TorchFunctionMode):
+    """Gives the random calls of this thread without a ``generator`` one of its own, by seed.
+
+    One generator per device, seeded with ``seed`` on first use and drawn on across blocks: the
+    numbers ``torch.manual_seed(seed)`` would give, without touching the global generator.
+    Random calls that take no generator (``torch.rand_like``) still draw from the global one.
+    """
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.seed = seed
+        self.generators: dict[torch.device, torch.Generator] = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("generator") is None and _takes_generator(func):
+            tensor = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            device = torch.device(tensor.device if tensor is not None else "cpu")
+            device = torch.device(kwargs.get("device") or device)
+            if device not in self.generators:
+                self.generators[device] = torch.Generator(device).manual_seed(self.seed)
+            kwargs["generator"] = self.generators[device]
+        return func(*args, **kwargs)
 
 
 def _check_resettable(model: nn.Module, name: Any) -> list[nn.Module]:

@@ -131,7 +131,9 @@ class _RoutingCapsules(RoutingLayer):
             self.iterations,
             detach_intermediate_votes=self.detach_intermediate_votes,
             constant_couplings=self.constant_couplings,
-            coupling_transform=None if self.training else self.active_coupling_transform,
+            coupling_transform=(
+                None if self.routes_in_training_mode else self.active_coupling_transform
+            ),
             layer_name=self.display_name,
         )
 

@@ -15,8 +15,6 @@ with quantised couplings; record it inside :func:`~explain_capsules.rem.quantise
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -98,19 +96,6 @@ class CapsuleRecording:
             if layer.name == name:
                 return layer
         raise KeyError(f"no routing layer {name!r} was recorded; recorded layers: {self.names}")
-
-
-@contextmanager
-def inference_mode_of(model: nn.Module) -> Iterator[None]:
-    """Eval mode and ``torch.no_grad`` for the block; every module's training flag is restored."""
-    flags = [(module, module.training) for module in model.modules()]
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield
-    finally:
-        for module, flag in flags:
-            module.training = flag
 
 
 def record_parse_tree_data(

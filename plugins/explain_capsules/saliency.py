@@ -29,10 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from explain_capsules.layers import PrimaryCapsules
-from explain_capsules.recording import inference_mode_of
 from explain_core.errors import InvalidInputError
-from explain_core.interfaces.routing import RoutingLayer, record_routing
-from explain_core.model_guard import ModelGuard
+from explain_core.interfaces.routing import RoutingLayer, record_routing, routing_in_eval_mode
+from explain_core.model_guard import ModelGuard, require_eval_mode
 from explain_core.quantisation import check_levels, quantise_couplings
 from explain_core.registry import Method, MethodResult
 from explain_core.targets import TargetLike, normalize_target, select_target
@@ -119,7 +118,8 @@ def _saliency(
     wanted = normalize_target(target, inputs.shape[0], inputs.device)
     with (
         ModelGuard(model),  # reads only: other threads may use the model meanwhile
-        inference_mode_of(model),
+        torch.no_grad(),
+        routing_in_eval_mode(model),  # not model.eval(): that would switch it for every thread
         record_routing(model, keep_on_device=True) as recording,
     ):
         output = model(inputs)
@@ -174,8 +174,10 @@ def capsule_saliency(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """REM saliency maps (Eq. 16) of a capsule network with one grid of primary capsules.
 
-    Runs one forward pass in eval mode under ``torch.no_grad`` and leaves the model exactly as it
-    was (training flags and ``PrimaryCapsules.grid_shape`` are restored), records ``‖u‖`` of the
+    Runs one forward pass under ``torch.no_grad``, its routing layers as in eval mode (their
+    training flags are not touched; other mode-dependent layers must be in eval mode), and only
+    reads the model, so other threads may use it meanwhile (what the forward sets on the model,
+    like ``PrimaryCapsules.grid_shape``, stays, as after a plain forward); records ``‖u‖`` of the
     primary capsules and their couplings to the target class in the routing layer consuming them
     (see :func:`find_grid_capsules`), computes :func:`saliency_grid` and upsamples it bilinearly
     (``align_corners=False``) to ``H × W``.
@@ -203,7 +205,9 @@ def capsule_saliency(
         InvalidInputError: For non-image inputs, a bad target, a model without exactly one
             ``PrimaryCapsules`` routed to the class capsules.
         ValueError: For invalid ``levels``.
+        ModelStateError: If a BatchNorm or Dropout layer is in training mode.
     """
+    require_eval_mode(model)  # explain() checks this itself, unless allow_training=True
     result = _saliency(model, inputs, target, levels)
     return result["maps"], result["output"], result["target"]
 
