@@ -510,3 +510,36 @@ def test_adaptive_average_pooling_gradient_keeps_the_batch_dynamic_with_opt_eins
     assert result.parity is not None and result.parity.passed
     for batch in (1, 5):
         assert_matches_explain(path, model, torch.rand(batch, 1, 8, 8), "input_x_gradient")
+
+
+# --- fake inputs with only the batch axis symbolic ------------------------------------------
+
+
+def test_only_the_batch_axis_is_symbolic_on_this_torch():
+    """The fast path's torch internals import on the torch installed here: a torch that moved
+    them would fall back to every size symbolic silently (slower, and nothing would fail)."""
+    from explain_onnx.gradtrace import _batch_symbolic
+
+    tensors = {"weight": torch.rand(3, 2)}
+    fake_tensors, (x, target) = _batch_symbolic(tensors, [torch.rand(4, 2), torch.zeros(4).long()])
+    assert isinstance(x.shape[0], torch.SymInt) and str(x.shape[0]) == str(target.shape[0])
+    assert type(x.shape[1]) is int
+    assert all(type(size) is int for size in fake_tensors["weight"].shape)
+
+
+def test_an_explained_export_without_the_fast_path_still_keeps_the_batch_dynamic(
+    tmp_path, monkeypatch
+):
+    """The fallback for a torch without those internals: plain symbolic tracing."""
+    import explain_onnx.gradtrace as gradtrace
+
+    def moved(*args, **kwargs):
+        raise ImportError("moved")
+
+    monkeypatch.setattr(gradtrace, "_batch_symbolic", moved)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(108, 4)).eval()
+    path = tmp_path / "fallback.onnx"
+    result = export_onnx(model, torch.rand(4, 1, 8, 8), path, explain="input_x_gradient")
+    assert result.parity is not None and result.parity.passed
+    assert_matches_explain(path, model, torch.rand(5, 1, 8, 8), "input_x_gradient")
