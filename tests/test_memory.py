@@ -18,7 +18,8 @@ class RowCounter(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))
+        # a ReLU: dynamic-linear, as the explanation_mode composite needs
+        self.body = nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
         self.rows: list[int] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

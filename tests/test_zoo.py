@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 import zoo_references
 from torch import nn
 from zoo import ZOO, method_outcome, randomise_batchnorm
@@ -91,6 +92,41 @@ def test_the_references_tell_the_rules_apart():
     assert far(explain(model, x, "deeplift.reveal_cancel", 1).attribution, decoupled)
     noisier = zoo_references.reference_smoothgrad(model, x, 1, noise_level=0.3)
     assert far(explain(model, x, "smoothgrad", 1).attribution, noisier)
+
+
+class _CatAvgMax(nn.Module):
+    """timm's ``SelectAdaptivePool2d(pool_type='catavgmax', flatten=True)``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = (F.adaptive_avg_pool2d(x, 1), F.adaptive_max_pool2d(x, 1))
+        return torch.cat(pooled, 1).flatten(1)
+
+
+@pytest.mark.parametrize("head", ["catavgmax", "conv1x1"])
+def test_the_deeplift_reference_follows_timm_heads(head):
+    # timm's resnet with global_pool='catavgmax' (or 'avgmax') pools by F.adaptive_max_pool2d,
+    # and DLA's classifier is a 1×1 convolution then a flatten. The reference took the first's
+    # gradient for DeepLIFT's max-pool rule (its map missed f(x) − f(0): padding makes the
+    # zero reference's maps uneven), and lost the second's parts at the flatten (the decoupled
+    # rule of the output layer not applied; a Linear head gave the library's map).
+    torch.manual_seed(0)
+    if head == "catavgmax":
+        tail = [_CatAvgMax(), nn.Linear(16, 10)]
+    else:
+        tail = [nn.AdaptiveAvgPool2d(1), nn.Conv2d(8, 10, 1), nn.Flatten()]
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+        nn.Conv2d(8, 8, 3, 2, padding=1), nn.BatchNorm2d(8), nn.ReLU(), *tail,
+    )  # fmt: skip
+    model = randomise_batchnorm(model).double().eval()
+    x = torch.rand(2, 3, 12, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    gain = (model(x) - model(torch.zeros_like(x)))[:, 1].detach()
+    for rule in ("rescale", "reveal_cancel", "ablation"):
+        reference = zoo_references.reference_deeplift(model, x, rule, 1)
+        if rule != "ablation":
+            torch.testing.assert_close(reference.sum((1, 2, 3)), gain, rtol=1e-9, atol=1e-12)
+        ours = explain(model, x, f"deeplift.{rule}", 1).attribution
+        assert (ours - reference).abs().max() <= 1e-9 * reference.abs().max(), rule
 
 
 ACTIVATIONS = [

@@ -640,8 +640,8 @@ class _RescaledMaxPool(torch.autograd.Function):
     maxima) and to the reference's winner (the rest), divided by each position's ``Δx``."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, batch: int, kwargs: dict) -> torch.Tensor:
-        out, indices = F.max_pool2d(x, **kwargs, return_indices=True)
+    def forward(ctx, x: torch.Tensor, batch: int, kwargs: dict, pool: Callable) -> torch.Tensor:
+        out, indices = pool(x, **kwargs, return_indices=True)
         ctx.batch, ctx.shape, ctx.indices = batch, x.shape, indices
         out_in, out_ref = out[:batch], out[batch:]
         top = torch.maximum(out_in, out_ref)
@@ -666,13 +666,24 @@ class _RescaledMaxPool(torch.autograd.Function):
         delta = ctx.delta_in
         flat = delta.abs() < _EPS
         grad = torch.where(flat, scatter(g, winners_in), split / torch.where(flat, 1.0, delta))
-        return torch.cat([grad, torch.zeros_like(grad)]), None, None
+        return torch.cat([grad, torch.zeros_like(grad)]), None, None, None
 
 
 _ADDS = {torch.add, torch.Tensor.add, torch.Tensor.add_, torch.Tensor.__add__}
 _ADDS |= {torch.Tensor.__iadd__, torch.Tensor.__radd__}
-_MAX_POOLS = {"max_pool2d", "_max_pool2d", "max_pool2d_with_indices"}
+# Max pooling by name: the pooling function and its parameters after the input.
 _POOL_KEYS = ("kernel_size", "stride", "padding", "dilation", "ceil_mode")
+_MAX_POOLS: dict[str, tuple[Callable, tuple[str, ...]]] = {
+    "max_pool2d": (F.max_pool2d, _POOL_KEYS),
+    "_max_pool2d": (F.max_pool2d, _POOL_KEYS),
+    "max_pool2d_with_indices": (F.max_pool2d, _POOL_KEYS),
+    # adaptive windows: the global max of timm's avgmax and catavgmax heads
+    "adaptive_max_pool2d": (F.adaptive_max_pool2d, ("output_size",)),
+    "adaptive_max_pool2d_with_indices": (F.adaptive_max_pool2d, ("output_size",)),
+}
+# What carries an affine layer's parts unchanged to its output: a 1×1 convolution's head and
+# its flatten (timm's DLA) are a Linear's.
+_ARRANGING = {"flatten", "reshape", "view"}
 
 
 class _DeepLiftReference(TorchFunctionMode):
@@ -763,10 +774,16 @@ class _DeepLiftReference(TorchFunctionMode):
             return self._activation(args[0], _ACTIVATIONS[func](*args[1:], **kwargs))
         name = getattr(func, "__name__", "")
         if name in _MAX_POOLS and self._is_activation(args[0]) and not kwargs.get("return_indices"):
-            pool = dict(zip(_POOL_KEYS, args[1:], strict=False))
-            pool.update({k: v for k, v in kwargs.items() if k in _POOL_KEYS})
-            return _RescaledMaxPool.apply(args[0], self.batch, pool)
+            function, keys = _MAX_POOLS[name]
+            pool = dict(zip(keys, args[1:], strict=False))
+            pool.update({k: v for k, v in kwargs.items() if k in keys})
+            return _RescaledMaxPool.apply(args[0], self.batch, pool, function)
         result = func(*args, **kwargs)
+        if name in _ARRANGING and self.rule != "rescale" and self._is_activation(result):
+            entry = self.parts.get(id(args[0]))
+            if entry is not None and entry[0] is args[0]:  # the parts stacked as the rows
+                positive, negative = func(torch.cat(entry[1:]), *args[1:], **kwargs).chunk(2)
+                self.parts[id(result)] = (result, positive, negative)
         if func in _ADDS and self.rule != "rescale" and self._is_activation(result):
             operands = [a for a in args[:2] if self._is_activation(a)]
             if operands and "alpha" not in kwargs:
