@@ -118,15 +118,7 @@ def test_the_deeplift_reference_follows_timm_heads(head):
         nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
         nn.Conv2d(8, 8, 3, 2, padding=1), nn.BatchNorm2d(8), nn.ReLU(), *tail,
     )  # fmt: skip
-    model = randomise_batchnorm(model).double().eval()
-    x = torch.rand(2, 3, 12, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    gain = (model(x) - model(torch.zeros_like(x)))[:, 1].detach()
-    for rule in ("rescale", "reveal_cancel", "ablation"):
-        reference = zoo_references.reference_deeplift(model, x, rule, 1)
-        if rule != "ablation":
-            torch.testing.assert_close(reference.sum((1, 2, 3)), gain, rtol=1e-9, atol=1e-12)
-        ours = explain(model, x, f"deeplift.{rule}", 1).attribution
-        assert (ours - reference).abs().max() <= 1e-9 * reference.abs().max(), rule
+    _assert_deeplift_equals_the_reference(model, size=12)
 
 
 ACTIVATIONS = [
@@ -155,12 +147,21 @@ def test_deeplift_through_element_wise_activations_equals_the_reference(activati
         activation, nn.MaxPool2d(2), nn.Flatten(), nn.Linear(72, 10), activation,
         nn.Linear(10, 4),
     )  # fmt: skip
+    _assert_deeplift_equals_the_reference(model, size=8)
+
+
+def _assert_deeplift_equals_the_reference(model: nn.Module, size: int) -> None:
+    """Every DeepLIFT rule's map on ``size``×``size`` images against the float64 reference.
+
+    The reference keeps the summation-to-delta property for Rescale and RevealCancel.
+    """
     model = randomise_batchnorm(model).double().eval()
-    x = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.rand(2, 3, size, size, generator=generator, dtype=torch.float64)
     gain = (model(x) - model(torch.zeros_like(x)))[:, 1].detach()
     for rule in ("rescale", "reveal_cancel", "ablation"):
         reference = zoo_references.reference_deeplift(model, x, rule, 1)
-        if rule != "ablation":  # the reference keeps the summation-to-delta property
+        if rule != "ablation":
             torch.testing.assert_close(reference.sum((1, 2, 3)), gain, rtol=1e-9, atol=1e-12)
         ours = explain(model, x, f"deeplift.{rule}", 1).attribution
         assert (ours - reference).abs().max() <= 1e-9 * reference.abs().max(), rule

@@ -77,6 +77,7 @@ _CONSTANT = EQUALITY_TESTS | frozenset(
         *("data", "zeros", "ones", "full", "empty", "arange"),
     ]
 )
+_CARRY_NOTHING = VALUE_FREE_OPS | _CONSTANT
 # Where a second input-dependent operand makes the operation a product of the input with itself.
 _PRODUCTS = frozenset(
     ["mul", "mul_", "div", "div_", "addcmul", "addcdiv"]
@@ -128,7 +129,7 @@ class _Path(TorchFunctionMode, ModuleListener):
             if operands:
                 self._mark(rows)
             return result
-        if not operands or name in VALUE_FREE_OPS | _CONSTANT or not _tensors(result):
+        if not operands or name in _CARRY_NOTHING or not _tensors(result):
             return result
         if not self.held:
             self._check(name, args, operands)
